@@ -1,0 +1,59 @@
+"""`weaver` command line: one sub-command module per job.
+
+Each module in `SUBCOMMAND_MODULES` exposes `register(subparsers)`, which adds its parser
+and sets `handler` to a function taking the parsed arguments and returning an exit code.
+Heavy imports (vLLM, torch) happen inside handlers so that `--help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# Order is the order shown in `weaver --help`.
+SUBCOMMAND_MODULES = (
+    "weaver.cli.serve",
+    "weaver.cli.models",
+    "weaver.cli.config",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="weaver",
+        description=(
+            "Weaver serves many LLMs behind one OpenAI-compatible endpoint on vLLM 0.32.0. "
+            "Hot models can weave decode attention of some of their sequences into the "
+            "idle memory of cold models."
+        ),
+        epilog="Run `weaver COMMAND --help` for the options of one command.",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="verbosity of Weaver's own log (default: %(default)s)",
+    )
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
+    for module_name in SUBCOMMAND_MODULES:
+        importlib.import_module(module_name).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    handler = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help()
+        return 2
+    return int(handler(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
