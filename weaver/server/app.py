@@ -20,6 +20,13 @@ from pathlib import Path
 from weaver.config.deployment import Deployment, ModelSpec
 from weaver.server.gateway import Gateway, GatewayConfig
 from weaver.server.metrics import GatewayMetrics
+from weaver.server.weaving import (
+    WeavingMetrics,
+    WeavingSupervisor,
+    additional_configs,
+    remove_leftover_regions,
+    weaving_plans,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +41,7 @@ class ServeSettings:
     api_keys: tuple[str, ...] = ()
     models_dir: Path | None = None
     log_level: str = "info"
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     # Resolves a deployment's `model` field to a directory; the registry's by default.
     resolve_model: Callable[[str, Path | None], Path] | None = field(default=None, repr=False)
 
@@ -44,42 +52,62 @@ def _default_resolver(name: str, models_dir: Path | None) -> Path:
     return resolve_model(name, models_dir)
 
 
-async def _start_engine(spec: ModelSpec, model_path: Path, stack: contextlib.AsyncExitStack):
+async def _start_engine(spec: ModelSpec, model_path: Path, stack: contextlib.AsyncExitStack,
+                        additional_config: dict):
     from weaver.vllm_ext.engine_app import open_engine
 
-    return await open_engine(spec, model_path, stack)
+    return await open_engine(spec, model_path, stack, additional_config)
 
 
-async def start_engines(settings: ServeSettings, stack: contextlib.AsyncExitStack) -> dict:
-    """Start every engine of the deployment; all are closed by `stack`, also on failure."""
+@dataclass
+class Engines:
+    handles: dict
+    weaving: WeavingSupervisor | None
+
+
+async def start_engines(settings: ServeSettings, stack: contextlib.AsyncExitStack) -> Engines:
+    """Start every engine of the deployment and connect its weaving pairs; everything is
+    closed by `stack`, also when start-up fails half-way."""
+    deployment = settings.deployment
     resolve = settings.resolve_model or _default_resolver
-    paths = {
-        spec.name: resolve(spec.model, settings.models_dir) for spec in settings.deployment.models
-    }
-    engine_stacks = [contextlib.AsyncExitStack() for _ in settings.deployment.models]
+    paths = {spec.name: resolve(spec.model, settings.models_dir) for spec in deployment.models}
+    plans = weaving_plans(deployment, paths)
+    configs = additional_configs(deployment, plans)
+    # Registered first so it runs last: regions whose owner died are unlinked after
+    # every engine has stopped.
+    stack.callback(remove_leftover_regions, plans)
+    engine_stacks = [contextlib.AsyncExitStack() for _ in deployment.models]
     for engine_stack in engine_stacks:
         stack.push_async_callback(engine_stack.aclose)
     started = time.monotonic()
-    handles = await asyncio.gather(
-        *(
-            _start_engine(spec, paths[spec.name], engine_stack)
-            for spec, engine_stack in zip(settings.deployment.models, engine_stacks, strict=False)
-        )
-    )
+    handles = await asyncio.gather(*(
+        _start_engine(spec, paths[spec.name], engine_stack, configs[spec.name])
+        for spec, engine_stack in zip(deployment.models, engine_stacks, strict=True)
+    ))
+    engines = {handle.spec.name: handle for handle in handles}
     logger.info("%d engines ready in %.1f s", len(handles), time.monotonic() - started)
-    return {handle.spec.name: handle for handle in handles}
+    supervisor = None
+    if plans:
+        supervisor = WeavingSupervisor(plans, engines, WeavingMetrics(settings.metrics.registry))
+        stack.push_async_callback(supervisor.close)
+        await supervisor.connect()
+    return Engines(engines, supervisor)
 
 
 async def run_server(settings: ServeSettings) -> None:
     import uvicorn
 
     async with contextlib.AsyncExitStack() as stack:
-        backends = await start_engines(settings, stack)
+        engines = await start_engines(settings, stack)
+        backends = engines.handles
         _hand_signals_to_uvicorn()
+        weaving = engines.weaving
         gateway = Gateway(
             backends,
             GatewayConfig(api_keys=settings.api_keys, created_at=int(time.time())),
-            GatewayMetrics(),
+            settings.metrics,
+            extra_health=weaving.health if weaving else None,
+            before_metrics=weaving.refresh if weaving else None,
         )
         config = uvicorn.Config(
             gateway,

@@ -53,11 +53,13 @@ class Gateway:
         config: GatewayConfig,
         metrics: GatewayMetrics,
         extra_health: Callable[[], dict[str, Any]] | None = None,
+        before_metrics: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.backends = dict(backends)
         self.config = config
         self.metrics = metrics
         self.extra_health = extra_health  # weaving state, filled by the weaving layer
+        self.before_metrics = before_metrics  # pulls worker-side counters before a scrape
         for name, backend in self.backends.items():
             self.metrics.engine_up.labels(model=name).set(0 if backend.is_dead else 1)
 
@@ -77,6 +79,8 @@ class Gateway:
         elif path == "/health" and method == "GET":
             await self._health(send)
         elif path == "/metrics" and method == "GET":
+            if self.before_metrics is not None:
+                await self.before_metrics()
             await _send(send, 200, self.metrics.render(), b"text/plain; version=0.0.4")
         elif path.startswith("/v1/") and method == "POST":
             await self._forward(scope, receive, send)
@@ -113,6 +117,8 @@ class Gateway:
         models = dict(zip(self.backends, results, strict=False))
         is_ok = all(m["status"] == "ok" for m in models.values())
         body: dict[str, Any] = {"status": "ok" if is_ok else "degraded", "models": models}
+        if self.before_metrics is not None:
+            await self.before_metrics()
         if self.extra_health is not None:
             body.update(self.extra_health())
         await _send_json(send, 200 if is_ok else 503, json.dumps(body).encode())

@@ -9,12 +9,14 @@ OpenAI protocol itself is vLLM's own code.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from weaver.config.deployment import ModelSpec
+from weaver.config.deployment import ModelSpec, Role
+from weaver.weaving.plan import block_size_of
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -53,7 +55,13 @@ class EngineHandle:
         }
 
 
-def engine_cli_args(spec: ModelSpec, model_path: Path) -> list[str]:
+HOT_SCHEDULER = "weaver.vllm_ext.hot_scheduler.WeaverHotScheduler"
+WORKER_EXTENSION = "weaver.vllm_ext.worker_ext.WeaverWorkerExtension"
+
+
+def engine_cli_args(
+    spec: ModelSpec, model_path: Path, additional_config: dict | None = None
+) -> list[str]:
     """The `vllm serve` arguments equivalent to one model of the deployment."""
     args = [
         "--model", str(model_path),
@@ -68,17 +76,28 @@ def engine_cli_args(spec: ModelSpec, model_path: Path) -> list[str]:
     ]
     if spec.block_size is not None:
         args += ["--block-size", str(spec.block_size)]
+    if spec.role is not Role.DEDICATED:
+        args += ["--worker-extension-cls", WORKER_EXTENSION]
+    if spec.role is Role.HOT:
+        # Remote requests get no prefix-cache hits (their blocks live in another pool),
+        # and the remote pool's block size must be the one the plan was computed with.
+        args += ["--scheduler-cls", HOT_SCHEDULER, "--no-enable-prefix-caching",
+                 "--block-size", str(block_size_of(spec))]
+    if additional_config:
+        args += ["--additional-config", json.dumps(additional_config)]
     if spec.num_gpu_blocks_override is not None:
         args += ["--num-gpu-blocks-override", str(spec.num_gpu_blocks_override)]
     return args
 
 
-def parse_engine_args(spec: ModelSpec, model_path: Path) -> Any:
+def parse_engine_args(
+    spec: ModelSpec, model_path: Path, additional_config: dict | None = None
+) -> Any:
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = make_arg_parser(FlexibleArgumentParser(prog=f"weaver engine {spec.name}"))
-    args = parser.parse_args(engine_cli_args(spec, model_path))
+    args = parser.parse_args(engine_cli_args(spec, model_path, additional_config))
     for name, value in spec.extra_engine_args.items():
         if not hasattr(args, name):
             raise ValueError(
@@ -98,14 +117,17 @@ def _engine_process_ids(client: Any) -> list[int]:
 
 
 async def open_engine(
-    spec: ModelSpec, model_path: Path, stack: contextlib.AsyncExitStack
+    spec: ModelSpec,
+    model_path: Path,
+    stack: contextlib.AsyncExitStack,
+    additional_config: dict | None = None,
 ) -> EngineHandle:
     """Start the engine for `spec`; it is shut down when `stack` closes."""
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
     from vllm.entrypoints.launchers.app import build_app
 
-    args = parse_engine_args(spec, model_path)
+    args = parse_engine_args(spec, model_path, additional_config)
     logger.info("starting engine %s from %s", spec.name, model_path)
     client = await stack.enter_async_context(build_async_engine_client(args))
     supported_tasks = await client.get_supported_tasks()
