@@ -63,7 +63,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "default 0: one task at a time",
     )
     parser.add_argument(
-        "--output", metavar="PLAN.json", help="also write the plan as JSON for the cold worker"
+        "-o",
+        "--output",
+        metavar="PLAN.json",
+        help="also write the plan as JSON for the cold worker",
     )
     parser.set_defaults(handler=run)
 
