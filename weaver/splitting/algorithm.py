@@ -34,7 +34,7 @@ import json
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -150,7 +150,7 @@ class SplitPlan:
                 f"split plan schema_version {version!r} is not {PLAN_SCHEMA_VERSION}: "
                 "re-run `weaver plan-split` with this version of Weaver"
             )
-        names = [f.name for f in cls.__dataclass_fields__.values()]
+        names = [f.name for f in fields(cls)]
         missing = [n for n in names if n not in data]
         if missing:
             raise ValueError(f"split plan lacks {missing}: it was not written by SplitPlan")
