@@ -209,7 +209,7 @@ def chunk_times(op: OperatorSpec, num_chunks: int, overhead_s: float = 0.0) -> l
 def _timeline(
     ops: Sequence[OperatorSpec], chunks: Mapping[str, int], overhead_s: float
 ) -> tuple[list[float], list[int]]:
-    """Distinct chunk times of one cold decode step, with how often each occurs."""
+    """Every chunk time of one cold decode step, each with its operator's instance count."""
     times: list[float] = []
     counts: list[int] = []
     for op in ops:
@@ -230,7 +230,8 @@ def plan_wait(ops: Sequence[OperatorSpec], chunks: Mapping[str, int], config: Sp
     )
 
 
-def _longest_chunk(op: OperatorSpec, num_chunks: int, overhead_s: float) -> float:
+def longest_chunk_s(op: OperatorSpec, num_chunks: int, overhead_s: float = 0.0) -> float:
+    """The longest of ``op``'s chunks: what a task may have to wait behind."""
     return chunk_times(op, num_chunks, overhead_s)[0]  # the larger chunks come first
 
 
@@ -256,8 +257,9 @@ def plan_split(ops: Sequence[OperatorSpec], config: SplitConfig) -> SplitPlan:
             config.threshold_s,
         )
     # Max-heap on the longest chunk; the index breaks ties in the caller's order.
-    heap = [(-_longest_chunk(op, 1, overhead), i, op) for i, op in enumerate(ops)]
-    heap = [entry for entry in heap if entry[2].max_chunks > 1]
+    heap = [
+        (-longest_chunk_s(op, 1, overhead), i, op) for i, op in enumerate(ops) if op.max_chunks > 1
+    ]
     heapq.heapify(heap)
     steps: list[SplitStep] = []
     while True:
@@ -278,11 +280,11 @@ def plan_split(ops: Sequence[OperatorSpec], config: SplitConfig) -> SplitPlan:
         is_accepted = trial_wait < wait
         steps.append(SplitStep(op.name, before, after, trial_wait, is_accepted))
         if not is_accepted:
-            logger.debug("splitting %s into %d chunks raises W; retiring it", op.name, after)
+            logger.debug("%d chunks of %s do not lower W; retiring it", after, op.name)
             continue
         chunks, wait = trial, trial_wait
         if after < op.max_chunks:
-            heapq.heappush(heap, (-_longest_chunk(op, after, overhead), index, op))
+            heapq.heappush(heap, (-longest_chunk_s(op, after, overhead), index, op))
     return _make_plan(ops, chunks, config, wait_before, wait, reason, steps)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from weaver.splitting.algorithm import SplitPlan, chunk_times
+from weaver.splitting.algorithm import SplitPlan, longest_chunk_s
 from weaver.splitting.profile import SplitProfile, Statistic
 
 _STOP_REASONS = {
@@ -41,7 +41,7 @@ def format_report(profile: SplitProfile, plan: SplitPlan, statistic: Statistic =
     for spec in specs:
         timing = timings[spec.name]
         num_chunks = plan.chunks_for(spec.name)
-        longest = chunk_times(spec, num_chunks, plan.overhead_s)[0]
+        longest = longest_chunk_s(spec, num_chunks, plan.overhead_s)
         rows.append(
             [
                 spec.name,
