@@ -56,6 +56,9 @@ def test_hand_checked_run_stops_below_threshold():
     assert plan.wait_after_s == pytest.approx(25 / 26)
     assert plan.stop_reason is StopReason.BELOW_THRESHOLD
     assert plan.max_chunk_before_s == 8.0
+    # p99: F(r) * 13 = 5 + r on [4, 8] -> 12.87; after, 1 + 6 r on [1, 2] -> 12.87.
+    assert plan.wait_p99_before_s == pytest.approx(7.87)
+    assert plan.wait_p99_after_s == pytest.approx(11.87 / 6)
     assert plan.max_chunk_after_s == 2.0
 
 
@@ -250,6 +253,8 @@ def test_plan_properties(ops, config):
     assert all(b < a for a, b in zip([plan.wait_before_s, *accepted], accepted, strict=False))
     if config.overhead_s == 0.0:
         assert all(s.is_accepted for s in plan.steps)
+        # Halving an op raises F(r) = sum min(r, T_i) / S pointwise: every quantile drops.
+        assert plan.wait_p99_after_s <= plan.wait_p99_before_s * (1 + 1e-9)
     if plan.stop_reason is StopReason.BELOW_THRESHOLD:
         assert plan.wait_after_s <= config.threshold_s
     else:

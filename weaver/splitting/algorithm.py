@@ -39,7 +39,12 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from weaver.splitting.queueing import expected_stall, expected_wait, queueing_delay
+from weaver.splitting.queueing import (
+    expected_stall,
+    expected_wait,
+    queueing_delay,
+    residual_quantile,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +125,9 @@ class SplitPlan:
     chunks: dict[str, int]
     wait_before_s: float
     wait_after_s: float
+    # Exact p99 of the wait for one outstanding task (the residual quantile, no queueing).
+    wait_p99_before_s: float
+    wait_p99_after_s: float
     # Expected hot-side blocking per task, E[max(0, R + N - K)], for one outstanding task.
     stall_before_s: float
     stall_after_s: float
@@ -303,6 +311,8 @@ def _make_plan(
         chunks=chunks,
         wait_before_s=wait_before,
         wait_after_s=wait_after,
+        wait_p99_before_s=residual_quantile(0.99, before_times, before_counts),
+        wait_p99_after_s=residual_quantile(0.99, after_times, after_counts),
         stall_before_s=expected_stall(before_times, config.slack_s, before_counts),
         stall_after_s=expected_stall(after_times, config.slack_s, after_counts),
         max_chunk_before_s=max(before_times),

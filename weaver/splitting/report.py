@@ -71,6 +71,8 @@ def format_report(profile: SplitProfile, plan: SplitPlan, statistic: Statistic =
         f"Expected wait W:       {_us(plan.wait_before_s)} us -> {_us(plan.wait_after_s)} us "
         f"(threshold {_us(plan.threshold_s)} us = {plan.threshold_s / hot.step_s:.1%} "
         "of the hot iteration)",
+        f"p99 wait, 1 in flight: {_us(plan.wait_p99_before_s)} us -> "
+        f"{_us(plan.wait_p99_after_s)} us",
         f"Longest chunk:         {_us(plan.max_chunk_before_s)} us -> "
         f"{_us(plan.max_chunk_after_s)} us",
         f"Expected hot stall:    {_us(plan.stall_before_s)} us -> {_us(plan.stall_after_s)} us "
