@@ -67,9 +67,7 @@ def test_header_round_trip_and_mismatch_names_the_fields():
     header[: len(packed)] = packed
     lay.verify_header(header)
     assert read_header_fields(header)["num_kv_heads"] == 3
-    other = make_layout(
-        shape=HotAttentionShape(3, 8, 2, 64, 32, "bfloat16"), max_seqs_per_task=6
-    )
+    other = make_layout(shape=HotAttentionShape(3, 8, 2, 64, 32, "bfloat16"), max_seqs_per_task=6)
     with pytest.raises(ValueError) as err:
         other.verify_header(header)
     message = str(err.value)

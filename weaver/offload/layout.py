@@ -256,4 +256,4 @@ def read_header_fields(buffer: bytes | bytearray | memoryview) -> dict[str, int]
             f"not a Weaver offload region (magic {magic!r}, expected {REGION_MAGIC!r}); "
             "the name may belong to another program or the owner has not finished creating it"
         )
-    return dict(zip(_LAYOUT_FIELDS, values))
+    return dict(zip(_LAYOUT_FIELDS, values, strict=True))

@@ -29,12 +29,12 @@ import struct
 import time
 
 from weaver.offload.layout import (
+    HEADER_BYTES,
     OWNER_PID_OFFSET,
     REGION_MAGIC,
     STATUS_OFFSET,
     RegionLayout,
     RegionStatus,
-    read_header_fields,
 )
 
 logger = logging.getLogger(__name__)
@@ -56,13 +56,16 @@ def region_name(prefix: str, hot_model: str, cold_model: str) -> str:
         if not value or not value.strip():
             raise ValueError(f"region_name: {label} must be a non-empty string")
     digest = hashlib.sha256(f"{prefix}\0{hot_model}\0{cold_model}".encode()).hexdigest()[:8]
-    parts = [_UNSAFE_CHARS.sub("_", part).strip("._") or "x" for part in (prefix, hot_model, cold_model)]
+    parts = [
+        _UNSAFE_CHARS.sub("_", part).strip("._") or "x" for part in (prefix, hot_model, cold_model)
+    ]
     name = "-".join(parts)[: _MAX_NAME_CHARS - 9]
     return f"{name}-{digest}"
 
 
 def _validate_name(name: str) -> None:
-    if not name or _UNSAFE_CHARS.search(name) or name.startswith(".") or len(name) > _MAX_NAME_CHARS:
+    is_unsafe = _UNSAFE_CHARS.search(name) or name.startswith(".")
+    if not name or is_unsafe or len(name) > _MAX_NAME_CHARS:
         raise ValueError(
             f"invalid shared-memory region name {name!r}: use region_name(prefix, hot, cold) "
             f"or at most {_MAX_NAME_CHARS} characters from [A-Za-z0-9_.-]"
@@ -96,7 +99,8 @@ class FifoWakeup:
         self._fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
 
     def notify(self) -> None:
-        try:
+        # try/except rather than contextlib.suppress: this runs once per task.
+        try:  # noqa: SIM105
             os.write(self._fd, b"\x01")
         except BlockingIOError:
             pass  # pipe full: the sleeper is already signalled
@@ -147,9 +151,7 @@ class ShmRegion:
 
     # --- construction -------------------------------------------------------------
     @classmethod
-    def create(
-        cls, layout: RegionLayout, name: str, shm_dir: str = DEFAULT_SHM_DIR
-    ) -> ShmRegion:
+    def create(cls, layout: RegionLayout, name: str, shm_dir: str = DEFAULT_SHM_DIR) -> ShmRegion:
         """Create and own the region (cold side). A stale region of a dead owner is reclaimed."""
         _validate_name(name)
         if not os.path.isdir(shm_dir):
@@ -319,13 +321,12 @@ def _reclaim_if_stale(path: str) -> None:
     if not stat.S_ISREG(st.st_mode):
         raise ValueError(f"{path!r} exists and is not a region file; choose another prefix")
     with open(path, "rb") as f:
-        head = f.read(OWNER_PID_OFFSET + 8)
+        head = f.read(HEADER_BYTES)
+    # The owner writes its pid before the magic, so a region still being created by a
+    # live process is refused too.
     owner_pid = 0
-    try:
-        read_header_fields(head)
+    if len(head) == HEADER_BYTES:
         (owner_pid,) = struct.unpack_from("<q", head, OWNER_PID_OFFSET)
-    except (ValueError, struct.error):
-        pass  # unreadable header: treat as stale
     if owner_pid and is_process_alive(owner_pid):
         raise ValueError(
             f"offload region {path!r} is owned by live process {owner_pid}; close that "
