@@ -40,9 +40,10 @@ def random_batch(
     return lens, torch.stack(rows).to(torch.int32)
 
 
-def start_cold_worker(
+def spawn_cold_worker(
     name: str, layout: RegionLayout, *, executor: str, poller: bool
 ) -> subprocess.Popen:
+    """Start the cold process without waiting for it (its imports overlap ours)."""
     spec = {
         "name": name,
         "shm_dir": "/dev/shm",
@@ -58,15 +59,34 @@ def start_cold_worker(
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, COLD_WORKER, json.dumps(spec)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
         env=env,
     )
+
+
+def wait_cold_worker_ready(proc: subprocess.Popen) -> None:
     line = proc.stdout.readline()
     if line.strip() != "READY":
         proc.kill()
         raise RuntimeError(f"cold worker failed to start: {line!r}")
+
+
+def start_cold_worker(
+    name: str, layout: RegionLayout, *, executor: str, poller: bool
+) -> subprocess.Popen:
+    proc = spawn_cold_worker(name, layout, executor=executor, poller=poller)
+    wait_cold_worker_ready(proc)
     return proc
+
+
+def stop_cold_worker(proc: subprocess.Popen) -> None:
+    """Kill (if still running) and reap a cold worker this test started."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    proc.stdout.close()
+    proc.stdin.close()

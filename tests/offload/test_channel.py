@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from offload_helpers import random_batch, reference_executor, start_cold_worker
+from offload_helpers import random_batch, reference_executor, start_cold_worker, stop_cold_worker
 
 from weaver.offload.channel import (
     OffloadReceiver,
@@ -178,13 +178,17 @@ def test_receiver_close_makes_pending_wait_fail_fast(shm_name):
     sender.close()
 
 
-def test_dead_cold_process_makes_wait_fail_fast(shm_name):
+def test_cross_process_round_trip_then_dead_cold_process_fails_fast(shm_name):
     gen = torch.Generator().manual_seed(5)
-    proc = start_cold_worker(shm_name, LAYOUT, executor="reference", poller=False)
+    proc = start_cold_worker(shm_name, LAYOUT, executor="reference", poller=True)
     try:
         sender = OffloadSender(ShmRegion.attach(LAYOUT, shm_name, wait_s=30))
+        fill_pool(sender, gen)
+        for step in range(4):  # served by the other process's idle poller
+            ticket, expected = submit_random(sender, step % 2, 1 + step, gen)
+            torch.testing.assert_close(sender.wait(ticket, timeout_s=30), expected)
+        proc.kill()  # SIGKILL: no chance to mark the region closed
         ticket, _ = submit_random(sender, 0, 2, gen)
-        proc.kill()
         start = time.monotonic()
         with pytest.raises(OffloadTimeout, match="died") as err:
             sender.wait(ticket, timeout_s=30)
@@ -192,10 +196,7 @@ def test_dead_cold_process_makes_wait_fail_fast(shm_name):
         assert time.monotonic() - start < 5.0
         sender.close()
     finally:
-        proc.kill()
-        proc.wait()
-        proc.stdout.close()
-        proc.stdin.close()
+        stop_cold_worker(proc)
     # The killed owner could not unlink; the next owner reclaims the stale region.
     ShmRegion.create(LAYOUT, shm_name).close()
 
