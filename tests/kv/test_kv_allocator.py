@@ -8,7 +8,9 @@ from weaver.kv.adbs import AdbsPolicy, TenantLoad, plan_rebalance
 from weaver.kv.allocator import UnifiedKVAllocator
 from weaver.kv.pages import TenantShape, choose_page_bytes
 
-SMOLLM2_135M = TenantShape(num_layers=30, num_kv_heads=3, head_size=64, block_size=32, dtype_bytes=2)
+SMOLLM2_135M = TenantShape(
+    num_layers=30, num_kv_heads=3, head_size=64, block_size=32, dtype_bytes=2
+)
 TINY_LLAMA = TenantShape(num_layers=2, num_kv_heads=2, head_size=32, block_size=32, dtype_bytes=2)
 LLAMA3_8B = TenantShape(num_layers=32, num_kv_heads=8, head_size=128, block_size=16, dtype_bytes=2)
 LLAMA2_7B = TenantShape(num_layers=32, num_kv_heads=32, head_size=128, block_size=16, dtype_bytes=2)
@@ -176,8 +178,9 @@ def test_adbs_hand_checked_two_recipients_round_to_their_blocks() -> None:
         TenantLoad("a", quota_pages=500, num_used_pages=450, pages_per_block=10),  # 0.90: busy
         TenantLoad("b", quota_pages=100, num_used_pages=20, pages_per_block=4, is_starved=True),
         TenantLoad("idle", quota_pages=300, num_used_pages=0, pages_per_block=4),
-        TenantLoad("floored", quota_pages=100, num_used_pages=0, pages_per_block=4,
-                   min_quota_pages=90),
+        TenantLoad(
+            "floored", quota_pages=100, num_used_pages=0, pages_per_block=4, min_quota_pages=90
+        ),
     ]
     # idle gives 150; floored may give only 10. Pool 0 + 160, share 80 each:
     # a takes 80 (8 blocks), b takes 80 (20 blocks).
@@ -233,8 +236,10 @@ def test_hot_uses_at_least_80_percent_when_cold_is_idle(
     # ...and the idle owner can still take its quota back when it wakes up.
     tickets = allocator.reclaim_for_owner(cold_quota - allocator.quota_pages("cold"))
     for ticket in tickets:
-        allocator.free_blocks("hot", [b.block_id for b in allocator.live_blocks("hot")]
-                              [: ticket.num_blocks_to_release])
+        allocator.free_blocks(
+            "hot",
+            [b.block_id for b in allocator.live_blocks("hot")][: ticket.num_blocks_to_release],
+        )
         allocator.complete_shrink(ticket)
     assert allocator.num_allocatable_blocks("cold") == cold_quota // cold_shape.pages_per_block(
         page_bytes

@@ -4,7 +4,9 @@ import pytest
 
 from weaver.kv.pages import TenantShape, choose_page_bytes
 
-SMOLLM2_135M = TenantShape(num_layers=30, num_kv_heads=3, head_size=64, block_size=32, dtype_bytes=2)
+SMOLLM2_135M = TenantShape(
+    num_layers=30, num_kv_heads=3, head_size=64, block_size=32, dtype_bytes=2
+)
 TINY_LLAMA = TenantShape(num_layers=2, num_kv_heads=2, head_size=32, block_size=32, dtype_bytes=2)
 
 

@@ -3,7 +3,7 @@ pool shared by tenants of different shapes, checked against a plain model of liv
 
 import hypothesis.strategies as st
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from weaver.kv.allocator import BlockHandle, ShrinkTicket, UnifiedKVAllocator
@@ -36,6 +36,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         expected = self.allocator.can_allocate(tenant, num_blocks)
         blocks = self.allocator.allocate_blocks(tenant, num_blocks)
         assert (blocks is not None) == expected
+        event("allocation granted" if expected else "allocation refused")
         for block in blocks or []:
             assert block.block_id not in self.live[tenant]
             self.live[tenant][block.block_id] = block
@@ -79,6 +80,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         tenant = data.draw(st.sampled_from(sorted(self.tickets)))
         ticket = self.tickets.pop(tenant)
         to_release = self.allocator.num_blocks_to_release(tenant)
+        event("shrink had live blocks to release" if to_release else "shrink needed no release")
         if to_release:
             with pytest.raises(ValueError, match="still holds"):
                 self.allocator.complete_shrink(ticket)
@@ -92,7 +94,9 @@ class AllocatorMachine(RuleBasedStateMachine):
     def reclaim_for_owner(self, fraction: float) -> None:
         owner_quota = self.allocator.quota_pages("cold")
         num_pages = int(fraction * (NUM_PAGES - owner_quota))
-        for ticket in self.allocator.reclaim_for_owner(num_pages):
+        tickets = self.allocator.reclaim_for_owner(num_pages)
+        event("reclaim issued shrink tickets" if tickets else "reclaim needed no shrink")
+        for ticket in tickets:
             self.tickets[ticket.tenant] = ticket
         assert self.allocator.quota_pages("cold") == owner_quota + num_pages
 
@@ -134,19 +138,23 @@ class AllocatorMachine(RuleBasedStateMachine):
         """A tenant under quota can fill it when nobody is over quota; the owner can always
         take every free page within its quota."""
         owner = self.allocator.tenant_stats("cold")
-        assert self.allocator.num_allocatable_blocks("cold") == max(
-            0, min(owner.quota_pages - owner.num_used_pages, self.allocator.num_free_pages)
-        ) // owner.pages_per_block
+        assert (
+            self.allocator.num_allocatable_blocks("cold")
+            == max(0, min(owner.quota_pages - owner.num_used_pages, self.allocator.num_free_pages))
+            // owner.pages_per_block
+        )
         if any(self.allocator.tenant_stats(t).num_pages_over_quota for t in SHAPES):
             return
         for tenant in SHAPES:
             stats = self.allocator.tenant_stats(tenant)
             headroom = stats.quota_pages - stats.num_used_pages
-            assert self.allocator.num_allocatable_blocks(tenant) == headroom // stats.pages_per_block
+            assert (
+                self.allocator.num_allocatable_blocks(tenant) == headroom // stats.pages_per_block
+            )
 
 
 AllocatorMachine.TestCase.settings = settings(
-    max_examples=60,
+    max_examples=150,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

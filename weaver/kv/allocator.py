@@ -216,10 +216,11 @@ class UnifiedKVAllocator:
         return self._tenant(tenant).quota_pages
 
     def set_quota(self, tenant: str, quota_pages: int) -> None:
-        """Raise a quota, or lower it to no less than what the tenant uses."""
+        """Raise a quota, or lower it to no less than what the tenant uses. Raising the quota
+        of a shrinking tenant is allowed and shortens what its ticket asks for."""
         state = self._tenant(tenant)
         self._check_quota_value(tenant, quota_pages)
-        if quota_pages < state.num_used_pages:
+        if quota_pages < min(state.quota_pages, state.num_used_pages):
             raise ValueError(
                 f"tenant {tenant!r} uses {state.num_used_pages} pages, more than the new quota "
                 f"{quota_pages}; call request_shrink to have blocks released first"
