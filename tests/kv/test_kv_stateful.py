@@ -6,8 +6,9 @@ import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from weaver.kv.allocator import BlockHandle, ShrinkTicket, UnifiedKVAllocator
+from weaver.kv.allocator import UnifiedKVAllocator
 from weaver.kv.pages import TenantShape, choose_page_bytes
+from weaver.kv.records import BlockHandle, ShrinkTicket
 
 SHAPES = {
     "cold": TenantShape(2, 2, 32, 32, 2),  # owner; 4096-byte head-blocks -> 4 pages/block

@@ -25,108 +25,18 @@ lock and the cross-process request/response API.
 
 from __future__ import annotations
 
-import heapq
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 from weaver.kv.adbs import AdbsPolicy, TenantLoad, plan_rebalance
 from weaver.kv.pages import TenantShape, check_page_bytes
+from weaver.kv.records import AllocatorStats, BlockHandle, ShrinkTicket, TenantStats
+from weaver.kv.tenant import TenantState
 
 logger = logging.getLogger(__name__)
 
 SNAPSHOT_VERSION = 1
-
-
-@dataclass(frozen=True)
-class BlockHandle:
-    """One live logical block and its address table.
-
-    ``page_ids`` lists the pages in (layer, head, sub-page) row-major order."""
-
-    tenant: str
-    block_id: int
-    page_ids: tuple[int, ...]
-    num_kv_heads: int
-    pages_per_head_block: int
-
-    def page_id(self, layer: int, head: int, sub_page: int = 0) -> int:
-        """The page holding part ``sub_page`` of (layer, head)'s K/V for this block."""
-        if not (0 <= head < self.num_kv_heads and 0 <= sub_page < self.pages_per_head_block):
-            raise ValueError(
-                f"head {head} / sub_page {sub_page} out of range: the tenant has "
-                f"{self.num_kv_heads} KV heads and {self.pages_per_head_block} pages per head"
-            )
-        index = (layer * self.num_kv_heads + head) * self.pages_per_head_block + sub_page
-        if layer < 0 or index >= len(self.page_ids):
-            raise ValueError(f"layer {layer} out of range for block {self.block_id}")
-        return self.page_ids[index]
-
-
-@dataclass(frozen=True)
-class ShrinkTicket:
-    """A quota cut the tenant's owner has to finish by freeing or migrating blocks."""
-
-    ticket_id: int
-    tenant: str
-    old_quota_pages: int
-    new_quota_pages: int
-    num_blocks_to_release: int  # at the time the ticket was issued
-
-
-@dataclass(frozen=True)
-class TenantStats:
-    name: str
-    is_owner: bool
-    num_blocks: int
-    num_used_pages: int
-    quota_pages: int
-    pages_per_block: int
-    utilisation: float
-    num_failed_allocations: int
-    is_shrinking: bool
-    num_pages_over_quota: int
-
-
-@dataclass(frozen=True)
-class AllocatorStats:
-    num_pages: int
-    page_bytes: int
-    num_free_pages: int
-    num_unassigned_pages: int
-    num_rebalances: int
-    num_quota_pages_moved: int
-    num_shrinks_requested: int
-    num_shrinks_completed: int
-    num_reclaimed_pages: int
-    tenants: tuple[TenantStats, ...]
-
-
-@dataclass
-class _Tenant:
-    name: str
-    shape: TenantShape
-    pages_per_block: int
-    pages_per_head_block: int
-    quota_pages: int
-    min_quota_pages: int
-    is_owner: bool
-    blocks: dict[int, BlockHandle] = field(default_factory=dict)
-    free_block_ids: list[int] = field(default_factory=list)  # a heap: lowest id first
-    next_block_id: int = 0
-    is_starved: bool = False
-    num_failed_allocations: int = 0
-    shrink: ShrinkTicket | None = None
-
-    @property
-    def num_used_pages(self) -> int:
-        return len(self.blocks) * self.pages_per_block
-
-    def take_block_id(self) -> int:
-        if self.free_block_ids:
-            return heapq.heappop(self.free_block_ids)
-        self.next_block_id += 1
-        return self.next_block_id - 1
 
 
 class UnifiedKVAllocator:
@@ -142,7 +52,7 @@ class UnifiedKVAllocator:
         self.num_pages = num_pages
         self.page_bytes = page_bytes
         self.policy = policy or AdbsPolicy()
-        self._tenants: dict[str, _Tenant] = {}
+        self._tenants: dict[str, TenantState] = {}
         # A stack with the lowest page id on top, so a fresh pool fills from page 0.
         self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))
         self._next_ticket_id = 0
@@ -171,7 +81,7 @@ class UnifiedKVAllocator:
                 f"tenant {self._owner().name!r} is already the owner; a pool has one owner "
                 "(the cold model)"
             )
-        pages_per_block = shape.pages_per_block(self.page_bytes)
+        pages_per_block = shape.pages_per_block(self.page_bytes)  # also validates the shape
         if pages_per_block > self.num_pages:
             raise ValueError(
                 f"one block of {name!r} needs {pages_per_block} pages but the pool has "
@@ -181,14 +91,8 @@ class UnifiedKVAllocator:
         if min_quota_pages < 0:
             raise ValueError(f"min_quota_pages must be >= 0, got {min_quota_pages}")
         self._check_fits(quota_pages)
-        self._tenants[name] = _Tenant(
-            name=name,
-            shape=shape,
-            pages_per_block=pages_per_block,
-            pages_per_head_block=shape.pages_per_head_block(self.page_bytes),
-            quota_pages=quota_pages,
-            min_quota_pages=min_quota_pages,
-            is_owner=is_owner,
+        self._tenants[name] = TenantState(
+            name, shape, self.page_bytes, quota_pages, min_quota_pages, is_owner
         )
         logger.info(
             "KV pool tenant %s: %d pages/block (%d bytes wasted/block), quota %d pages",
@@ -261,7 +165,10 @@ class UnifiedKVAllocator:
             state.is_starved = True
             state.num_failed_allocations += 1
             return None
-        return [self._new_block(state) for _ in range(num_blocks)]
+        return [
+            state.add_block(tuple(self._free_pages.pop() for _ in range(state.pages_per_block)))
+            for _ in range(num_blocks)
+        ]
 
     def free_block(self, tenant: str, block: BlockHandle | int) -> None:
         state = self._tenant(tenant)
@@ -272,8 +179,7 @@ class UnifiedKVAllocator:
                 f"block {block_id} is not a live block of tenant {tenant!r} "
                 "(double free, or a handle from another tenant)"
             )
-        del state.blocks[block_id]
-        heapq.heappush(state.free_block_ids, block_id)
+        state.remove_block(block_id)
         # Push in reverse so the next allocation reuses the same pages in the same order.
         self._free_pages.extend(reversed(live.page_ids))
 
@@ -424,20 +330,7 @@ class UnifiedKVAllocator:
 
     # --------------------------------------------------------------------- metrics
     def tenant_stats(self, tenant: str) -> TenantStats:
-        state = self._tenant(tenant)
-        used = state.num_used_pages
-        return TenantStats(
-            name=state.name,
-            is_owner=state.is_owner,
-            num_blocks=len(state.blocks),
-            num_used_pages=used,
-            quota_pages=state.quota_pages,
-            pages_per_block=state.pages_per_block,
-            utilisation=used / state.quota_pages if state.quota_pages else 0.0,
-            num_failed_allocations=state.num_failed_allocations,
-            is_shrinking=state.shrink is not None,
-            num_pages_over_quota=max(0, used - state.quota_pages),
-        )
+        return self._tenant(tenant).stats()
 
     def stats(self) -> AllocatorStats:
         return AllocatorStats(
@@ -495,22 +388,7 @@ class UnifiedKVAllocator:
                 "num_shrinks_completed": self.num_shrinks_completed,
                 "num_reclaimed_pages": self.num_reclaimed_pages,
             },
-            "tenants": [
-                {
-                    "name": t.name,
-                    "shape": asdict(t.shape),
-                    "quota_pages": t.quota_pages,
-                    "min_quota_pages": t.min_quota_pages,
-                    "is_owner": t.is_owner,
-                    "blocks": [[b.block_id, list(b.page_ids)] for b in t.blocks.values()],
-                    "free_block_ids": list(t.free_block_ids),
-                    "next_block_id": t.next_block_id,
-                    "is_starved": t.is_starved,
-                    "num_failed_allocations": t.num_failed_allocations,
-                    "shrink": asdict(t.shrink) if t.shrink else None,
-                }
-                for t in self._tenants.values()
-            ],
+            "tenants": [t.to_snapshot() for t in self._tenants.values()],
         }
 
     @classmethod
@@ -522,7 +400,8 @@ class UnifiedKVAllocator:
             )
         allocator = cls(data["num_pages"], data["page_bytes"], AdbsPolicy(**data["policy"]))
         for entry in data["tenants"]:
-            allocator._tenants[entry["name"]] = _restore_tenant(entry, allocator.page_bytes)
+            state = TenantState.from_snapshot(entry, allocator.page_bytes)
+            allocator._tenants[state.name] = state
         allocator._free_pages = list(data["free_pages"])
         allocator._next_ticket_id = data["next_ticket_id"]
         for name, value in data["counters"].items():
@@ -531,28 +410,16 @@ class UnifiedKVAllocator:
         return allocator
 
     # ------------------------------------------------------------------- internals
-    def _tenant(self, name: str) -> _Tenant:
+    def _tenant(self, name: str) -> TenantState:
         state = self._tenants.get(name)
         if state is None:
             raise ValueError(f"unknown tenant {name!r}; known: {sorted(self._tenants)}")
         return state
 
-    def _new_block(self, state: _Tenant) -> BlockHandle:
-        pages = tuple(self._free_pages.pop() for _ in range(state.pages_per_block))
-        block = BlockHandle(
-            state.name,
-            state.take_block_id(),
-            pages,
-            state.shape.num_kv_heads,
-            state.pages_per_head_block,
-        )
-        state.blocks[block.block_id] = block
-        return block
-
-    def _owner(self) -> _Tenant | None:
+    def _owner(self) -> TenantState | None:
         return next((t for t in self._tenants.values() if t.is_owner), None)
 
-    def _num_free_pages_for(self, state: _Tenant) -> int:
+    def _num_free_pages_for(self, state: TenantState) -> int:
         """Free pages the tenant may take: the owner's unused quota is kept for the owner,
         which matters only while a shrinking tenant still holds pages above its quota."""
         owner = self._owner()
@@ -573,31 +440,3 @@ class UnifiedKVAllocator:
                 f"{self.num_unassigned_pages} of {self.num_pages} pages are unassigned; lower "
                 "another tenant's quota first (set_quota, request_shrink or reclaim_for_owner)"
             )
-
-
-def _restore_tenant(entry: dict[str, Any], page_bytes: int) -> _Tenant:
-    shape = TenantShape(**entry["shape"])
-    pages_per_head_block = shape.pages_per_head_block(page_bytes)
-    blocks = {
-        block_id: BlockHandle(
-            entry["name"], block_id, tuple(pages), shape.num_kv_heads, pages_per_head_block
-        )
-        for block_id, pages in entry["blocks"]
-    }
-    free_block_ids = list(entry["free_block_ids"])
-    heapq.heapify(free_block_ids)
-    return _Tenant(
-        name=entry["name"],
-        shape=shape,
-        pages_per_block=shape.pages_per_block(page_bytes),
-        pages_per_head_block=pages_per_head_block,
-        quota_pages=entry["quota_pages"],
-        min_quota_pages=entry["min_quota_pages"],
-        is_owner=entry["is_owner"],
-        blocks=blocks,
-        free_block_ids=free_block_ids,
-        next_block_id=entry["next_block_id"],
-        is_starved=entry["is_starved"],
-        num_failed_allocations=entry["num_failed_allocations"],
-        shrink=ShrinkTicket(**entry["shrink"]) if entry["shrink"] else None,
-    )

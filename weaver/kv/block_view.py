@@ -16,7 +16,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from weaver.kv.allocator import BlockHandle, UnifiedKVAllocator
+from weaver.kv.allocator import UnifiedKVAllocator
+from weaver.kv.records import BlockHandle
 
 
 class TenantBlockView:

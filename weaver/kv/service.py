@@ -32,12 +32,8 @@ from dataclasses import asdict
 from multiprocessing.connection import Connection
 from typing import Any
 
-from weaver.kv.allocator import (
-    AllocatorStats,
-    BlockHandle,
-    ShrinkTicket,
-    UnifiedKVAllocator,
-)
+from weaver.kv.allocator import UnifiedKVAllocator
+from weaver.kv.records import AllocatorStats, BlockHandle, ShrinkTicket
 
 logger = logging.getLogger(__name__)
 
