@@ -82,6 +82,7 @@ def hot_scheduler_process(conn) -> None:
     assert len(blocks[0][1]) == 180
     assert client.allocate_blocks("hot", 5) is None
     assert client.can_allocate("hot", 4)
+    assert client.num_allocatable_blocks("hot") == 4
     client.free_blocks("hot", [0])
     try:
         client.free_blocks("hot", [0])
@@ -100,10 +101,11 @@ def test_client_in_another_process_talks_to_the_owning_process() -> None:
     locked = make_locked()
     child = context.Process(target=hot_scheduler_process, args=(child_conn,))
     child.start()
+    child_conn.close()  # so a crashed child shows up here as EOF instead of a hang
     num_requests = serve_connection(KVAllocatorService(locked), parent_conn)
     child.join(timeout=30)
     assert child.exitcode == 0, "the client process failed an assertion"
-    assert num_requests == 6
+    assert num_requests == 7
     assert [b.block_id for b in locked._allocator.live_blocks("hot")] == [1]
     locked.check_invariants()
 

@@ -244,8 +244,7 @@ class UnifiedKVAllocator:
     def num_blocks_to_release(self, tenant: str) -> int:
         """Blocks the tenant still holds above its quota (0 when not shrinking)."""
         state = self._tenant(tenant)
-        excess = max(0, state.num_used_pages - state.quota_pages)
-        return -(-excess // state.pages_per_block)
+        return -(-state.num_pages_over_quota // state.pages_per_block)
 
     def is_shrinking(self, tenant: str) -> bool:
         return self._tenant(tenant).shrink is not None
@@ -359,7 +358,7 @@ class UnifiedKVAllocator:
                             f"page {page} owned by {owner_of[page]} and {state.name}"
                         )
                     owner_of[page] = state.name
-            if state.shrink is None and state.num_used_pages > state.quota_pages:
+            if state.shrink is None and state.num_pages_over_quota:
                 raise AssertionError(f"{state.name} is over quota without a shrink ticket")
             if set(state.free_block_ids) & set(state.blocks):
                 raise AssertionError(f"{state.name} has a live block id on its free list")

@@ -135,6 +135,9 @@ class KVAllocatorService:
     def _op_can_allocate(self, request: dict[str, Any]) -> bool:
         return self.allocator.can_allocate(request["tenant"], request["num_blocks"])
 
+    def _op_num_allocatable_blocks(self, request: dict[str, Any]) -> int:
+        return self.allocator.num_allocatable_blocks(request["tenant"])
+
     def _op_num_blocks_to_release(self, request: dict[str, Any]) -> int:
         return self.allocator.num_blocks_to_release(request["tenant"])
 
@@ -181,6 +184,9 @@ class KVAllocatorClient:
 
     def can_allocate(self, tenant: str, num_blocks: int = 1) -> bool:
         return self.call("can_allocate", tenant=tenant, num_blocks=num_blocks)
+
+    def num_allocatable_blocks(self, tenant: str) -> int:
+        return self.call("num_allocatable_blocks", tenant=tenant)
 
     def num_blocks_to_release(self, tenant: str) -> int:
         return self.call("num_blocks_to_release", tenant=tenant)

@@ -27,6 +27,8 @@ class TenantState:
     is_starved: bool = False  # an allocation failed since the last rebalance
     num_failed_allocations: int = 0
     shrink: ShrinkTicket | None = None
+    pages_per_block: int = field(init=False)
+    pages_per_head_block: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.pages_per_block = self.shape.pages_per_block(self.page_bytes)
