@@ -34,32 +34,47 @@ from typing import Any
 
 from weaver.kv.allocator import UnifiedKVAllocator
 from weaver.kv.records import AllocatorStats, BlockHandle, ShrinkTicket
+from weaver.kv.shared_table import SharedPageTable
 
 logger = logging.getLogger(__name__)
 
 
 class LockedKVAllocator:
-    """The allocator's public API with every call under one lock."""
+    """The allocator's public API with every call under one lock.
 
-    def __init__(self, allocator: UnifiedKVAllocator):
+    With a ``SharedPageTable``, every allocated block's row is published before the call
+    returns (so before its id can reach another process) and cleared when it is freed."""
+
+    def __init__(self, allocator: UnifiedKVAllocator, page_table: SharedPageTable | None = None):
         self._allocator = allocator
+        self._page_table = page_table
         self._lock = threading.Lock()
 
     def allocate_blocks(self, tenant: str, num_blocks: int) -> list[BlockHandle] | None:
         with self._lock:
-            return self._allocator.allocate_blocks(tenant, num_blocks)
+            blocks = self._allocator.allocate_blocks(tenant, num_blocks)
+            if self._page_table is not None:
+                for block in blocks or []:
+                    self._page_table.publish(block)
+            return blocks
 
     def allocate_block(self, tenant: str) -> BlockHandle | None:
-        with self._lock:
-            return self._allocator.allocate_block(tenant)
+        blocks = self.allocate_blocks(tenant, 1)
+        return blocks[0] if blocks else None
 
     def free_blocks(self, tenant: str, block_ids: list[int]) -> None:
         with self._lock:
             self._allocator.free_blocks(tenant, block_ids)
+            if self._page_table is not None:
+                for block_id in block_ids:
+                    self._page_table.retract(tenant, block_id)
 
     def free_block(self, tenant: str, block: BlockHandle | int) -> None:
         with self._lock:
             self._allocator.free_block(tenant, block)
+            if self._page_table is not None:
+                block_id = block.block_id if isinstance(block, BlockHandle) else block
+                self._page_table.retract(tenant, block_id)
 
     def can_allocate(self, tenant: str, num_blocks: int = 1) -> bool:
         with self._lock:
