@@ -3,17 +3,11 @@
 import json
 
 import pytest
+from kv_models import LLAMA2_7B, LLAMA3_8B, SMOLLM2_135M, TINY_LLAMA
 
 from weaver.kv.adbs import AdbsPolicy, TenantLoad, plan_rebalance
 from weaver.kv.allocator import UnifiedKVAllocator
 from weaver.kv.pages import TenantShape, choose_page_bytes
-
-SMOLLM2_135M = TenantShape(
-    num_layers=30, num_kv_heads=3, head_size=64, block_size=32, dtype_bytes=2
-)
-TINY_LLAMA = TenantShape(num_layers=2, num_kv_heads=2, head_size=32, block_size=32, dtype_bytes=2)
-LLAMA3_8B = TenantShape(num_layers=32, num_kv_heads=8, head_size=128, block_size=16, dtype_bytes=2)
-LLAMA2_7B = TenantShape(num_layers=32, num_kv_heads=32, head_size=128, block_size=16, dtype_bytes=2)
 
 
 def make_pool(num_pages: int = 400, cold_quota: int = 200, hot_quota: int = 180):

@@ -1,13 +1,9 @@
 """Page arithmetic of tenant shapes (weaver/kv/pages.py)."""
 
 import pytest
+from kv_models import SMOLLM2_135M, TINY_LLAMA
 
 from weaver.kv.pages import TenantShape, choose_page_bytes
-
-SMOLLM2_135M = TenantShape(
-    num_layers=30, num_kv_heads=3, head_size=64, block_size=32, dtype_bytes=2
-)
-TINY_LLAMA = TenantShape(num_layers=2, num_kv_heads=2, head_size=32, block_size=32, dtype_bytes=2)
 
 
 def test_head_block_bytes_is_k_plus_v_of_one_head() -> None:

@@ -4,20 +4,16 @@ import multiprocessing
 import threading
 
 import pytest
+from kv_models import SMOLLM2_135M, TINY_LLAMA
 
 from weaver.kv.allocator import UnifiedKVAllocator
-from weaver.kv.pages import TenantShape, choose_page_bytes
+from weaver.kv.pages import choose_page_bytes
 from weaver.kv.service import (
     KVAllocatorClient,
     KVAllocatorService,
     LockedKVAllocator,
     serve_connection,
 )
-
-SMOLLM2_135M = TenantShape(
-    num_layers=30, num_kv_heads=3, head_size=64, block_size=32, dtype_bytes=2
-)
-TINY_LLAMA = TenantShape(num_layers=2, num_kv_heads=2, head_size=32, block_size=32, dtype_bytes=2)
 
 
 def make_locked() -> LockedKVAllocator:

@@ -6,16 +6,12 @@ import uuid
 
 import numpy as np
 import pytest
+from kv_models import SMOLLM2_135M, TINY_LLAMA
 
 from weaver.kv.allocator import UnifiedKVAllocator
-from weaver.kv.pages import TenantShape, choose_page_bytes
+from weaver.kv.pages import choose_page_bytes
 from weaver.kv.service import LockedKVAllocator
 from weaver.kv.shared_table import SharedPageTable
-
-SMOLLM2_135M = TenantShape(
-    num_layers=30, num_kv_heads=3, head_size=64, block_size=32, dtype_bytes=2
-)
-TINY_LLAMA = TenantShape(num_layers=2, num_kv_heads=2, head_size=32, block_size=32, dtype_bytes=2)
 
 
 @pytest.fixture
