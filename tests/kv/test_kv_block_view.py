@@ -7,6 +7,7 @@ from kv_models import SMOLLM2_135M, TINY_LLAMA
 from weaver.kv.allocator import UnifiedKVAllocator
 from weaver.kv.block_view import TenantBlockView
 from weaver.kv.pages import choose_page_bytes
+from weaver.kv.service import LockedKVAllocator
 
 
 @pytest.fixture
@@ -62,3 +63,13 @@ def test_foreign_or_dead_ids_raise(allocator: UnifiedKVAllocator) -> None:
     view.free_blocks([block_id])
     with pytest.raises(ValueError, match="nothing was freed"):
         view.free_blocks([block_id])
+
+
+def test_view_over_the_locked_allocator_counts_a_refusal(allocator: UnifiedKVAllocator) -> None:
+    view = TenantBlockView(LockedKVAllocator(allocator), "cold", first_block_id=3)
+    assert view.block_id_range == range(3, 253)  # 1000 pages // 4 per block
+    assert view.get_new_blocks(70) == list(range(3, 73))  # quota 280 pages = 70 blocks
+    with pytest.raises(ValueError, match="0 available"):
+        view.get_new_blocks(1)
+    assert allocator.tenant_stats("cold").num_failed_allocations == 1
+    assert view.page_table([3, 72]).shape == (2, 2, 2, 1)

@@ -18,12 +18,21 @@ import numpy as np
 
 from weaver.kv.allocator import UnifiedKVAllocator
 from weaver.kv.records import BlockHandle
+from weaver.kv.service import LockedKVAllocator
 
 
 class TenantBlockView:
-    """Dense integer block ids for one tenant, backed by the allocator's pages."""
+    """Dense integer block ids for one tenant, backed by the allocator's pages.
 
-    def __init__(self, allocator: UnifiedKVAllocator, tenant: str, first_block_id: int = 0):
+    Pass the ``LockedKVAllocator`` when other threads share the allocator (and to keep a
+    ``SharedPageTable`` in step)."""
+
+    def __init__(
+        self,
+        allocator: UnifiedKVAllocator | LockedKVAllocator,
+        tenant: str,
+        first_block_id: int = 0,
+    ):
         if first_block_id < 0:
             raise ValueError(f"first_block_id must be >= 0, got {first_block_id}")
         self.allocator = allocator
@@ -45,13 +54,12 @@ class TenantBlockView:
 
     def get_new_blocks(self, num_blocks: int) -> list[int]:
         """``num_blocks`` new block ids, all or none, like ``BlockPool.get_new_blocks``."""
-        if not self.allocator.can_allocate(self.tenant, num_blocks):
-            # Checked first so a refusal raises, as BlockPool does, instead of returning None.
+        blocks = self.allocator.allocate_blocks(self.tenant, num_blocks)
+        if blocks is None:  # BlockPool raises here too; the scheduler checks the count first
             raise ValueError(
                 f"cannot get {num_blocks} free blocks for tenant {self.tenant!r}: "
                 f"{self.get_num_free_blocks()} available; check get_num_free_blocks() first"
             )
-        blocks = self.allocator.allocate_blocks(self.tenant, num_blocks) or []
         return [self.first_block_id + block.block_id for block in blocks]
 
     def free_blocks(self, block_ids: Iterable[int]) -> None:
@@ -64,10 +72,9 @@ class TenantBlockView:
         """Page ids as ``[num_blocks, num_layers, num_kv_heads, pages_per_head_block]`` int64:
         the address table a kernel needs to find (block, layer, head) in the pool."""
         rows = [self.handle(block_id).page_ids for block_id in block_ids]
-        table = np.asarray(rows, dtype=np.int64).reshape(
+        return np.asarray(rows, dtype=np.int64).reshape(
             len(rows), self._num_layers, self._num_kv_heads, self._pages_per_head_block
         )
-        return table
 
     def _local_id(self, block_id: int) -> int:
         if block_id not in self.block_id_range:

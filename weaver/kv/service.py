@@ -14,8 +14,9 @@ only writer of the bookkeeping. The cold scheduler and every hot scheduler are c
   connection, ``KVAllocatorClient`` is the hot scheduler's side. Blocks move in batches
   (``allocate_blocks``/``free_blocks``) so a scheduler step costs one round trip, and the
   request path of the attention kernels never talks to the allocator: the hot scheduler
-  ships the page ids it got (or the block ids, through ``TenantBlockView.page_table``) in
-  the per-task metadata of the offload channel;
+  ships the page ids it got in the per-task metadata of the offload channel, or its
+  workers translate block ids through the ``SharedPageTable`` (``weaver.kv.shared_table``)
+  that ``LockedKVAllocator`` keeps in step;
 - a restart or a new client can start from ``UnifiedKVAllocator.snapshot()``, which is
   plain JSON and is checked on restore.
 
@@ -33,6 +34,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from weaver.kv.allocator import UnifiedKVAllocator
+from weaver.kv.pages import TenantShape
 from weaver.kv.records import AllocatorStats, BlockHandle, ShrinkTicket
 from weaver.kv.shared_table import SharedPageTable
 
@@ -42,6 +44,8 @@ logger = logging.getLogger(__name__)
 class LockedKVAllocator:
     """The allocator's public API with every call under one lock.
 
+    Add every tenant to the allocator before wrapping it: tenants are fixed from then on.
+
     With a ``SharedPageTable``, every allocated block's row is published before the call
     returns (so before its id can reach another process) and cleared when it is freed."""
 
@@ -49,6 +53,19 @@ class LockedKVAllocator:
         self._allocator = allocator
         self._page_table = page_table
         self._lock = threading.Lock()
+        self.page_bytes = allocator.page_bytes
+        self.num_pages = allocator.num_pages
+
+    # Shapes and limits never change after add_tenant, so these need no lock.
+    def shape(self, tenant: str) -> TenantShape:
+        return self._allocator.shape(tenant)
+
+    def max_blocks(self, tenant: str) -> int:
+        return self._allocator.max_blocks(tenant)
+
+    def get_block(self, tenant: str, block_id: int) -> BlockHandle:
+        with self._lock:
+            return self._allocator.get_block(tenant, block_id)
 
     def allocate_blocks(self, tenant: str, num_blocks: int) -> list[BlockHandle] | None:
         with self._lock:
