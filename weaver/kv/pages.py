@@ -18,6 +18,12 @@ head size 64 next to head size 32 gives two pages per head-block). A caller that
 its own ``page_bytes`` (for instance to keep page tables short) pays the rounding waste
 ``num_wasted_bytes_per_block`` reports. The pages of one head-block need not be
 contiguous: the address table in a ``BlockHandle`` lists every page.
+
+Addressing: page ``p`` is bytes ``[p * page_bytes, (p + 1) * page_bytes)`` of the pool
+region, and sub-page ``j`` of a head-block holds its bytes ``[j * page_bytes, ...)``; with
+two pages per head-block, sub-page 0 is exactly K and sub-page 1 exactly V. The cost of
+head-wise pages is table length: L * H * pages_per_head_block ids per block (1024 for a
+Llama-2-7B block), which the attention side ships or reads from ``SharedPageTable``.
 """
 
 from __future__ import annotations
