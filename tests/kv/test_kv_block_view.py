@@ -2,20 +2,10 @@
 
 import numpy as np
 import pytest
-from kv_models import SMOLLM2_135M, TINY_LLAMA
 
 from weaver.kv.allocator import UnifiedKVAllocator
 from weaver.kv.block_view import TenantBlockView
-from weaver.kv.pages import choose_page_bytes
 from weaver.kv.service import LockedKVAllocator
-
-
-@pytest.fixture
-def allocator() -> UnifiedKVAllocator:
-    allocator = UnifiedKVAllocator(1000, choose_page_bytes([SMOLLM2_135M, TINY_LLAMA]))
-    allocator.add_tenant("cold", TINY_LLAMA, 280, is_owner=True)
-    allocator.add_tenant("hot", SMOLLM2_135M, 720)
-    return allocator
 
 
 def test_ids_are_contiguous_after_the_offset_and_stable(allocator: UnifiedKVAllocator) -> None:

@@ -6,20 +6,10 @@ import uuid
 
 import numpy as np
 import pytest
-from kv_models import SMOLLM2_135M, TINY_LLAMA
 
 from weaver.kv.allocator import UnifiedKVAllocator
-from weaver.kv.pages import choose_page_bytes
 from weaver.kv.service import LockedKVAllocator
 from weaver.kv.shared_table import SharedPageTable
-
-
-@pytest.fixture
-def allocator() -> UnifiedKVAllocator:
-    allocator = UnifiedKVAllocator(1000, choose_page_bytes([SMOLLM2_135M, TINY_LLAMA]))
-    allocator.add_tenant("cold", TINY_LLAMA, 280, is_owner=True)
-    allocator.add_tenant("hot", SMOLLM2_135M, 720)
-    return allocator
 
 
 @pytest.fixture
