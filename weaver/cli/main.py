@@ -15,7 +15,9 @@ import sys
 # Order is the order shown in `weaver --help`.
 SUBCOMMAND_MODULES = (
     "weaver.cli.serve",
+    "weaver.cli.models",
     "weaver.cli.config",
+    "weaver.cli.plan_split",
 )
 
 

@@ -8,6 +8,7 @@ their regions; a region whose owner died is unlinked here.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -24,6 +25,8 @@ from weaver.weaving.plan import PairPlan, default_shm_prefix, plan_pairs
 logger = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 60.0
+STATS_TIMEOUT_S = 5.0
+CLOSE_TIMEOUT_S = 5.0
 WAIT_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.5, 1.0, 5.0)
 
 
@@ -88,11 +91,9 @@ class WeavingSupervisor:
     async def connect(self) -> None:
         for cold in sorted({p.cold for p in self.plans}):
             mine = [p.to_dict() for p in self.plans if p.cold == cold]
-            await self.engines[cold].client.collective_rpc(
-                "weaver_open_cold", timeout=RPC_TIMEOUT_S, args=(mine,))
+            await _rpc(self.engines[cold], "weaver_open_cold", RPC_TIMEOUT_S, mine)
         for plan in self.plans:
-            await self.engines[plan.hot].client.collective_rpc(
-                "weaver_attach_hot", timeout=RPC_TIMEOUT_S, args=(plan.to_dict(),))
+            await _rpc(self.engines[plan.hot], "weaver_attach_hot", RPC_TIMEOUT_S, plan.to_dict())
             self.state[f"{plan.hot}->{plan.cold}"]["status"] = "ok"
             logger.info("weaving %s -> %s connected (%d remote blocks, ratio %.2f)",
                         plan.hot, plan.cold, plan.num_remote_blocks, plan.offload_ratio)
@@ -106,7 +107,7 @@ class WeavingSupervisor:
                 self.state[key].update(status="degraded", reason="hot engine is dead")
                 continue
             try:
-                (stats,) = await hot.client.collective_rpc("weaver_stats", timeout=10.0)
+                (stats,) = await _rpc(hot, "weaver_stats", STATS_TIMEOUT_S)
             except Exception as exc:  # a scrape must not fail because one engine did
                 logger.warning("weaving stats of %s unavailable: %r", plan.hot, exc)
                 continue
@@ -133,9 +134,18 @@ class WeavingSupervisor:
             engine = self.engines[cold]
             if engine.is_dead:
                 continue
-            with contextlib.suppress(Exception):
-                await engine.client.collective_rpc("weaver_close", timeout=RPC_TIMEOUT_S)
+            try:
+                await _rpc(engine, "weaver_close", CLOSE_TIMEOUT_S)
+            except Exception as exc:  # shutting down: the region is unlinked below anyway
+                logger.warning("closing the regions of %s failed: %r", cold, exc)
         remove_leftover_regions(self.plans)
+
+
+async def _rpc(engine: Any, method: str, timeout_s: float, *args: Any) -> list:
+    # vLLM's own rpc timeout is enforced in the worker; a dead worker never answers at
+    # all, so the gateway bounds the wait itself.
+    call = engine.client.collective_rpc(method, timeout=timeout_s, args=args)
+    return await asyncio.wait_for(call, timeout_s + 1.0)
 
 
 def remove_leftover_regions(plans: list[PairPlan]) -> None:

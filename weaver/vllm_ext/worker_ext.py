@@ -52,7 +52,7 @@ class WeaverWorkerExtension:
         from weaver.vllm_ext.hot_attention import HotWeavingRuntime, WeaverCPUAttentionImpl
 
         plan = PairPlan.from_dict(plan_data)
-        region = ShmRegion.attach(plan.layout(), plan.region_name, timeout_s=ATTACH_TIMEOUT_S)
+        region = ShmRegion.attach(plan.layout(), plan.region_name, wait_s=ATTACH_TIMEOUT_S)
         runtime = HotWeavingRuntime(plan, OffloadSender(region))
         layers = _attention_layers(self)
         for name, layer in layers.items():

@@ -95,7 +95,9 @@ def plan_pairs(
         shape = read_attention_shape(model_dirs[hot.name], hot.dtype, block_size_of(hot))
         probe = RegionLayout(shape=shape, num_remote_blocks=1, max_seqs_per_task=1,
                              max_blocks_per_seq=1)
-        num_remote_blocks = int(cold.lend_kv_gib * GiB) // probe.kv_block_bytes
+        # kv_block_bytes is one layer's share of a block; a block spans every layer.
+        block_bytes = probe.kv_block_bytes * shape.num_layers
+        num_remote_blocks = int(cold.lend_kv_gib * GiB) // block_bytes
         max_blocks_per_seq = math.ceil(hot.max_model_len / shape.block_size)
         if num_remote_blocks < max_blocks_per_seq:
             raise ValueError(
