@@ -104,7 +104,8 @@ def test_length_scaling_fits_max_model_len():
     spec = _spec(num_requests=2, length_scale=0.25, max_model_len=256)
     requests = build_workload(spec, rows)
     assert all(r.input_tokens + r.output_tokens <= 256 for r in requests)
-    assert {(r.input_tokens, r.output_tokens) for r in requests} == {(243, 13), (42, 214)}  # 475+25 and 75+375, shrunk
+    # 475+25 and 75+375 tokens after scaling, each shrunk in proportion to fit 256.
+    assert {(r.input_tokens, r.output_tokens) for r in requests} == {(243, 13), (42, 214)}
 
 
 def test_gamma_workload_uses_burstiness():
