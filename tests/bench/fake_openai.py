@@ -60,6 +60,11 @@ class FakeOpenAIServer:
     async def _stop(self) -> None:
         assert self._server is not None
         self._server.close()
+        # Handlers still streaming (a test that hit its deadline) end before the loop does.
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
         await self._server.wait_closed()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

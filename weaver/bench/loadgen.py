@@ -204,13 +204,16 @@ async def run_load(requests: Sequence[TraceRequest], config: LoadGenConfig) -> L
     # the client side and show up as server latency.
     limits = httpx.Limits(max_connections=config.max_concurrency, max_keepalive_connections=None)
     timeout = httpx.Timeout(config.request_timeout_s)
-    started_at_unix = time.time()
-    start = time.perf_counter()
+    bar = tqdm(total=len(trackers), desc="requests", disable=not config.show_progress)
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as client:
+        # The clock starts after the client and bar exist, so their set-up does not make
+        # the first requests late.
+        started_at_unix = time.time()
+        start = time.perf_counter()
         tasks = [
             asyncio.create_task(_run_one(client, t, config, start, limiter)) for t in trackers
         ]
-        with tqdm(total=len(tasks), desc="requests", disable=not config.show_progress) as bar:
+        with bar:
             for task in tasks:
                 task.add_done_callback(lambda _t: bar.update(1))
             done, pending = await asyncio.wait(tasks, timeout=config.duration_s)
