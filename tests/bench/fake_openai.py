@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,10 @@ class FakeBehavior:
     api_key: str | None = None  # when set, other keys get 401
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
+    # Per stream, what the server really did (time.perf_counter, the client's clock too as
+    # both run in this process): {"prompt", "received_at", "chunk_at": [...]}. Lets tests
+    # tell the client's measurement error from the server oversleeping on a busy machine.
+    streams: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _chunk(payload: bytes) -> bytes:
@@ -82,6 +87,7 @@ class FakeOpenAIServer:
             k.strip().lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:] if x)
         }
         body = json.loads(await reader.readexactly(int(headers.get("content-length", "0"))))
+        received_at = time.perf_counter()
         b = self.behavior
         b.received.append(body)
         b.headers.append(headers)
@@ -102,12 +108,15 @@ class FakeOpenAIServer:
         )
         await writer.drain()
         num_tokens = int(body["max_tokens"])
+        stream = {"prompt": body["prompt"], "received_at": received_at, "chunk_at": []}
+        b.streams.append(stream)
         for i in range(num_tokens):
             await asyncio.sleep(b.ttft_s if i == 0 else b.itl_s)
             event = {"id": "x", "object": "text_completion", "model": body["model"],
                      "choices": [{"index": 0, "text": " tok", "finish_reason": None}]}
             writer.write(_event(event))
             await writer.drain()
+            stream["chunk_at"].append(time.perf_counter())
         if b.report_usage:
             usage = {"prompt_tokens": len(body["prompt"].split()),
                      "completion_tokens": num_tokens, "total_tokens": 0}

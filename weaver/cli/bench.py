@@ -245,9 +245,9 @@ def _workloads(args: argparse.Namespace) -> list[tuple[float | None, list, dict[
             power_law_alpha=args.power_law_alpha, time_scale=args.time_scale,
             filter_name=args.filter_name, seed=args.seed, traces_dir=args.traces_dir,
         )
+        per_model = model_rates(spec)  # checks the rates before the trace is read
         rows = rows if rows is not None else load_rows(spec)
         requests = build_workload(spec, rows)
-        per_model = model_rates(spec)
         total = rate if rate is not None else (sum(per_model) if per_model else None)
         description = {
             "trace": args.trace, "filter": args.filter_name, "arrival": args.arrival,
