@@ -105,14 +105,16 @@ class _Tracker:
     def on_text_chunk(self, now: float) -> None:
         if self.first_at is None:
             self.first_at = now
-        else:
-            self.itl.append(now - self.last_at)  # type: ignore[operator]
+        if self.last_at is not None:
+            self.itl.append(now - self.last_at)
         self.last_at = now
         self.num_chunks += 1
 
     def to_record(self, start: float) -> RequestRecord:
         sent = self.sent_at
-        finished = self.status is RequestStatus.OK and sent is not None
+        e2e = None
+        if self.status is RequestStatus.OK and sent is not None and self.end_at is not None:
+            e2e = self.end_at - sent
         return RequestRecord(
             request_id=self.request.request_id,
             model=self.request.model,
@@ -121,7 +123,7 @@ class _Tracker:
             scheduled_at_s=self.request.arrival_s,
             sent_at_s=None if sent is None else sent - start,
             ttft_s=None if sent is None or self.first_at is None else self.first_at - sent,
-            e2e_s=self.end_at - sent if finished and self.end_at is not None else None,  # type: ignore[operator]
+            e2e_s=e2e,
             itl_s=self.itl,
             num_output_tokens=(
                 self.usage_completion if self.usage_completion is not None else self.num_chunks

@@ -112,6 +112,8 @@ class RunResult(BaseModel):
     records: list[RequestRecord]
     summary: dict[str, ModelSummary]  # per model, plus ALL_MODELS
     slo: dict[str, SloSummary] = Field(default_factory=dict)
+    # The isolated latencies the SLO numbers were computed against (IsolatedEstimate dumps).
+    isolated: dict[str, dict[str, float]] = Field(default_factory=dict)
     roles: dict[str, str] = Field(default_factory=dict)  # model -> "hot" / "cold", if known
 
 

@@ -54,6 +54,7 @@ def run_benchmark(
         records=records,
         summary=summarize(records, duration_s),
         slo=slo,
+        isolated={m: est.model_dump() for m, est in (isolated or {}).items()},
         roles=dict(roles or {}),
     )
 

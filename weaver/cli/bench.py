@@ -17,6 +17,9 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "OPENAI_API_KEY"
+# The synthetic prompt of N words tokenizes to about N tokens plus BOS/special tokens; keep
+# this many tokens free under --max-model-len so that no request is rejected as too long.
+PROMPT_TOKEN_MARGIN = 4
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -80,7 +83,9 @@ def _add_workload_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--length-scale", type=float, default=1.0,
                    help="multiply input and output lengths by this factor (default: 1)")
     g.add_argument("--max-model-len", type=int, default=None,
-                   help="shrink requests so that input + output fits this context length")
+                   help="shrink requests so that input + output fits this context length, "
+                   f"less {PROMPT_TOKEN_MARGIN} tokens for the BOS and tokenizer drift of the "
+                   "synthetic prompt")
     g.add_argument("--seed", type=int, default=0,
                    help="the one seed of the workload (default: %(default)s)")
 
@@ -241,7 +246,7 @@ def _workloads(args: argparse.Namespace) -> list[tuple[float | None, list, dict[
         spec = WorkloadSpec(
             models=models, trace=args.trace, rate=rate, arrival=args.arrival,
             burstiness=args.burstiness, num_requests=args.num_requests,
-            length_scale=args.length_scale, max_model_len=args.max_model_len,
+            length_scale=args.length_scale, max_model_len=_fit_len(args.max_model_len),
             power_law_alpha=args.power_law_alpha, time_scale=args.time_scale,
             filter_name=args.filter_name, seed=args.seed, traces_dir=args.traces_dir,
         )
@@ -262,6 +267,16 @@ def _workloads(args: argparse.Namespace) -> list[tuple[float | None, list, dict[
         }
         out.append((total, requests, description))
     return out
+
+
+def _fit_len(max_model_len: int | None) -> int | None:
+    if max_model_len is None:
+        return None
+    if max_model_len <= PROMPT_TOKEN_MARGIN + 1:
+        raise ValueError(
+            f"--max-model-len must be > {PROMPT_TOKEN_MARGIN + 1}, got {max_model_len}"
+        )
+    return max_model_len - PROMPT_TOKEN_MARGIN
 
 
 def _client_config(args: argparse.Namespace, url: str):

@@ -86,12 +86,12 @@ class WorkloadSpec:
 def model_rates(spec: WorkloadSpec) -> list[float] | None:
     """Per-model rates: given per model, or `rate` split by the power law. None only for
     trace arrivals with no rate anywhere (replay at the trace's speed, even model split)."""
-    given = [m.rate for m in spec.models]
-    if all(r is not None for r in given):
+    given = [m.rate for m in spec.models if m.rate is not None]
+    if len(given) == len(spec.models):
         if spec.rate is not None:
             raise ValueError("give either per-model rates (--model NAME=RATE) or --rate, not both")
-        return [float(r) for r in given]  # type: ignore[arg-type]
-    if any(r is not None for r in given):
+        return given
+    if given:
         raise ValueError("give a rate for every model (NAME=RATE) or for none of them (--rate)")
     if spec.rate is None:
         if spec.arrival is ArrivalKind.TRACE:
