@@ -26,6 +26,7 @@ from weaver.workloads.types import TraceRequest
 logger = logging.getLogger(__name__)
 
 _MAX_ERROR_CHARS = 500
+_LATE_WARNING_S = 0.1
 
 
 @dataclass
@@ -188,8 +189,9 @@ async def _run_one(
                 await _stream_one(client, tracker, config)
     except asyncio.CancelledError:
         raise  # the deadline: the tracker keeps NOT_SENT or UNFINISHED
-    except (httpx.HTTPError, RuntimeError, ValueError) as exc:
-        # ValueError covers malformed JSON in the stream (json.JSONDecodeError).
+    except Exception as exc:
+        # Any failure of one request (HTTP, connection, malformed stream JSON) is a result
+        # to record, never a reason to stop the run.
         tracker.status = RequestStatus.ERROR
         tracker.error = f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_CHARS]
         logger.debug("request %d failed: %s", tracker.request.request_id, tracker.error)
@@ -222,7 +224,8 @@ async def run_load(requests: Sequence[TraceRequest], config: LoadGenConfig) -> L
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-    duration_s = time.perf_counter() - start
+        duration_s = time.perf_counter() - start
+    _warn_if_late(trackers, start, config)
     if pending:
         logger.warning(
             "deadline of %.1f s reached: %d of %d requests cancelled",
@@ -231,6 +234,19 @@ async def run_load(requests: Sequence[TraceRequest], config: LoadGenConfig) -> L
             len(tasks),
         )
     return LoadGenOutcome([t.to_record(start) for t in trackers], started_at_unix, duration_s)
+
+
+def _warn_if_late(trackers: Sequence[_Tracker], start: float, config: LoadGenConfig) -> None:
+    # Open loop only holds if the client keeps up; a late client understates the load.
+    if config.max_concurrency is not None:
+        return  # lateness is then the cap's queueing, by design
+    lags = [t.sent_at - start - t.request.arrival_s for t in trackers if t.sent_at is not None]
+    if lags and max(lags) > _LATE_WARNING_S:
+        logger.warning(
+            "the client sent requests up to %.0f ms after their arrival times; the machine "
+            "running the benchmark is too busy for this rate",
+            1000 * max(lags),
+        )
 
 
 def run_load_sync(requests: Sequence[TraceRequest], config: LoadGenConfig) -> LoadGenOutcome:
