@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from weaver.workloads.arrivals import gamma_arrivals, poisson_arrivals, trace_arrivals, trace_rate
 from weaver.workloads.lengths import scale_lengths
@@ -108,3 +110,29 @@ def test_split_count_sums_exactly():
     assert sum(split_count(1001, power_law_rates(5, 3.0, 0.9))) == 1001
     with pytest.raises(ValueError, match="weights"):
         split_count(3, [0, 0])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    num_in=st.integers(0, 20_000),
+    num_out=st.integers(0, 5_000),
+    factor=st.floats(0.001, 4.0),
+    max_len=st.one_of(st.none(), st.integers(2, 4096)),
+)
+def test_scale_lengths_always_fits(num_in, num_out, factor, max_len):
+    new_in, new_out = scale_lengths(num_in, num_out, factor, max_len)
+    assert new_in >= 1 and new_out >= 1
+    if max_len is not None:
+        assert new_in + new_out <= max_len
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    total=st.integers(0, 10_000),
+    weights=st.lists(st.floats(0.0, 100.0), min_size=1, max_size=8).filter(lambda w: sum(w) > 0),
+)
+def test_split_count_is_exact_and_close(total, weights):
+    counts = split_count(total, weights)
+    assert sum(counts) == total
+    for count, weight in zip(counts, weights, strict=True):
+        assert abs(count - total * weight / sum(weights)) < 1.0 + 1e-9

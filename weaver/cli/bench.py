@@ -237,6 +237,7 @@ def _workloads(args: argparse.Namespace) -> list[tuple[float | None, list, dict[
         load_rows,
         model_rates,
     )
+    from weaver.workloads.filters import default_filter_name
 
     models = [ModelLoad.parse(text) for text in args.model]
     rates: list[float | None] = list(args.rate) if args.rate else [None]
@@ -255,7 +256,8 @@ def _workloads(args: argparse.Namespace) -> list[tuple[float | None, list, dict[
         requests = build_workload(spec, rows)
         total = rate if rate is not None else (sum(per_model) if per_model else None)
         description = {
-            "trace": args.trace, "filter": args.filter_name, "arrival": args.arrival,
+            "trace": args.trace, "filter": spec.filter_name or default_filter_name(args.trace),
+            "arrival": args.arrival,
             "burstiness": args.burstiness, "num_requests": args.num_requests,
             "length_scale": args.length_scale, "max_model_len": args.max_model_len,
             "power_law_alpha": args.power_law_alpha, "time_scale": args.time_scale,
