@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 
 import pytest
 from fake_openai import FakeBehavior
@@ -97,6 +98,19 @@ def test_compare_two_fake_deployments_reports_ratios(fake_server, tmp_path, caps
 def test_user_errors_exit_2_with_a_message(argv, message, capsys):
     assert _main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_unreachable_server_warns_and_missing_isolated_fails_early(tmp_path, capsys):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    out = tmp_path / "down.json"
+    assert _main(["bench", "run", "--url", url, "--rate", "50", "--out", str(out), *WORKLOAD]) == 0
+    assert "no request" in capsys.readouterr().err
+    assert load_result(out).runs[0].summary[ALL_MODELS].num_errors == 8
+    argv = ["bench", "run", "--url", url, "--rate", "50", "--isolated", "hot=1,1", *WORKLOAD]
+    assert _main(argv) == 2
+    assert "['cold']" in capsys.readouterr().err
 
 
 def test_parse_target():

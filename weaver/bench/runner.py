@@ -31,6 +31,10 @@ def run_benchmark(
     numbers are added where `isolated` estimates or a `tpot_slo_s` are given."""
     if not requests:
         raise ValueError("the workload is empty; raise --num-requests")
+    missing = sorted({r.model for r in requests} - set(isolated or {}))
+    if isolated is not None and missing:
+        # Checked before sending: failing after a long run would throw its records away.
+        raise ValueError(f"no isolated latency estimate for model(s) {missing}")
     logger.info("run %s: %d requests to %s", label, len(requests), config.base_url)
     outcome = run_load_sync(requests, config)
     duration_s = max(outcome.duration_s, 1e-9)

@@ -312,6 +312,7 @@ def _run_targets(args: argparse.Namespace, targets: list[tuple[str, str]]) -> li
         )
         for run in runs:
             run.roles = roles
+            _warn_if_all_failed(run)
         result.runs += runs
         save_result(result, args.out)  # after every rate: a cut sweep keeps what it measured
     print(summary_table(result.runs))
@@ -320,6 +321,13 @@ def _run_targets(args: argparse.Namespace, targets: list[tuple[str, str]]) -> li
         print(table)
     print(f"results: {args.out}")
     return result.runs
+
+
+def _warn_if_all_failed(run) -> None:
+    errors = [r.error for r in run.records if r.error]
+    if errors and not any(r.status.value == "ok" for r in run.records):
+        print(f"weaver bench: warning: no request to {run.base_url} succeeded; first error: "
+              f"{errors[0]}", file=sys.stderr)
 
 
 @_guarded
