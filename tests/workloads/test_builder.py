@@ -66,7 +66,7 @@ def test_rate_errors():
         model_rates(_spec(rate=None))
     with pytest.raises(ValueError, match="repeat"):
         _spec(models=[ModelLoad("a"), ModelLoad("a")])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown arrival 'uniform'"):
         _spec(arrival="uniform")
 
 

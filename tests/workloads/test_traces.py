@@ -90,7 +90,10 @@ def test_bad_paths_and_files_raise_value_errors(tmp_path):
     with pytest.raises(ValueError, match="missing column"):
         load_azure_file(bad)
     bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,x,2\n")
-    with pytest.raises(ValueError, match="not a number"):
+    with pytest.raises(ValueError, match="'ContextTokens' holds 'x'"):
+        load_azure_file(bad)
+    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n16/11/2023 18:15,1,2\n")
+    with pytest.raises(ValueError, match="bad.csv:2: column 'TIMESTAMP'"):
         load_azure_file(bad)
 
 
@@ -123,7 +126,7 @@ def test_burstgpt_schema_errors(tmp_path):
     with pytest.raises(ValueError, match="Response tokens"):
         load_burstgpt(path)
     path.write_text(BURSTGPT_SAMPLE.replace("130.5", "noon"))
-    with pytest.raises(ValueError, match="Timestamp"):
+    with pytest.raises(ValueError, match="'Timestamp' holds 'noon'"):
         load_burstgpt(path)
     with pytest.raises(ValueError, match="unknown filter"):
         get_filter("sharegpt")

@@ -151,11 +151,11 @@ def _register_summary(commands: argparse._SubParsersAction) -> None:
         description="Print latency/throughput (and SLO) tables from results JSON files; with "
         "--tpot-slo-ms also the max sustainable rate per deployment and model of a sweep.",
     )
-    parser.add_argument("results", nargs="+", help="results JSON files")
-    parser.add_argument("--tpot-slo-ms", type=float, default=None,
-                        help="TPOT SLO for the max sustainable rate, in ms")
-    parser.add_argument("--percentile", type=float, default=90.0,
-                        help="TPOT percentile held to the SLO (50, 90 or 99; default: 90)")
+    _add_saved_results_args(
+        parser,
+        slo_help="TPOT SLO for the max sustainable rate, in ms",
+        percentile_help="TPOT percentile held to the SLO",
+    )
     parser.set_defaults(handler=_summary_handler)
 
 
@@ -165,13 +165,22 @@ def _register_plot(commands: argparse._SubParsersAction) -> None:
         description="Write tpot_vs_rate.png (hot and cold model side by side, one line per "
         "deployment) and throughput.png (bars per deployment) from results JSON files.",
     )
-    parser.add_argument("results", nargs="+", help="results JSON files")
+    _add_saved_results_args(
+        parser,
+        slo_help="draw this TPOT SLO as a dashed line, in ms",
+        percentile_help="TPOT percentile to plot",
+    )
     parser.add_argument("--out-dir", required=True, help="folder for the PNG files")
-    parser.add_argument("--percentile", type=float, default=90.0,
-                        help="TPOT percentile to plot (50, 90 or 99; default: 90)")
-    parser.add_argument("--tpot-slo-ms", type=float, default=None,
-                        help="draw this TPOT SLO as a dashed line")
     parser.set_defaults(handler=_plot_handler)
+
+
+def _add_saved_results_args(
+    parser: argparse.ArgumentParser, slo_help: str, percentile_help: str
+) -> None:
+    parser.add_argument("results", nargs="+", help="results JSON files")
+    parser.add_argument("--tpot-slo-ms", type=float, default=None, help=slo_help)
+    parser.add_argument("--percentile", type=float, default=90.0,
+                        help=f"{percentile_help} (50, 90 or 99; default: 90)")
 
 
 # Handlers -------------------------------------------------------------------------------

@@ -71,7 +71,11 @@ class WorkloadSpec:
     traces_dir: str | None = None
 
     def __post_init__(self) -> None:
-        self.arrival = ArrivalKind(self.arrival)
+        try:
+            self.arrival = ArrivalKind(self.arrival)
+        except ValueError:
+            choices = [kind.value for kind in ArrivalKind]
+            raise ValueError(f"unknown arrival {self.arrival!r}; choose one of {choices}") from None
         if not self.models:
             raise ValueError("a workload needs at least one model (--model NAME[=RATE])")
         names = [m.name for m in self.models]

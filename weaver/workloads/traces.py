@@ -16,9 +16,11 @@ from __future__ import annotations
 import csv
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -27,8 +29,7 @@ AZURE_FILES = {
     "azure-conv": "AzureLLMInferenceTrace_conv.csv",
     "azure-code": "AzureLLMInferenceTrace_code.csv",
 }
-_AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
-_BURSTGPT_COLUMNS = ("Timestamp", "Model", "Request tokens", "Response tokens")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -63,15 +64,6 @@ def resolve_traces_dir(traces_dir: str | os.PathLike[str] | None = None) -> Path
     return path
 
 
-def _parse_azure_timestamp(text: str) -> float:
-    # `YYYY-MM-DD HH:MM:SS.fffffff`: 7 fractional digits, which strptime's %f (6 max) rejects.
-    whole, _, fraction = text.strip().partition(".")
-    # UTC so that no local DST change can bend the gaps.
-    base = datetime.strptime(whole, "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc)
-    base = base.timestamp()
-    return base + (float("0." + fraction) if fraction else 0.0)
-
-
 def _check_columns(path: Path, header: list[str] | None, required: tuple[str, ...]) -> None:
     missing = [name for name in required if name not in (header or [])]
     if missing:
@@ -91,11 +83,73 @@ def _read_rows(path: Path) -> tuple[list[str] | None, list[dict[str, str]]]:
         return (list(reader.fieldnames) if reader.fieldnames else None), rows
 
 
-def _to_int(path: Path, line: int, column: str, text: str) -> int:
+@dataclass(frozen=True)
+class _Schema:
+    """Where a trace keeps the fields of a `TraceRow`, and how its timestamps read."""
+
+    timestamp: str
+    input_tokens: str
+    output_tokens: str
+    model: str | None
+    parse_timestamp: Callable[[str], float]
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        names = (self.timestamp, self.input_tokens, self.output_tokens, self.model)
+        return tuple(name for name in names if name)
+
+
+def _parse_azure_timestamp(text: str) -> float:
+    # `YYYY-MM-DD HH:MM:SS.fffffff`: 7 fractional digits, which strptime's %f (6 max) rejects.
+    whole, _, fraction = text.strip().partition(".")
+    # UTC so that no local DST change can bend the gaps.
+    base = datetime.strptime(whole, "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc)
+    return base.timestamp() + (float("0." + fraction) if fraction else 0.0)
+
+
+def _to_int(text: str) -> int:
+    return int(float(text))
+
+
+_AZURE_SCHEMA = _Schema(
+    "TIMESTAMP", "ContextTokens", "GeneratedTokens", None, _parse_azure_timestamp
+)
+# BurstGPT's Timestamp is already in seconds (from 0:00:00 of the trace's first day).
+_BURSTGPT_SCHEMA = _Schema("Timestamp", "Request tokens", "Response tokens", "Model", float)
+
+
+def _field(
+    path: Path, line: int, item: dict[str, str], column: str, parse: Callable[[str], T]
+) -> T:
     try:
-        return int(float(text))
+        return parse(item[column])
     except ValueError:
-        raise ValueError(f"{path}:{line}: column {column!r} is not a number: {text!r}") from None
+        raise ValueError(
+            f"{path}:{line}: column {column!r} holds {item[column]!r}, which is not readable "
+            "(a number, or for Azure a YYYY-MM-DD HH:MM:SS.fffffff time)"
+        ) from None
+
+
+def _load_csv(path: str | os.PathLike[str], schema: _Schema) -> list[TraceRow]:
+    """Rows in file order, timestamps made relative to the first row."""
+    path = Path(path)
+    header, raw = _read_rows(path)
+    _check_columns(path, header, schema.columns)
+    rows: list[TraceRow] = []
+    start_s: float | None = None
+    for line, item in enumerate(raw, start=2):
+        stamp = _field(path, line, item, schema.timestamp, schema.parse_timestamp)
+        start_s = stamp if start_s is None else start_s
+        rows.append(
+            TraceRow(
+                timestamp_s=stamp - start_s,
+                input_tokens=_field(path, line, item, schema.input_tokens, _to_int),
+                output_tokens=_field(path, line, item, schema.output_tokens, _to_int),
+                trace_model=item[schema.model].strip() if schema.model else "",
+            )
+        )
+    logger.debug("loaded %d rows from %s", len(rows), path)
+    return rows
 
 
 def load_azure(
@@ -104,59 +158,20 @@ def load_azure(
     """All rows of one Azure 2023 trace (`azure-conv` or `azure-code`), in file order."""
     if kind not in AZURE_FILES:
         raise ValueError(f"unknown Azure trace {kind!r}; choose one of {sorted(AZURE_FILES)}")
-    path = resolve_traces_dir(traces_dir) / AZURE_FILES[kind]
-    return load_azure_file(path)
+    return load_azure_file(resolve_traces_dir(traces_dir) / AZURE_FILES[kind])
 
 
 def load_azure_file(path: str | os.PathLike[str]) -> list[TraceRow]:
-    path = Path(path)
-    header, raw = _read_rows(path)
-    _check_columns(path, header, _AZURE_COLUMNS)
-    rows: list[TraceRow] = []
-    start_s: float | None = None
-    for line, item in enumerate(raw, start=2):
-        stamp = _parse_azure_timestamp(item["TIMESTAMP"])
-        start_s = stamp if start_s is None else start_s
-        rows.append(
-            TraceRow(
-                timestamp_s=stamp - start_s,
-                input_tokens=_to_int(path, line, "ContextTokens", item["ContextTokens"]),
-                output_tokens=_to_int(path, line, "GeneratedTokens", item["GeneratedTokens"]),
-            )
-        )
-    logger.debug("loaded %d rows from %s", len(rows), path)
-    return rows
+    return _load_csv(path, _AZURE_SCHEMA)
 
 
 def load_burstgpt(path: str | os.PathLike[str]) -> list[TraceRow]:
     """All rows of a BurstGPT CSV (e.g. `BurstGPT_without_fails_2.csv`), in file order.
 
-    Timestamps are made relative to the first row; the `Model` column is kept as
-    `trace_model` so that `filters.burstgpt_filter` can keep the GPT-4 rows as Weaver does.
+    The `Model` column is kept as `trace_model` so that `filters.burstgpt_filter` can keep
+    the GPT-4 rows as Weaver does.
     """
-    path = Path(path)
-    header, raw = _read_rows(path)
-    _check_columns(path, header, _BURSTGPT_COLUMNS)
-    rows: list[TraceRow] = []
-    start_s: float | None = None
-    for line, item in enumerate(raw, start=2):
-        try:
-            stamp = float(item["Timestamp"])
-        except ValueError:
-            raise ValueError(
-                f"{path}:{line}: Timestamp {item['Timestamp']!r} is not a number of seconds"
-            ) from None
-        start_s = stamp if start_s is None else start_s
-        rows.append(
-            TraceRow(
-                timestamp_s=stamp - start_s,
-                input_tokens=_to_int(path, line, "Request tokens", item["Request tokens"]),
-                output_tokens=_to_int(path, line, "Response tokens", item["Response tokens"]),
-                trace_model=item["Model"].strip(),
-            )
-        )
-    logger.debug("loaded %d rows from %s", len(rows), path)
-    return rows
+    return _load_csv(path, _BURSTGPT_SCHEMA)
 
 
 def load_trace(name: str, traces_dir: str | os.PathLike[str] | None = None) -> list[TraceRow]:
