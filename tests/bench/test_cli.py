@@ -120,3 +120,15 @@ def test_parse_target():
 def test_bench_without_subcommand_prints_help(capsys):
     assert _main(["bench"]) == 2
     assert "bench commands" in capsys.readouterr().out
+
+
+def test_registers_through_weaver_main(monkeypatch, capsys):
+    # What the merge does: main imports the module by name and calls register().
+    from weaver.cli import main
+
+    monkeypatch.setattr(main, "SUBCOMMAND_MODULES", ("weaver.cli.bench",))
+    assert main.main(["bench", "summary", "/nonexistent.json"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main.main(["bench", "plot", "--help"])
+    assert "tpot_vs_rate.png" in capsys.readouterr().out
