@@ -84,6 +84,14 @@ def summarize_model(
     )
 
 
+def by_model(records: Iterable[RequestRecord]) -> dict[str, list[RequestRecord]]:
+    """Records grouped by model name, models in sorted order."""
+    groups: dict[str, list[RequestRecord]] = {}
+    for record in records:
+        groups.setdefault(record.model, []).append(record)
+    return dict(sorted(groups.items()))
+
+
 def summarize(
     records: Sequence[RequestRecord],
     duration_s: float,
@@ -91,8 +99,8 @@ def summarize(
 ) -> dict[str, ModelSummary]:
     """One summary per model, plus `ALL_MODELS` over every record."""
     out = {
-        model: summarize_model([r for r in records if r.model == model], duration_s, percentiles)
-        for model in sorted({r.model for r in records})
+        model: summarize_model(mine, duration_s, percentiles)
+        for model, mine in by_model(records).items()
     }
     out[ALL_MODELS] = summarize_model(records, duration_s, percentiles)
     return out
@@ -102,8 +110,8 @@ def fit_isolated(records: Sequence[RequestRecord]) -> dict[str, IsolatedEstimate
     """Per-model isolated latencies from a low-load run: a least-squares line of TTFT over
     the prompt length (server-reported when known) and the median TPOT."""
     out: dict[str, IsolatedEstimate] = {}
-    for model in sorted({r.model for r in records}):
-        ok = [r for r in records if r.model == model and r.status is RequestStatus.OK]
+    for model, mine in by_model(records).items():
+        ok = [r for r in mine if r.status is RequestStatus.OK]
         tpots = [t for r in ok if (t := r.tpot_s) is not None]
         if not ok or not tpots:
             raise ValueError(

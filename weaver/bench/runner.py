@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from weaver.bench.loadgen import LoadGenConfig, run_load_sync
-from weaver.bench.metrics import IsolatedEstimate, slo_summary, summarize
+from weaver.bench.metrics import IsolatedEstimate, by_model, slo_summary, summarize
 from weaver.bench.results import ALL_MODELS, RunResult
 from weaver.workloads.types import TraceRequest
 
@@ -41,9 +41,7 @@ def run_benchmark(
     records = outcome.records
     slo = {}
     if isolated is not None or tpot_slo_s is not None:
-        models = sorted({r.model for r in records})
-        for model in models:
-            mine = [r for r in records if r.model == model]
+        for model, mine in by_model(records).items():
             slo[model] = slo_summary(mine, duration_s, isolated, tpot_slo_s)
         slo[ALL_MODELS] = slo_summary(records, duration_s, isolated, tpot_slo_s)
     started = datetime.fromtimestamp(outcome.started_at_unix, timezone.utc)
