@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import pytest
-from fake_openai import FakeBehavior, FakeOpenAIServer
+from bench_fake_server import FakeBehavior, FakeOpenAIServer
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import argparse
 import socket
 
 import pytest
-from fake_openai import FakeBehavior
+from bench_fake_server import FakeBehavior
 
 from weaver.bench.compare import compare_deployments, parse_target
 from weaver.bench.loadgen import LoadGenConfig

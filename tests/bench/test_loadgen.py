@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from fake_openai import FakeBehavior
+from bench_fake_server import FakeBehavior
 
 from weaver.bench.loadgen import LoadGenConfig, build_payload, run_load_sync
 from weaver.bench.prompts import synthetic_prompt
