@@ -14,7 +14,7 @@ import openai
 import psutil
 import pytest
 
-from tests.serving import weaver_server
+from weaver.server.process import weaver_server
 
 pytestmark = pytest.mark.engine
 

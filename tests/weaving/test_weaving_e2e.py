@@ -4,7 +4,7 @@ One server hosts four engines: `ref` (SmolLM2, dedicated: weaving off), `hot` (t
 model weaving half its sequences into `cold`), `hot-all` (every sequence remote) and
 `cold` (a random-weight Llama of another shape: 3 layers, 6 q / 1 kv heads, head 64,
 against SmolLM2's 30 layers, 9 q / 3 kv heads). The three SmolLM2 engines have the same
-capped local KV (16 blocks of 32 tokens) and a small prefill chunk (64 tokens), so long
+capped local KV (16 usable blocks of 32 tokens) and a small prefill chunk (64 tokens), so long
 prompts span several chunks and the batch is KV-bound. Tests run in file order; the last
 ones kill the cold engine and stop the server.
 """
@@ -22,13 +22,13 @@ import openai
 import psutil
 import pytest
 
-from tests.serving import weaver_server
+from weaver.server.process import weaver_server
 
 pytestmark = pytest.mark.engine
 
 NUM_PROMPTS = 32
 MAX_TOKENS = 24
-LOCAL_BLOCKS = 16
+LOCAL_BLOCKS = 17  # 16 usable: block 0 is vLLM's null block
 SMOLLM2_ENGINE = """
     model: {smollm2}
     kv_cache_gib: 0.25

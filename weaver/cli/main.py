@@ -18,6 +18,7 @@ SUBCOMMAND_MODULES = (
     "weaver.cli.models",
     "weaver.cli.config",
     "weaver.cli.plan_split",
+    "weaver.cli.bench",
 )
 
 

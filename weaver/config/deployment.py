@@ -44,6 +44,11 @@ class ModelSpec(BaseModel):
     num_gpu_blocks_override: int | None = Field(
         None, ge=1, description="cap the engine's own KV blocks (benchmarks of KV-bound load)"
     )
+    cpu_cores: str | None = Field(
+        None,
+        description="cpu device: cores for this engine's worker in vLLM's "
+        "VLLM_CPU_OMP_THREADS_BIND syntax ('0', '0-1', 'nobind'); default: vLLM's choice",
+    )
     extra_engine_args: dict[str, Any] = Field(
         default_factory=dict, description="more vLLM engine arguments, by their Python name"
     )

@@ -80,10 +80,12 @@ async def start_engines(settings: ServeSettings, stack: contextlib.AsyncExitStac
     for engine_stack in engine_stacks:
         stack.push_async_callback(engine_stack.aclose)
     started = time.monotonic()
-    handles = await asyncio.gather(*(
-        _start_engine(spec, paths[spec.name], engine_stack, configs[spec.name])
+    # One after another: vLLM builds an engine synchronously anyway, and each engine's
+    # processes inherit the environment set for it alone (cpu_cores).
+    handles = [
+        await _start_engine(spec, paths[spec.name], engine_stack, configs[spec.name])
         for spec, engine_stack in zip(deployment.models, engine_stacks, strict=True)
-    ))
+    ]
     engines = {handle.spec.name: handle for handle in handles}
     logger.info("%d engines ready in %.1f s", len(handles), time.monotonic() - started)
     supervisor = None

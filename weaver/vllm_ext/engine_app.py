@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -109,6 +110,22 @@ def parse_engine_args(
     return args
 
 
+@contextlib.contextmanager
+def _engine_environment(spec: ModelSpec):
+    """Environment that the engine's processes (spawned while this is active) inherit."""
+    env = {"VLLM_CPU_OMP_THREADS_BIND": spec.cpu_cores} if spec.cpu_cores else {}
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def _engine_process_ids(client: Any) -> list[int]:
     # AsyncLLM → AsyncMPClient → resources.engine_manager (CoreEngineProcManager).
     core = getattr(client, "engine_core", None)
@@ -129,7 +146,8 @@ async def open_engine(
 
     args = parse_engine_args(spec, model_path, additional_config)
     logger.info("starting engine %s from %s", spec.name, model_path)
-    client = await stack.enter_async_context(build_async_engine_client(args))
+    with _engine_environment(spec):
+        client = await stack.enter_async_context(build_async_engine_client(args))
     supported_tasks = await client.get_supported_tasks()
     app = build_app(args, supported_tasks, client.model_config)
     await init_app_state(client, app.state, args, supported_tasks)

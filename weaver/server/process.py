@@ -1,4 +1,5 @@
-"""Start and stop a real `weaver serve` process for end-to-end tests."""
+"""Start and stop a real `weaver serve` process: for end-to-end tests, benchmarks and
+`weaver bench compare`, which all need a server they own and must leave nothing behind."""
 
 from __future__ import annotations
 
