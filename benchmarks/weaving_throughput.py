@@ -33,7 +33,8 @@ from weaver.server.process import weaver_server
 from weaver.workloads.types import TraceRequest
 
 BLOCK_SIZE = 32
-SMOLLM2_BLOCK_BYTES = 30 * 3 * BLOCK_SIZE * 2 * 64 * 4  # layers × kv heads × tokens × K,V × D × fp32
+# SmolLM2: 30 layers × 3 kv heads × block tokens × (K, V) × head 64 × fp32
+SMOLLM2_BLOCK_BYTES = 30 * 3 * BLOCK_SIZE * 2 * 64 * 4
 GiB = 1 << 30
 
 
@@ -115,7 +116,8 @@ def main() -> int:
     parser.add_argument("--cold-output", type=int, default=32)
     parser.add_argument("--cold-start-s", type=float, default=5.0)
     parser.add_argument("--cold-interval-s", type=float, default=5.0)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/weaving_throughput.json"))
+    parser.add_argument("--out", type=Path,
+                        default=Path("benchmarks/results/weaving_throughput.json"))
     args = parser.parse_args()
 
     model_dir = prepare_model("smollm2-135m-instruct")

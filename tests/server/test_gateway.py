@@ -33,6 +33,9 @@ class EchoBackend:
         if self.dead:
             raise RuntimeError("dead")
 
+    def scheduler_stats(self) -> dict:
+        return {"num_running": 2, "peak_running": 5}
+
     def describe(self) -> dict:
         return {"model_path": f"/models/{self.name}", "max_model_len": 128}
 
@@ -137,6 +140,7 @@ def test_metrics_count_requests_by_model():
         assert f"{series} 3.0" in text
         assert 'weaver_rejected_requests_total{reason="unknown_model"} 1.0' in text
         assert 'weaver_engine_up{model="b"} 1.0' in text
+        assert 'weaver_peak_running{model="a"} 5.0' in text
     run(go())
 
 

@@ -131,10 +131,17 @@ async def run_server(settings: ServeSettings) -> None:
 
 def _hand_signals_to_uvicorn() -> None:
     # From here on uvicorn's own handlers stop the server gracefully; ours would cancel
-    # the task and cut the engines' shutdown short.
+    # the task and cut the engines' shutdown short. uvicorn restores the handler it found
+    # and re-raises the signal once it has stopped, so the handler left in place only
+    # notes it: the engines are being shut down already.
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.remove_signal_handler(sig)
+        signal.signal(sig, _note_signal_during_shutdown)
+
+
+def _note_signal_during_shutdown(signum: int, _frame: object) -> None:
+    logger.info("%s received; shutting down the engines", signal.Signals(signum).name)
 
 
 def serve(settings: ServeSettings) -> int:

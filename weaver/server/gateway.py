@@ -37,6 +37,8 @@ class ModelBackend(Protocol):
 
     async def check_health(self) -> None: ...
 
+    def scheduler_stats(self) -> dict[str, float]: ...
+
     def describe(self) -> dict[str, Any]: ...
 
 
@@ -81,6 +83,8 @@ class Gateway:
         elif path == "/metrics" and method == "GET":
             if self.before_metrics is not None:
                 await self.before_metrics()
+            for name, backend in self.backends.items():
+                self.metrics.set_scheduler_stats(name, backend.scheduler_stats())
             await _send(send, 200, self.metrics.render(), b"text/plain; version=0.0.4")
         elif path.startswith("/v1/") and method == "POST":
             await self._forward(scope, receive, send)

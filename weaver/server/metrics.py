@@ -10,6 +10,14 @@ from __future__ import annotations
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
+# From each engine's SchedulerStats (weaver.vllm_ext.engine_stats), by model.
+_SCHEDULER_SERIES = {
+    "num_running": "Requests in the engine's running batch",
+    "num_waiting": "Requests waiting for the engine's scheduler",
+    "kv_cache_usage": "Fraction of the engine's own KV blocks in use",
+    "peak_running": "Most requests in one batch since the engine started",
+}
+
 
 class GatewayMetrics:
     def __init__(self) -> None:
@@ -36,6 +44,16 @@ class GatewayMetrics:
             ["model", "endpoint"],
             registry=self.registry,
         )
+
+        self.scheduler = {
+            key: Gauge(f"weaver_{key}", help_text, ["model"], registry=self.registry)
+            for key, help_text in _SCHEDULER_SERIES.items()
+        }
+
+    def set_scheduler_stats(self, model: str, stats: dict[str, float]) -> None:
+        for key, value in stats.items():
+            if key in self.scheduler:
+                self.scheduler[key].labels(model=model).set(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry) + generate_latest(REGISTRY)

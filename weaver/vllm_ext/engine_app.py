@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from weaver.config.deployment import ModelSpec, Role
+from weaver.vllm_ext.engine_stats import EngineStatsRecorder, attach_stats_recorder
 from weaver.weaving.plan import block_size_of
 
 if TYPE_CHECKING:
@@ -38,10 +39,14 @@ class EngineHandle:
     max_model_len: int
     model_path: Path
     process_ids: list[int] = field(default_factory=list)
+    stats: EngineStatsRecorder | None = None
 
     @property
     def is_dead(self) -> bool:
         return bool(self.client.errored)
+
+    def scheduler_stats(self) -> dict[str, float]:
+        return self.stats.snapshot() if self.stats is not None else {}
 
     async def check_health(self) -> None:
         await self.client.check_health()
@@ -158,6 +163,7 @@ async def open_engine(
         max_model_len=client.model_config.max_model_len,
         model_path=model_path,
         process_ids=_engine_process_ids(client),
+        stats=attach_stats_recorder(client),
     )
     logger.info("engine %s ready (engine processes %s)", spec.name, handle.process_ids)
     return handle

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import threading
-
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
