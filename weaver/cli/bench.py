@@ -9,9 +9,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -134,12 +136,17 @@ def _register_run(commands: argparse._SubParsersAction) -> None:
 
 def _register_compare(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
-        "compare", help="the same workload against several running servers, with ratios",
+        "compare", help="the same workload against several deployments, with ratios",
         description="Run the same requests (same seed, same arrival times) against each "
-        "LABEL=URL target in turn, save all runs in one file and print ratios to the first.",
+        "deployment in turn, save all runs in one file and print ratios to the first. A "
+        "deployment is a YAML file (Weaver starts `weaver serve` on it, runs the workload "
+        "and stops it before the next one) or the URL of a running server.",
     )
-    parser.add_argument("--target", action="append", required=True, metavar="LABEL=URL",
-                        help="a running deployment; repeat; the first is the baseline")
+    parser.add_argument("deployments", nargs="*", type=Path, metavar="DEPLOYMENT.yaml",
+                        help="deployment files, labelled by their file name; the first is "
+                        "the baseline")
+    parser.add_argument("--target", action="append", default=[], metavar="LABEL=URL|YAML",
+                        help="a running server or a deployment file with a label; repeat")
     _add_workload_args(parser)
     _add_client_args(parser)
     parser.set_defaults(handler=_compare_handler)
@@ -313,23 +320,50 @@ def _run_targets(args: argparse.Namespace, targets: list[tuple[str, str]]) -> li
     roles = _roles(args)
     tpot_slo_s = args.tpot_slo_ms / 1000 if args.tpot_slo_ms is not None else None
     result = new_result(["weaver", *sys.argv[1:]])
-    config = _client_config(args, targets[0][1])
-    for rate, requests, description in _workloads(args):
-        runs = compare_deployments(
-            targets, requests, config, rate=rate, workload=description,
-            isolated=isolated, tpot_slo_s=tpot_slo_s,
-        )
-        for run in runs:
-            run.roles = roles
-            _warn_if_all_failed(run)
-        result.runs += runs
-        save_result(result, args.out)  # after every rate: a cut sweep keeps what it measured
+    workloads = _workloads(args)
+    runs_by_target = []
+    for label, where in targets:
+        with _served(label, where, args.out) as url:
+            config = _client_config(args, url)
+            runs = []
+            for rate, requests, description in workloads:
+                (run,) = compare_deployments(
+                    [(label, url)], requests, config, rate=rate, workload=description,
+                    isolated=isolated, tpot_slo_s=tpot_slo_s,
+                )
+                run.roles = roles
+                _warn_if_all_failed(run)
+                runs.append(run)
+                result.runs.append(run)
+                save_result(result, args.out)  # a cut sweep keeps what it measured
+            runs_by_target.append(runs)
+    # Rate-major, so that each swept rate lists the deployments side by side.
+    result.runs = [runs[i] for i in range(len(workloads)) for runs in runs_by_target]
+    save_result(result, args.out)
     print(summary_table(result.runs))
     table = slo_table(result.runs)
     if table:
         print(table)
     print(f"results: {args.out}")
     return result.runs
+
+
+@contextlib.contextmanager
+def _served(label: str, where: str, out: Path):
+    """The URL of a target: as given, or of a `weaver serve` started on a deployment file
+    for the duration of its runs (its log lands beside the results file)."""
+    if where.startswith(("http://", "https://")):
+        yield where
+        return
+    from weaver.server.process import weaver_server
+
+    config = Path(where)
+    if not config.is_file():
+        raise ValueError(f"{where!r} is neither a URL nor an existing deployment file")
+    log = Path(out).with_name(f"{Path(out).stem}.{label}.serve.log")
+    print(f"starting deployment {label!r} from {config} (log: {log})", flush=True)
+    with weaver_server(config, log) as server:
+        yield server.base_url
 
 
 def _warn_if_all_failed(run) -> None:
@@ -350,7 +384,10 @@ def _compare_handler(args: argparse.Namespace) -> int:
     from weaver.bench.compare import parse_target
     from weaver.bench.report import comparison_table
 
-    targets = [parse_target(text) for text in args.target]
+    targets = [(path.stem, str(path)) for path in args.deployments]
+    targets += [parse_target(text) for text in args.target]
+    if not targets:
+        raise ValueError("give deployment files or --target LABEL=URL|YAML to compare")
     runs = _run_targets(args, targets)
     for start in range(0, len(runs), len(targets)):  # one table per swept rate
         print(comparison_table(runs[start : start + len(targets)]))
