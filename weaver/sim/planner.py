@@ -1,0 +1,175 @@
+"""Placement planner: MuxServe's enumeration + greedy (§4.2) extended with weaving.
+
+1. A throughput estimator gives each model's capacity on one GPU under the TPOT SLO (the
+   best batch size whose decode step fits the SLO and whose KV fits in memory).
+2. Enumeration: for each threshold of "small" demand, models needing less than that share
+   of a GPU are packed together (first-fit decreasing on demand), the rest get replicas,
+   and spare GPUs go greedily to the model with the highest demand per replica.
+3. The best candidates by estimate are simulated under `muxserve`; the best plan then
+   tries weaving (hot GPUs paired with the least loaded ones) at several offload ratios.
+The plan with the highest simulated goodput wins; the dedicated placement (equal GPUs per
+model) is simulated as the baseline.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+from weaver.sim.cluster import Cluster
+from weaver.sim.config import ModelSpec, SimConfig
+from weaver.sim.engine import Engine
+from weaver.sim.plan import GpuPlan, Plan, default_plan, hot_cold_pairs
+from weaver.sim.runner import simulate
+
+logger = logging.getLogger(__name__)
+
+SMALL_DEMAND_THRESHOLDS = (0.0, 0.25, 0.5, 0.9)
+OFFLOAD_RATIOS = (0.25, 0.5)
+MAX_PACKED_DEMAND = 0.9  # leave headroom on shared GPUs: queueing grows near saturation
+MIN_KV_SHARE = 0.2  # a shared GPU keeps at least this share of its memory for KV
+
+
+def estimate_capacity(cluster: Cluster, spec: ModelSpec) -> float:
+    """Requests per second one GPU sustains for this model under the TPOT SLO."""
+    perf = cluster.perf(spec.name)
+    kv_tokens = cluster.kv_capacity_bytes([spec.name]) / perf.shape.kv_bytes_per_token
+    tpot_s = cluster.config.slo.tpot_ms / 1000
+    budget = cluster.config.server.max_num_batched_tokens
+    prefill_per_token = perf.prefill_time(budget) / budget
+    mean_context = spec.input.mean + spec.output.mean / 2
+    best = 0.0
+    for b in range(1, cluster.config.server.max_num_seqs + 1):
+        context = b * mean_context
+        step = perf.decode_time(b, int(context))
+        if context > kv_tokens or step > tpot_s:
+            break
+        per_request = spec.output.mean * step / b + spec.input.mean * prefill_per_token
+        best = max(best, 1.0 / per_request)
+    return best
+
+
+@dataclass
+class Candidate:
+    plan: Plan
+    policy: str
+    estimate_rps: float
+    label: str
+    result: dict | None = field(default=None, repr=False)
+
+    @property
+    def goodput(self) -> float:
+        return self.result["summary"]["_all"]["goodput_rps"] if self.result else -1.0
+
+
+def place(cluster: Cluster, capacities: dict[str, float], threshold: float) -> Plan | None:
+    """Pack models below `threshold` GPUs of demand; give the rest replicas greedily."""
+    config = cluster.config
+    demand = {m.name: m.rate / max(capacities[m.name], 1e-9) for m in config.models}
+    small = sorted((n for n, d in demand.items() if d < threshold), key=lambda n: -demand[n])
+    bins: list[list[str]] = []
+    loads: list[float] = []
+    for name in small:  # first-fit decreasing
+        fit = next((i for i, load in enumerate(loads)
+                    if load + demand[name] <= MAX_PACKED_DEMAND
+                    and _fits(cluster, bins[i] + [name])), None)
+        if fit is None:
+            bins.append([name])
+            loads.append(demand[name])
+        else:
+            bins[fit].append(name)
+            loads[fit] += demand[name]
+    large = [n for n in demand if n not in small]
+    if len(bins) + len(large) > config.cluster.num_gpus:
+        return None
+    replicas = dict.fromkeys(large, 1)
+    for _ in range(config.cluster.num_gpus - len(bins) - len(large)):
+        if not large:
+            break
+        name = max(large, key=lambda n: (demand[n] / replicas[n], n))
+        replicas[name] += 1
+    gpus = [GpuPlan(b) for b in bins]
+    gpus += [GpuPlan([n]) for n in large for _ in range(replicas[n])]
+    return Plan(gpus)
+
+
+def _fits(cluster: Cluster, models: list[str]) -> bool:
+    """Whether one more model may join a shared GPU: the weights of all of them must
+    leave at least MIN_KV_SHARE of the device for KV (MuxServe packs by memory too)."""
+    try:
+        kv = cluster.kv_capacity_bytes(models)
+    except ValueError:
+        return False
+    return kv >= MIN_KV_SHARE * cluster.device.memory_bytes
+
+
+def estimate_plan(config: SimConfig, plan: Plan, capacities: dict[str, float]) -> float:
+    """Estimated served rate: each model gets min(rate, capacity of its GPU shares)."""
+    total = 0.0
+    for m in config.models:
+        gpus = plan.gpus_of(m.name)
+        share = sum(1.0 / len(plan.gpus[i].models) for i in gpus)
+        total += min(m.rate, share * capacities[m.name])
+    return total
+
+
+def plan_cluster(config: SimConfig, progress: bool = False) -> dict:
+    """Choose a placement (and weaving pairs) for the config's models and cluster."""
+    cluster = Cluster(config, Engine())
+    capacities = {m.name: estimate_capacity(cluster, m) for m in config.models}
+    candidates: dict[str, Candidate] = {}
+    for threshold in SMALL_DEMAND_THRESHOLDS:
+        plan = place(cluster, capacities, threshold)
+        if plan is not None:
+            key = str(plan.to_dict())
+            candidates.setdefault(key, Candidate(plan, "muxserve", estimate_plan(
+                config, plan, capacities), f"muxserve(threshold={threshold})"))
+    if not candidates:
+        raise ValueError(f"{len(config.models)} models do not fit on "
+                         f"{config.cluster.num_gpus} GPUs even when packed; add GPUs")
+    ranked = sorted(candidates.values(), key=lambda c: -c.estimate_rps)
+    simulated = ranked[:config.plan_candidates]
+    for cand in simulated:
+        cand.result = simulate(config, cand.policy, cand.plan, progress=progress,
+                               keep_requests=False)
+    best = max(simulated, key=lambda c: c.goodput)
+    for ratio in OFFLOAD_RATIOS:
+        pairs = hot_cold_pairs(config, best.plan.gpus, ratio)
+        if not pairs:
+            break
+        woven = Candidate(Plan(best.plan.gpus, pairs), "weaver", best.estimate_rps,
+                          f"{best.label}+weaving(ratio={ratio})")
+        woven.result = simulate(config, "weaver", woven.plan, progress=progress,
+                                keep_requests=False)
+        simulated.append(woven)
+    chosen = max(simulated, key=lambda c: c.goodput)
+    baseline = _baseline(config, progress)
+    return {
+        "config": config.name,
+        "capacities_rps": capacities,
+        "chosen": _describe(chosen),
+        "baseline": baseline,
+        "candidates": [_describe(c) for c in simulated],
+        "goodput_gain": chosen.goodput / baseline["summary"]["_all"]["goodput_rps"]
+        if baseline["summary"]["_all"]["goodput_rps"] > 0 else math.inf,
+    }
+
+
+def _baseline(config: SimConfig, progress: bool) -> dict:
+    """Dedicated placement with GPUs dealt round-robin by rate (mux_temporal when there
+    are fewer GPUs than models)."""
+    plain = config.model_copy(update={"placement": None})
+    plan = default_plan(plain)
+    plan.pairs = []
+    policy = "dedicated" if all(len(g.models) == 1 for g in plan.gpus) else "mux_temporal"
+    result = simulate(plain, policy, plan, progress=progress, keep_requests=False)
+    return {"label": f"{policy}(round-robin)", "policy": policy, "plan": plan.to_dict(),
+            "summary": result["summary"], "sim": result["sim"]}
+
+
+def _describe(cand: Candidate) -> dict:
+    return {"label": cand.label, "policy": cand.policy, "plan": cand.plan.to_dict(),
+            "estimate_rps": cand.estimate_rps, "summary": cand.result["summary"],
+            "sim": cand.result["sim"]}
+
