@@ -171,7 +171,7 @@ class Profile:
 def _check_axis(name: str, axis: list, values: list) -> None:
     if len(axis) < 2:
         raise ValueError(f"profile axis {name} needs at least 2 points, got {len(axis)}")
-    if any(b <= a for a, b in zip(axis, axis[1:])):
+    if any(b <= a for a, b in zip(axis, axis[1:], strict=False)):
         raise ValueError(f"profile axis {name} must be strictly increasing: {axis}")
     if len(values) != len(axis):
         raise ValueError(f"profile axis {name} has {len(axis)} points but {len(values)} values")

@@ -39,7 +39,7 @@ def poisson_requests(model: str, rate: float, duration_s: float, input_mean: flo
     inputs = lognormal_lengths(rng, input_mean, sigma, num, high=max_input)
     outputs = lognormal_lengths(rng, output_mean, sigma, num, high=max_output)
     return [TraceRequest(float(a), int(i), int(o), model) for a, i, o in
-            zip(arrivals, inputs, outputs)]
+            zip(arrivals, inputs, outputs, strict=True)]
 
 
 def power_law_rates(num_models: int, total_rate: float, alpha: float) -> list[float]:

@@ -3,8 +3,9 @@
 Simplifications, stated: each instance is one GPU; prefill and decode jobs of co-located
 models run one at a time (no SM partitioning), so the gain over Mux-Temporal comes from
 ADBS: (1) scheduling picks the model with the least service per unit of request rate,
-models with prompts to admit first, so a popular model is not starved by round-robin; (2) KV memory is divided
-into per-model quotas, re-balanced periodically from each model's use and backlog."""
+models with prompts to admit first, so a popular model is not starved by round-robin;
+(2) KV memory is divided into per-model quotas, re-balanced periodically from each
+model's use and backlog."""
 
 from __future__ import annotations
 
