@@ -83,14 +83,17 @@ def place(cluster: Cluster, capacities: dict[str, float], threshold: float) -> P
     large = [n for n in demand if n not in small]
     if len(bins) + len(large) > config.cluster.num_gpus:
         return None
-    replicas = dict.fromkeys(large, 1)
-    for _ in range(config.cluster.num_gpus - len(bins) - len(large)):
-        if not large:
-            break
-        name = max(large, key=lambda n: (demand[n] / replicas[n], n))
-        replicas[name] += 1
-    gpus = [GpuPlan(b) for b in bins]
-    gpus += [GpuPlan([n]) for n in large for _ in range(replicas[n])]
+    gpus = [GpuPlan(b) for b in bins] + [GpuPlan([n]) for n in large]
+    # Greedy: each spare GPU becomes one more dedicated replica of the model with the
+    # highest demand per GPU it holds (a packed model holds a share of its GPU).
+    held = {n: 0.0 for n in demand}
+    for gpu in gpus:
+        for n in gpu.models:
+            held[n] += 1.0 / len(gpu.models)
+    for _ in range(config.cluster.num_gpus - len(gpus)):
+        name = max(demand, key=lambda n: (demand[n] / held[n], n))
+        gpus.append(GpuPlan([name]))
+        held[name] += 1.0
     return Plan(gpus)
 
 
