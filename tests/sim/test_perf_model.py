@@ -1,4 +1,5 @@
 import pytest
+from sim_helpers import A1, SHAPE, decode_time, linear_profile, prefill_time
 
 from weaver.sim.perf_model import (
     Bilinear,
@@ -10,8 +11,6 @@ from weaver.sim.perf_model import (
     mg1_poll_wait,
 )
 from weaver.sim.profile import get_device, get_shape, roofline_profile
-
-from sim_helpers import A1, SHAPE, decode_time, linear_profile, prefill_time
 
 
 def test_piecewise_linear_interpolates_and_extrapolates():

@@ -195,7 +195,10 @@ def _print_sweep(sweep: dict) -> None:
     print(f"max {model} rate under SLO (p90 TPOT <= {sweep['slo']['tpot_ms']} ms, p90 TTFT "
           f"<= {sweep['slo']['ttft_s']} s): "
           + ", ".join(f"{k} {v:.2f} req/s" for k, v in rates.items()))
-    if rates.get("dedicated") and "weaver" in rates:
-        gain = rates["weaver"] / rates["dedicated"] - 1
-        print(f"weaving vs dedicated: {gain:+.0%} (paper, Weaver §5 on A100: "
+    if "dedicated" in rates and "weaver" in rates:
+        if rates["dedicated"] > 0:
+            gain = f"{rates['weaver'] / rates['dedicated'] - 1:+.0%}"
+        else:
+            gain = "n/a (dedicated meets the SLO at no swept rate; sweep lower rates)"
+        print(f"weaving vs dedicated: {gain} (paper, Weaver §5 on A100: "
               f"{PAPER_HOT_GAIN:+.0%})")

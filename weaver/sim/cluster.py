@@ -31,8 +31,11 @@ class Cluster:
             self._perf[model] = PerfModel(profile)
         return self._perf[model]
 
-    def link(self) -> LinkModel:
-        return LinkModel(self.device.link_bandwidth_bps, self.device.link_latency_s)
+    def link(self, model: str) -> LinkModel:
+        """The device-to-device link as the model's profile describes it (the roofline
+        profiles copy it from the device datasheet; measured ones measure it)."""
+        profile = self.perf(model).profile
+        return LinkModel(profile.link_bandwidth_bps, profile.link_latency_s)
 
     def kv_capacity_bytes(self, models: list[str]) -> float:
         """Device memory left for KV after the weights of the models placed on it."""

@@ -125,6 +125,8 @@ class SimConfig(_Strict):
     name: str
     seed: int = 0
     duration_s: float = Field(60.0, gt=0, description="arrivals are generated over this")
+    drain_s: float = Field(90.0, ge=0, description="simulate at most this long after the "
+                           "arrival window; requests unfinished by then count as missed")
     policy: str = "dedicated"
     models: list[ModelSpec] = []
     model_set: ModelSetSpec | None = None

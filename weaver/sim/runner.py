@@ -19,8 +19,6 @@ from weaver.workloads.types import TraceRequest
 
 logger = logging.getLogger(__name__)
 
-DRAIN_FACTOR = 4.0  # simulate at most this many times the arrival window, then stop
-
 
 def generate_requests(config: SimConfig) -> list[TraceRequest]:
     """Poisson arrivals per model, seeded from the config seed and the model's index."""
@@ -51,7 +49,7 @@ def simulate(config: SimConfig, policy: str | None = None, plan: Plan | None = N
     sim_requests = [SimRequest(r) for r in requests]
     engine.push(_arrivals(engine, pol, iter(sim_requests)))
     wall = time.perf_counter()
-    horizon = config.duration_s * DRAIN_FACTOR
+    horizon = config.duration_s + config.drain_s
     _run(engine, horizon, progress, f"{config.name}/{policy_name}")
     wall = time.perf_counter() - wall
     records = [request_record(r) for r in sim_requests]

@@ -53,7 +53,7 @@ class SplitwisePolicy(Policy):
                              "it a GPU with role: token")
         target = shortest_queue(pool, req.model)
         target.servers[req.model].num_in_flight += 1
-        delay = kv_transfer_time(self.cluster.perf(req.model), self.cluster.link(),
+        delay = kv_transfer_time(self.cluster.perf(req.model), self.cluster.link(req.model),
                                  req.trace.input_tokens + req.num_done - 1)
         req.has_kv = True
 

@@ -43,7 +43,8 @@ class WeaverPolicy(MuxServePolicy):
             server.offload_ratio = ratio
             # Same device type everywhere, so the hot model's attention costs the same on
             # the cold GPU; a heterogeneous cluster would pass the cold device's profile.
-            server.offload = OffloadCostModel(server.perf, server.perf, self.cluster.link(),
+            server.offload = OffloadCostModel(server.perf, server.perf,
+                                              self.cluster.link(server.name),
                                               self.poll_wait_fn)
             server.remote_instance = cold
         cold.poll_overhead_s = spec.poll_overhead_us * 1e-6
