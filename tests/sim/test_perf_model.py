@@ -40,21 +40,22 @@ def test_perf_model_on_linear_profile():
 
 
 def test_mg1_poll_wait_is_the_length_biased_residual():
-    busy = PollContext([1.0, 1.0], busy_fraction=1.0, idle_poll_interval_s=0.1)
+    busy = PollContext(2.0, (0.5, 0.5), busy_fraction=1.0, idle_poll_interval_s=0.1)
     assert mg1_poll_wait(busy) == pytest.approx(0.5)
-    skewed = PollContext([3.0, 1.0], busy_fraction=1.0, idle_poll_interval_s=0.1)
+    skewed = PollContext(4.0, (0.75, 0.25), busy_fraction=1.0, idle_poll_interval_s=0.1)
     assert mg1_poll_wait(skewed) == pytest.approx((9 + 1) / (2 * 4))  # long op dominates
-    idle = PollContext([3.0, 1.0], busy_fraction=0.0, idle_poll_interval_s=0.1)
+    idle = PollContext(4.0, (0.75, 0.25), busy_fraction=0.0, idle_poll_interval_s=0.1)
     assert mg1_poll_wait(idle) == pytest.approx(0.05)
-    half = PollContext([3.0, 1.0], busy_fraction=0.5, idle_poll_interval_s=0.1)
+    half = PollContext(4.0, (0.75, 0.25), busy_fraction=0.5, idle_poll_interval_s=0.1)
     assert mg1_poll_wait(half) == pytest.approx(0.5 * 1.25 + 0.5 * 0.05)
+    assert skewed.operator_s == [3.0, 1.0]
 
 
 def test_offload_overhead_per_layer_and_injectable_wait():
     perf = PerfModel(linear_profile())
     link = LinkModel(bandwidth_bps=1e9, latency_s=1e-3)
     cost = OffloadCostModel(perf, perf, link, poll_wait_fn=lambda ctx: 0.002)
-    poll = PollContext([1.0], 1.0, 1e-4)
+    poll = PollContext(1.0, (1.0,), 1.0, 1e-4)
     s = SHAPE
     q = 3 * s.num_heads * s.head_size * s.dtype_bytes
     kv = 2 * 3 * s.num_kv_heads * s.head_size * s.dtype_bytes

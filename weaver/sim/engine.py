@@ -15,17 +15,18 @@ from dataclasses import dataclass, field
 Action = Callable[[float], "Iterable[Event] | None"]
 
 
-@dataclass(order=True)
+@dataclass
 class Event:
     time: float
     event_id: int
-    name: str = field(compare=False)
-    action: Action = field(compare=False, repr=False)
+    name: str
+    action: Action = field(repr=False)
 
 
 class Engine:
     def __init__(self) -> None:
-        self._queue: list[Event] = []
+        # (time, id, event) tuples: compared in C, and ids are unique so events never are.
+        self._queue: list[tuple[float, int, Event]] = []
         self._ids = itertools.count()
         self.now = 0.0
         self.num_processed = 0
@@ -38,12 +39,12 @@ class Engine:
 
     def schedule(self, time: float, name: str, action: Action) -> Event:
         ev = self.event(time, name, action)
-        heapq.heappush(self._queue, ev)
+        heapq.heappush(self._queue, (ev.time, ev.event_id, ev))
         return ev
 
     def push(self, events: Iterable[Event] | None) -> None:
         for ev in events or ():
-            heapq.heappush(self._queue, ev)
+            heapq.heappush(self._queue, (ev.time, ev.event_id, ev))
 
     @property
     def num_pending(self) -> int:
@@ -52,8 +53,8 @@ class Engine:
     def run(self, until: float = float("inf"), on_event: Callable[[Event], None] | None = None
             ) -> float:
         """Process events in (time, id) order up to `until`; returns the final time."""
-        while self._queue and self._queue[0].time <= until:
-            ev = heapq.heappop(self._queue)
+        while self._queue and self._queue[0][0] <= until:
+            ev = heapq.heappop(self._queue)[2]
             self.now = ev.time
             self.push(ev.action(ev.time))
             self.num_processed += 1

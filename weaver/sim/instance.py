@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from weaver.sim.engine import Engine, Event
-from weaver.sim.perf_model import OffloadCostModel, PerfModel, PollContext, operator_times
+from weaver.sim.perf_model import OffloadCostModel, PerfModel, PollContext, operator_fractions
 from weaver.sim.profile import blocks_for
 from weaver.workloads.types import TraceRequest
 
@@ -407,7 +407,7 @@ class Instance:
     def poll_context(self) -> PollContext:
         server = next(iter(self.servers.values()))
         step = self.last_decode_s or server.perf.decode_time(1, 0)
-        return PollContext(operator_times(server.perf.shape, step), self.busy_fraction(),
+        return PollContext(step, operator_fractions(server.perf.shape), self.busy_fraction(),
                            self.idle_poll_interval_s)
 
     # --- event handling -------------------------------------------------------------

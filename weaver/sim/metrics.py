@@ -47,36 +47,49 @@ def _percentiles(values: list[float]) -> dict[str, float | None]:
             "p90": float(np.percentile(arr, 90)), "p99": float(np.percentile(arr, 99))}
 
 
-def summarize(records: list[dict], slo: Slo, num_submitted: dict[str, int]) -> dict:
-    """Per-model and overall summaries. Throughput counts completed requests over the span
-    from the first arrival to the last completion of that model."""
+def summarize(records: list[dict], slo: Slo, num_submitted: dict[str, int],
+              window: tuple[float, float] | None = None) -> dict:
+    """Per-model and overall summaries.
+
+    Throughput and goodput count completions inside the measurement `window` (default:
+    first to last arrival) per second of it: the steady completion rate while load is
+    offered, which equals the offered rate when the system keeps up and falls below it
+    when it does not. Completions during the drain after the last arrival are not
+    counted there (they would make an overloaded system look fast) but do count in
+    `num_completed` and the latency percentiles; unfinished requests miss the SLO."""
+    if window is None and records:
+        window = (min(r["arrival_s"] for r in records), max(r["arrival_s"] for r in records))
     by_model: dict[str, list[dict]] = {m: [] for m in num_submitted}
     for rec in records:
         by_model.setdefault(rec["model"], []).append(rec)
-    summary = {name: _summarize_one(recs, slo, num_submitted.get(name, len(recs)))
+    summary = {name: _summarize_one(recs, slo, num_submitted.get(name, len(recs)), window)
                for name, recs in sorted(by_model.items())}
-    summary["_all"] = _summarize_one(records, slo, sum(num_submitted.values()))
+    summary["_all"] = _summarize_one(records, slo, sum(num_submitted.values()), window)
     return summary
 
 
-def _summarize_one(records: list[dict], slo: Slo, num_submitted: int) -> dict:
+def _summarize_one(records: list[dict], slo: Slo, num_submitted: int,
+                   window: tuple[float, float] | None) -> dict:
     done = [r for r in records if r["e2e_s"] is not None]
     good = [r for r in done if r["ttft_s"] <= slo.ttft_s and r["tpot_s"] <= slo.tpot_s]
-    if done:
-        start = min(r["arrival_s"] for r in records)
-        end = max(r["arrival_s"] + r["e2e_s"] for r in done)
-        span = max(end - start, 1e-9)
-    else:
-        span = float("inf")
+    start, end = window or (0.0, 0.0)
+    if end > start:
+        span = end - start
+        in_window = [r for r in done if r["arrival_s"] + r["e2e_s"] <= end]
+        good_in_window = [r for r in good if r["arrival_s"] + r["e2e_s"] <= end]
+    else:  # a single instant of arrivals: fall back to the span to the last completion
+        span = max((r["arrival_s"] + r["e2e_s"] - start for r in done), default=0.0) or 1e-9
+        in_window, good_in_window = done, good
     return {
         "num_submitted": num_submitted,
         "num_completed": len(done),
         "num_rejected": sum(r["is_rejected"] for r in records),
         "num_preemptions": sum(r["num_preemptions"] for r in records),
         "num_remote": sum(r["is_remote"] for r in done),
-        "throughput_rps": len(done) / span,
-        "output_tokens_per_s": sum(r["output_tokens"] for r in done) / span,
-        "goodput_rps": len(good) / span,
+        "throughput_rps": len(in_window) / span,
+        "output_tokens_per_s": sum(r["output_tokens"] for r in in_window) / span,
+        "goodput_rps": len(good_in_window) / span,
+        "window_s": span,
         "slo_attainment": len(good) / num_submitted if num_submitted else None,
         "ttft_s": _percentiles([r["ttft_s"] for r in done]),
         "tpot_s": _percentiles([r["tpot_s"] for r in done if r["output_tokens"] > 1]),

@@ -12,6 +12,7 @@ Interpolation (documented choice):
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -87,11 +88,19 @@ class PerfModel:
 
 @dataclass(frozen=True)
 class PollContext:
-    """What the cold side looks like to an arriving offloaded attention task."""
+    """What the cold side looks like to an arriving offloaded attention task.
 
-    operator_s: list[float]  # the cold model's operator times in its current step
+    The cold model's operator times in its current step are `step_s` times
+    `operator_fractions` (kept apart so the fractions, fixed per model, are built once)."""
+
+    step_s: float
+    operator_fractions: tuple[float, ...]  # sum to 1, in execution order
     busy_fraction: float  # share of time the cold device is running its own steps
     idle_poll_interval_s: float  # period of the idle poller when the cold is idle
+
+    @property
+    def operator_s(self) -> list[float]:
+        return [self.step_s * f for f in self.operator_fractions]
 
 
 PollWaitFn = Callable[[PollContext], float]
@@ -108,10 +117,16 @@ def mg1_poll_wait(ctx: PollContext) -> float:
     operator contributes quadratically, as in Weaver's polling-system model; the splitting
     issue replaces this default with its own model through the `PollWaitFn` hook.
     """
-    total = sum(ctx.operator_s)
-    residual = sum(t * t for t in ctx.operator_s) / (2 * total) if total > 0 else 0.0
+    residual = ctx.step_s * _residual_fraction(ctx.operator_fractions)
     rho = min(max(ctx.busy_fraction, 0.0), 1.0)
     return rho * residual + (1.0 - rho) * ctx.idle_poll_interval_s / 2
+
+
+@functools.lru_cache(maxsize=64)
+def _residual_fraction(fractions: tuple[float, ...]) -> float:
+    """E[T^2] / (2 E[T]) for operator times given as fractions of one step."""
+    total = sum(fractions)
+    return sum(f * f for f in fractions) / (2 * total) if total > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -167,8 +182,10 @@ def kv_transfer_time(perf: PerfModel, link: LinkModel, num_tokens: int) -> float
     return link.transfer_time(perf.kv_bytes(num_tokens))
 
 
-def operator_times(shape: ModelShape, step_s: float) -> list[float]:
-    """Split a decode step into operator times proportional to their weight bytes."""
+@functools.lru_cache(maxsize=64)
+def operator_fractions(shape: ModelShape) -> tuple[float, ...]:
+    """A decode step's operator times as fractions of the step, proportional to their
+    weight bytes (decode is memory bound)."""
     weights = shape.operator_weight_bytes()
     total = sum(weights)
-    return [step_s * w / total for w in weights]
+    return tuple(w / total for w in weights)

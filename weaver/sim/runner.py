@@ -44,7 +44,8 @@ def simulate(config: SimConfig, policy: str | None = None, plan: Plan | None = N
     engine = Engine()
     cluster = Cluster(config, engine)
     pol = get_policy(policy_name)(cluster, plan)
-    requests = list(generate_requests(config) if requests is None else requests)
+    generated = requests is None
+    requests = list(generate_requests(config) if generated else requests)
     _check_models(config, requests)
     sim_requests = [SimRequest(r) for r in requests]
     engine.push(_arrivals(engine, pol, iter(sim_requests)))
@@ -60,7 +61,8 @@ def simulate(config: SimConfig, policy: str | None = None, plan: Plan | None = N
         "rates": {m.name: m.rate for m in config.models},
         "slo": {"ttft_s": config.slo.ttft_s, "tpot_ms": config.slo.tpot_ms},
         "summary": summarize(records, slo_of(config),
-                             {m.name: submitted.get(m.name, 0) for m in config.models}),
+                             {m.name: submitted.get(m.name, 0) for m in config.models},
+                             window=(0.0, config.duration_s) if generated else None),
         "sim": {"num_events": engine.num_processed, "end_s": engine.now,
                 "horizon_s": horizon, "wall_s": wall,
                 "num_unfinished": sum(r.finish_s is None and not r.is_rejected
