@@ -371,7 +371,7 @@ class ModelServer:
 
 
 @dataclass
-class _Job:
+class Job:
     server: ModelServer
     plan: StepPlan | None = None
 
@@ -421,29 +421,33 @@ class Instance:
             return []
         return self._start_step(now)
 
-    def select_job(self) -> _Job | None:
-        admitting = [s for s in self.servers.values() if s.can_admit()]
+    def select_job(self, exclude: set[str]) -> Job | None:
+        """The model to run next, among those not in `exclude`."""
+        servers = [s for s in self.servers.values() if s.name not in exclude]
+        admitting = [s for s in servers if s.can_admit()]
         if admitting:
-            return _Job(min(admitting, key=lambda s: s.waiting[0].trace.arrival_s))
-        ready = [s for s in self.servers.values() if s.has_step()]
+            return Job(min(admitting, key=lambda s: s.waiting[0].trace.arrival_s))
+        ready = [s for s in servers if s.has_step()]
         if not ready:
             return None
         self._rr = (self._rr + 1) % len(ready)
-        return _Job(ready[self._rr])
+        return Job(ready[self._rr])
 
-    def on_step(self, job: _Job, dt: float) -> None:
+    def on_step(self, job: Job, dt: float) -> None:
         """Hook for subclasses that account service per model."""
 
     def _start_step(self, now: float) -> list[Event]:
-        job = self.select_job()
-        if job is None:
-            self.is_busy = False
-            return []
+        tried: set[str] = set()
+        while True:
+            job = self.select_job(tried)
+            if job is None:  # idle until an arrival, a transfer or a re-balance kicks it
+                self.is_busy = False
+                return []
+            job.plan = job.server.plan_step()
+            if job.plan.num_decode or job.plan.chunks:
+                break
+            tried.add(job.server.name)  # e.g. its quota shrank: let another model run
         server = job.server
-        job.plan = server.plan_step()
-        if job.plan.num_decode == 0 and not job.plan.chunks:
-            self.is_busy = False  # nothing fits yet; a finishing peer will kick again
-            return []
         poll = server.remote_instance.poll_context() if server.remote_instance else None
         dt = self._inflate(server.step_time(job.plan, poll))
         if job.plan.num_decode:
@@ -468,6 +472,6 @@ class Instance:
         busy = server.offload.remote_busy_time(server.remote.num_context_tokens)
         server.remote_instance.external_loads[f"{self.name}/{server.name}"] = busy / dt
 
-    def _end_step(self, job: _Job, now: float) -> list[Event]:
+    def _end_step(self, job: Job, now: float) -> list[Event]:
         events = job.server.finish_step(job.plan, now)
         return events + self._start_step(now)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from functools import partial
 
 from weaver.sim.engine import Engine, Event
-from weaver.sim.instance import Instance, ModelServer, _Job
+from weaver.sim.instance import Instance, Job, ModelServer
 from weaver.sim.policies.base import Policy
 from weaver.sim.profile import blocks_for
 
@@ -50,16 +50,17 @@ class MuxServeInstance(Instance):
     def _share(self, name: str) -> float:
         return self.served_s[name] / self.weights[name]
 
-    def select_job(self) -> _Job | None:
-        admitting = [n for n, s in self.servers.items() if s.can_admit()]
+    def select_job(self, exclude: set[str]) -> Job | None:
+        names = [n for n in self.servers if n not in exclude]
+        admitting = [n for n in names if self.servers[n].can_admit()]
         if admitting:
-            return _Job(self.servers[min(admitting, key=self._share)])
-        ready = [n for n, s in self.servers.items() if s.has_step()]
+            return Job(self.servers[min(admitting, key=self._share)])
+        ready = [n for n in names if self.servers[n].has_step()]
         if not ready:
             return None
-        return _Job(self.servers[min(ready, key=self._share)])
+        return Job(self.servers[min(ready, key=self._share)])
 
-    def on_step(self, job: _Job, dt: float) -> None:
+    def on_step(self, job: Job, dt: float) -> None:
         self.served_s[job.server.name] += dt
 
 
@@ -77,11 +78,13 @@ class MuxServePolicy(Policy):
         self.cluster.engine.schedule(interval, "muxserve.rebalance", self._rebalance)
 
     def _rebalance(self, now: float) -> list[Event]:
+        events: list[Event] = []
         for inst in self.instances:
             inst.rebalance()
+            events.extend(inst.kick(now))  # a grown quota may admit what was waiting
         if now > self.cluster.config.duration_s and not any(i.num_queued
                                                              for i in self.instances):
-            return []
+            return events
         interval = self.cluster.config.muxserve.rebalance_interval_s
-        return [self.cluster.engine.event(now + interval, "muxserve.rebalance",
-                                          self._rebalance)]
+        return events + [self.cluster.engine.event(now + interval, "muxserve.rebalance",
+                                                   self._rebalance)]
