@@ -38,13 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     plots.plot_plan(path, path.with_suffix(".png"))
     for entry in result["candidates"] + [result["baseline"]]:
         total, sim = entry["summary"]["_all"], entry["sim"]
-        print(f"{entry['label']:<45} throughput {total['throughput_rps']:7.2f} req/s  "
+        print(f"{entry['label']:<45} {total['output_tokens_per_s']:8.0f} tok/s  "
               f"goodput {total['goodput_rps']:7.2f} req/s  SLO attainment "
               f"{total['slo_attainment']:.1%}  ({sim['num_events']} events, "
               f"{sim['wall_s']:.1f} s wall)")
-    chosen, base = result["chosen"]["summary"]["_all"], result["baseline"]["summary"]["_all"]
     print(f"chosen {result['chosen']['label']}: goodput x{result['goodput_gain']:.2f}, "
-          f"throughput x{chosen['throughput_rps'] / base['throughput_rps']:.2f} vs "
+          f"token throughput x{result['token_throughput_gain']:.2f} vs "
           f"{result['baseline']['label']}; planning took {wall:.1f} s")
     print(f"results: {path}")
     return 0

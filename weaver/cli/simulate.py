@@ -138,10 +138,11 @@ def run_plan(args: argparse.Namespace) -> int:
         total = entry["summary"]["_all"]
         print(f"{entry['label']:<50} gpus={len(entry['plan']['gpus']):>3} "
               f"pairs={len(entry['plan'].get('pairs', [])):>3} "
-              f"throughput={total['throughput_rps']:8.2f} req/s "
-              f"goodput={total['goodput_rps']:8.2f} req/s")
-    print(f"chosen: {result['chosen']['label']}; goodput x{result['goodput_gain']:.2f} vs "
-          f"{result['baseline']['label']}")
+              f"tokens={total['output_tokens_per_s']:9.0f}/s "
+              f"goodput={total['goodput_rps']:8.2f} req/s "
+              f"SLO attainment={total['slo_attainment']:.1%}")
+    print(f"chosen: {result['chosen']['label']}; goodput x{result['goodput_gain']:.2f}, token "
+          f"throughput x{result['token_throughput_gain']:.2f} vs {result['baseline']['label']}")
     if not args.no_plot:
         print(f"plot: {plots.plot_plan(path, path.with_suffix('.png'))}")
     print(f"results: {path}")

@@ -49,14 +49,17 @@ def _percentiles(values: list[float]) -> dict[str, float | None]:
 
 def summarize(records: list[dict], slo: Slo, num_submitted: dict[str, int],
               window: tuple[float, float] | None = None) -> dict:
-    """Per-model and overall summaries.
+    """Per-model and overall summaries over a measurement `window` (default: first to
+    last arrival), the period during which load is offered:
 
-    Throughput and goodput count completions inside the measurement `window` (default:
-    first to last arrival) per second of it: the steady completion rate while load is
-    offered, which equals the offered rate when the system keeps up and falls below it
-    when it does not. Completions during the drain after the last arrival are not
-    counted there (they would make an overloaded system look fast) but do count in
-    `num_completed` and the latency percentiles; unfinished requests miss the SLO."""
+    - `output_tokens_per_s`: tokens generated inside the window per second of it (a
+      request's tokens are spread evenly between its first token and its finish); the
+      steady-state throughput, low only when the system falls behind;
+    - `throughput_rps`: completions inside the window per second (it lags the offered
+      rate by about one E2E latency's worth of requests, the same for every policy);
+    - `goodput_rps`: requests arriving in the window that met the SLO, per second;
+    - `slo_attainment`: the share of all submitted requests that met the SLO
+      (unfinished ones miss it)."""
     if window is None and records:
         window = (min(r["arrival_s"] for r in records), max(r["arrival_s"] for r in records))
     by_model: dict[str, list[dict]] = {m: [] for m in num_submitted}
@@ -68,28 +71,37 @@ def summarize(records: list[dict], slo: Slo, num_submitted: dict[str, int],
     return summary
 
 
+def tokens_by(rec: dict, t: float) -> float:
+    """Output tokens a completed request had produced by time t (linear between tokens)."""
+    first = rec["arrival_s"] + rec["ttft_s"]
+    finish = rec["arrival_s"] + rec["e2e_s"]
+    if t < first:
+        return 0.0
+    if t >= finish or finish <= first:
+        return float(rec["output_tokens"])
+    return 1.0 + (rec["output_tokens"] - 1) * (t - first) / (finish - first)
+
+
 def _summarize_one(records: list[dict], slo: Slo, num_submitted: int,
                    window: tuple[float, float] | None) -> dict:
     done = [r for r in records if r["e2e_s"] is not None]
     good = [r for r in done if r["ttft_s"] <= slo.ttft_s and r["tpot_s"] <= slo.tpot_s]
     start, end = window or (0.0, 0.0)
-    if end > start:
-        span = end - start
-        in_window = [r for r in done if r["arrival_s"] + r["e2e_s"] <= end]
-        good_in_window = [r for r in good if r["arrival_s"] + r["e2e_s"] <= end]
-    else:  # a single instant of arrivals: fall back to the span to the last completion
-        span = max((r["arrival_s"] + r["e2e_s"] - start for r in done), default=0.0) or 1e-9
-        in_window, good_in_window = done, good
+    if end <= start:  # one instant of arrivals: measure up to the last completion
+        end = max((r["arrival_s"] + r["e2e_s"] for r in done), default=start)
+    span = max(end - start, 1e-9)
+    in_window = [r for r in done if r["arrival_s"] + r["e2e_s"] <= end]
+    tokens = sum(tokens_by(r, end) - tokens_by(r, start) for r in done)
     return {
         "num_submitted": num_submitted,
         "num_completed": len(done),
         "num_rejected": sum(r["is_rejected"] for r in records),
         "num_preemptions": sum(r["num_preemptions"] for r in records),
         "num_remote": sum(r["is_remote"] for r in done),
-        "throughput_rps": len(in_window) / span,
-        "output_tokens_per_s": sum(r["output_tokens"] for r in in_window) / span,
-        "goodput_rps": len(good_in_window) / span,
         "window_s": span,
+        "output_tokens_per_s": tokens / span,
+        "throughput_rps": len(in_window) / span,
+        "goodput_rps": sum(start <= r["arrival_s"] <= end for r in good) / span,
         "slo_attainment": len(good) / num_submitted if num_submitted else None,
         "ttft_s": _percentiles([r["ttft_s"] for r in done]),
         "tpot_s": _percentiles([r["tpot_s"] for r in done if r["output_tokens"] > 1]),

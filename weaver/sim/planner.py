@@ -7,8 +7,8 @@
    and spare GPUs go greedily to the model with the highest demand per replica.
 3. The best candidates by estimate are simulated under `muxserve`; the best plan then
    tries weaving (hot GPUs paired with the least loaded ones) at several offload ratios.
-The plan with the highest simulated goodput wins; the dedicated placement (equal GPUs per
-model) is simulated as the baseline.
+The plan with the highest simulated goodput wins (ties: higher token throughput); the
+dedicated placement (GPUs dealt round-robin by rate) is simulated as the baseline.
 """
 
 from __future__ import annotations
@@ -59,8 +59,12 @@ class Candidate:
     result: dict | None = field(default=None, repr=False)
 
     @property
-    def goodput(self) -> float:
-        return self.result["summary"]["_all"]["goodput_rps"] if self.result else -1.0
+    def score(self) -> tuple[float, float]:
+        """Simulated goodput, ties broken by token throughput."""
+        if not self.result:
+            return (-1.0, -1.0)
+        total = self.result["summary"]["_all"]
+        return (round(total["goodput_rps"], 6), total["output_tokens_per_s"])
 
 
 def place(cluster: Cluster, capacities: dict[str, float], threshold: float) -> Plan | None:
@@ -136,7 +140,7 @@ def plan_cluster(config: SimConfig, progress: bool = False) -> dict:
     for cand in simulated:
         cand.result = simulate(config, cand.policy, cand.plan, progress=progress,
                                keep_requests=False)
-    best = max(simulated, key=lambda c: c.goodput)
+    best = max(simulated, key=lambda c: c.score)
     for ratio in OFFLOAD_RATIOS:
         pairs = hot_cold_pairs(config, best.plan.gpus, ratio)
         if not pairs:
@@ -146,7 +150,7 @@ def plan_cluster(config: SimConfig, progress: bool = False) -> dict:
         woven.result = simulate(config, "weaver", woven.plan, progress=progress,
                                 keep_requests=False)
         simulated.append(woven)
-    chosen = max(simulated, key=lambda c: c.goodput)
+    chosen = max(simulated, key=lambda c: c.score)
     baseline = _baseline(config, progress)
     return {
         "config": config.name,
@@ -154,9 +158,14 @@ def plan_cluster(config: SimConfig, progress: bool = False) -> dict:
         "chosen": _describe(chosen),
         "baseline": baseline,
         "candidates": [_describe(c) for c in simulated],
-        "goodput_gain": chosen.goodput / baseline["summary"]["_all"]["goodput_rps"]
-        if baseline["summary"]["_all"]["goodput_rps"] > 0 else math.inf,
+        "goodput_gain": _ratio(chosen.score[0], baseline["summary"]["_all"]["goodput_rps"]),
+        "token_throughput_gain": _ratio(chosen.score[1],
+                                        baseline["summary"]["_all"]["output_tokens_per_s"]),
     }
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else math.inf
 
 
 def _baseline(config: SimConfig, progress: bool) -> dict:
