@@ -189,9 +189,13 @@ def _print_sweep(sweep: dict) -> None:
     model = sweep["model"]
     for p in sweep["points"]:
         s = p["summary"][model]
-        print(f"  {p['policy']:<12} rate {p['rate']:6.2f}  throughput {s['throughput_rps']:6.2f}"
+        others = "  ".join(
+            f"{name} p90 TPOT {_fmt(o['tpot_s']['p90'], 1e3, 'ms')}"
+            for name, o in p["summary"].items() if name not in (model, "_all"))
+        print(f"  {p['policy']:<12} rate {p['rate']:6.2f}  {s['output_tokens_per_s']:7.0f} tok/s"
               f"  p90 TPOT {_fmt(s['tpot_s']['p90'], 1e3, 'ms')}  p90 TTFT "
-              f"{_fmt(s['ttft_s']['p90'], 1, 's')}  {'meets SLO' if p['meets_slo'] else '-'}")
+              f"{_fmt(s['ttft_s']['p90'], 1, 's')}  {'meets SLO' if p['meets_slo'] else '-':9}"
+              f"  {others}")
     rates = sweep["max_rate_rps"]
     print(f"max {model} rate under SLO (p90 TPOT <= {sweep['slo']['tpot_ms']} ms, p90 TTFT "
           f"<= {sweep['slo']['ttft_s']} s): "

@@ -38,7 +38,7 @@ def plot_run(result_json: str | Path, out_png: str | Path) -> Path:
 
 
 def plot_sweep(sweep_json: str | Path, out_png: str | Path) -> Path:
-    """Throughput and p90 TPOT of the swept model against its rate, one line per policy."""
+    """Token throughput and p90 TPOT of the swept model against its rate, per policy."""
     sweep = json.loads(Path(sweep_json).read_text())
     model = sweep["model"]
     plt = _pyplot()
@@ -46,17 +46,17 @@ def plot_sweep(sweep_json: str | Path, out_png: str | Path) -> Path:
     for policy in sorted({p["policy"] for p in sweep["points"]}):
         points = [p for p in sweep["points"] if p["policy"] == policy]
         rates = [p["rate"] for p in points]
-        ax_tp.plot(rates, [p["summary"][model]["throughput_rps"] for p in points], "o-",
+        ax_tp.plot(rates, [p["summary"][model]["output_tokens_per_s"] for p in points], "o-",
                    label=policy)
         ax_tpot.plot(rates, [(p["summary"][model]["tpot_s"]["p90"] or 0) * 1e3
                              for p in points], "o-", label=policy)
     ax_tpot.axhline(sweep["slo"]["tpot_ms"], color="gray", linestyle="--", label="TPOT SLO")
-    ax_tp.set(xlabel=f"{model} rate (req/s)", ylabel="throughput (req/s)")
+    ax_tp.set(xlabel=f"{model} rate (req/s)", ylabel="output tokens / s")
     ax_tpot.set(xlabel=f"{model} rate (req/s)", ylabel="p90 TPOT (ms)", yscale="log")
     ax_tp.legend()
     ax_tpot.legend()
-    fig.suptitle(f"{sweep['config']}: max throughput under SLO "
-                 + ", ".join(f"{k}={v:.2f}" for k, v in sweep["max_throughput_rps"].items()))
+    fig.suptitle(f"{sweep['config']}: max {model} rate under SLO "
+                 + ", ".join(f"{k}={v:.2f}" for k, v in sweep["max_rate_rps"].items()))
     fig.tight_layout()
     fig.savefig(out_png, dpi=120)
     plt.close(fig)
