@@ -1,6 +1,7 @@
 import pytest
 
 from weaver.sim.cluster import Cluster
+from weaver.sim.config import SimConfig
 from weaver.sim.engine import Engine
 from weaver.sim.planner import estimate_capacity, place, plan_cluster
 
@@ -44,3 +45,20 @@ def test_planner_finds_the_known_best_split_and_beats_round_robin(make_config):
     chosen = result["chosen"]["summary"]["_all"]
     assert chosen["goodput_rps"] == pytest.approx(result["goodput_gain"] * result[
         "baseline"]["summary"]["_all"]["goodput_rps"])
+
+
+def test_small_power_law_cluster_planner_beats_dedicated():
+    # A scaled-down version of configs/scale_64gpu.yaml (benchmarks/sim_scale.py runs that),
+    # on the roofline A100 profile of Llama-3-8B.
+    cfg = SimConfig.model_validate({
+        "name": "small-power-law", "duration_s": 8.0, "plan_candidates": 2,
+        "cluster": {"device": "A100-80GB", "num_gpus": 8},
+        "model_set": {"num_models": 4, "total_rate": 40.0, "alpha": 1.2,
+                      "output": {"mean": 64, "max": 512}},
+        "slo": {"tpot_ms": 100, "ttft_s": 3.0},
+    })
+    result = plan_cluster(cfg)
+    counts = gpu_counts(result["chosen"]["plan"])
+    assert counts["m00"] > counts["m03"]  # the popular model gets more GPUs
+    assert gpu_counts(result["baseline"]["plan"]) == dict.fromkeys(["m00", "m01", "m02", "m03"], 2)
+    assert result["goodput_gain"] > 1.0

@@ -210,8 +210,10 @@ class ModelServer:
         return max(self.local.capacity_blocks, self.remote.capacity_blocks if self.remote else 0)
 
     def enqueue(self, req: SimRequest) -> bool:
-        need = blocks_for(req.trace.input_tokens + req.num_output, self.cfg.block_size)
-        if self.phase != "prompt" and need > self.max_blocks():
+        # A prompt machine only ever holds the prompt; others hold the whole sequence.
+        num_tokens = req.trace.input_tokens + (0 if self.phase == "prompt" else req.num_output)
+        need = blocks_for(num_tokens, self.cfg.block_size)
+        if need > self.max_blocks():
             logger.warning("request %d of %s needs %d KV blocks, more than %s holds; "
                            "rejected", req.trace.request_id, self.name, need, self.name)
             req.is_rejected = True
