@@ -53,7 +53,7 @@ def test_small_power_law_cluster_planner_beats_dedicated():
     cfg = SimConfig.model_validate({
         "name": "small-power-law", "duration_s": 8.0, "plan_candidates": 2,
         "cluster": {"device": "A100-80GB", "num_gpus": 8},
-        "model_set": {"num_models": 4, "total_rate": 40.0, "alpha": 1.2,
+        "model_set": {"num_models": 4, "total_rate": 80.0, "alpha": 1.2,
                       "output": {"mean": 64, "max": 512}},
         "slo": {"tpot_ms": 100, "ttft_s": 3.0},
     })
@@ -61,4 +61,4 @@ def test_small_power_law_cluster_planner_beats_dedicated():
     counts = gpu_counts(result["chosen"]["plan"])
     assert counts["m00"] > counts["m03"]  # the popular model gets more GPUs
     assert gpu_counts(result["baseline"]["plan"]) == dict.fromkeys(["m00", "m01", "m02", "m03"], 2)
-    assert result["goodput_gain"] > 1.0
+    assert result["goodput_gain"] > 1.5  # the hot model is overloaded on 2 GPUs
