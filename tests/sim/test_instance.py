@@ -134,3 +134,19 @@ def test_seq_set_block_accounting_matches_ceil():
     seqs.remove(joined[2], step)
     assert seqs.num_blocks == sum(-(-seqs.context_of(r, step) // BLOCK) for r in joined
                                   if r is not joined[2])
+
+
+def test_overflow_offload_goes_remote_only_when_local_is_full():
+    engine = Engine()
+    hot, finished = make_server(8, "hot")  # room for two requests of 40 + 20 tokens
+    cold, _ = make_server(100, "cold")
+    hot_inst, cold_inst = Instance(engine, "gpu0", [hot]), Instance(engine, "gpu1", [cold])
+    hot.remote = SeqSet(BlockPool(8 * BLOCK_BYTES), BLOCK, BLOCK_BYTES)
+    hot.offload_ratio, hot.offload_policy = 1.0, "overflow"
+    hot.offload = OffloadCostModel(hot.perf, hot.perf, LinkModel(1e9, 1e-5))
+    hot.remote_instance = cold_inst
+    reqs = [request(40, 20, 0.0, "hot", i) for i in range(4)]
+    submit(engine, hot_inst, reqs)
+    engine.run()
+    assert len(finished) == 4
+    assert [r.is_remote for r in reqs] == [False, False, True, True]

@@ -78,7 +78,11 @@ class ServerSpec(_Strict):
 
 
 class WeavingSpec(_Strict):
-    offload_ratio: float = Field(0.5, ge=0, le=1, description="target share of remote seqs")
+    offload_policy: Literal["fixed", "overflow"] = Field(
+        "fixed", description="fixed: keep offload_ratio of the running sequences remote; "
+        "overflow: place a sequence remotely only when local KV is full")
+    offload_ratio: float = Field(0.5, ge=0, le=1, description="target share of remote seqs "
+                                 "(fixed) or the cap on it (overflow)")
     region_fraction: float = Field(0.5, ge=0, le=1,
                                    description="share of the cold device's KV memory lent")
     poll_overhead_us: float = Field(20.0, ge=0, description="per cold step, polling cost")

@@ -184,6 +184,7 @@ class ModelServer:
         self.local = SeqSet(pool, cfg.block_size, cfg.block_size * perf.shape.kv_bytes_per_token)
         self.remote: SeqSet | None = None
         self.offload_ratio = 0.0
+        self.offload_policy = "fixed"  # or "overflow", see _choose_set
         self.offload: OffloadCostModel | None = None
         self.remote_instance: Instance | None = None
         self.waiting: deque[SimRequest] = deque()
@@ -231,11 +232,18 @@ class ModelServer:
         return req.trace.input_tokens + req.num_done
 
     def _choose_set(self, num_blocks: int, num_remote_new: int, num_new: int) -> SeqSet | None:
-        if self.remote is not None and self.phase != "prompt":
-            target = self.offload_ratio * (self.num_running + num_new + 1)
-            if self.remote.num_seqs + num_remote_new < target and self.remote.can_take(
-                    num_blocks):
-                return self.remote
+        """Where a newly admitted sequence's KV goes (the hot scheduler's placement)."""
+        if self.remote is None or self.phase == "prompt":
+            return self.local if self.local.can_take(num_blocks) else None
+        cap = self.offload_ratio * (self.num_running + num_new + 1)
+        remote_ok = self.remote.num_seqs + num_remote_new < cap and self.remote.can_take(
+            num_blocks)
+        if self.offload_policy == "overflow":  # local first; remote only when local is full
+            if self.local.can_take(num_blocks):
+                return self.local
+            return self.remote if remote_ok else None
+        if remote_ok:
+            return self.remote
         return self.local if self.local.can_take(num_blocks) else None
 
     def can_admit(self) -> bool:

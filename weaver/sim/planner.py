@@ -6,7 +6,8 @@
    of a GPU are packed together (first-fit decreasing on demand), the rest get replicas,
    and spare GPUs go greedily to the model with the highest demand per replica.
 3. The best candidates by estimate are simulated under `muxserve`; the best plan then
-   tries weaving (hot GPUs paired with the least loaded ones) at several offload ratios.
+   tries weaving (hot GPUs paired with the least loaded ones) with several offload
+   policies and ratios.
 The plan with the highest simulated goodput wins (ties: higher token throughput); the
 dedicated placement (GPUs dealt round-robin by rate) is simulated as the baseline.
 """
@@ -26,7 +27,8 @@ from weaver.sim.runner import simulate
 logger = logging.getLogger(__name__)
 
 SMALL_DEMAND_THRESHOLDS = (0.0, 0.25, 0.5, 0.9)
-OFFLOAD_RATIOS = (0.25, 0.5)
+# (offload policy, offload ratio) pairs tried on the best placement.
+WEAVING_CHOICES = (("fixed", 0.25), ("fixed", 0.5), ("overflow", 0.5))
 MAX_PACKED_DEMAND = 0.9  # leave headroom on shared GPUs: queueing grows near saturation
 MIN_KV_SHARE = 0.2  # a shared GPU keeps at least this share of its memory for KV
 
@@ -57,6 +59,7 @@ class Candidate:
     estimate_rps: float
     label: str
     result: dict | None = field(default=None, repr=False)
+    offload_policy: str | None = None
 
     @property
     def score(self) -> tuple[float, float]:
@@ -141,14 +144,16 @@ def plan_cluster(config: SimConfig, progress: bool = False) -> dict:
         cand.result = simulate(config, cand.policy, cand.plan, progress=progress,
                                keep_requests=False)
     best = max(simulated, key=lambda c: c.score)
-    for ratio in OFFLOAD_RATIOS:
+    for offload_policy, ratio in WEAVING_CHOICES:
         pairs = hot_cold_pairs(config, best.plan.gpus, ratio)
         if not pairs:
             break
         woven = Candidate(Plan(best.plan.gpus, pairs), "weaver", best.estimate_rps,
-                          f"{best.label}+weaving(ratio={ratio})")
-        woven.result = simulate(config, "weaver", woven.plan, progress=progress,
-                                keep_requests=False)
+                          f"{best.label}+weaving({offload_policy}, ratio={ratio})")
+        weaving = config.weaving.model_copy(update={"offload_policy": offload_policy})
+        woven.result = simulate(config.model_copy(update={"weaving": weaving}), "weaver",
+                                woven.plan, progress=progress, keep_requests=False)
+        woven.offload_policy = offload_policy
         simulated.append(woven)
     chosen = max(simulated, key=lambda c: c.score)
     baseline = _baseline(config, progress)
@@ -182,6 +187,7 @@ def _baseline(config: SimConfig, progress: bool) -> dict:
 
 def _describe(cand: Candidate) -> dict:
     return {"label": cand.label, "policy": cand.policy, "plan": cand.plan.to_dict(),
+            "offload_policy": cand.offload_policy,
             "estimate_rps": cand.estimate_rps, "summary": cand.result["summary"],
             "sim": cand.result["sim"]}
 

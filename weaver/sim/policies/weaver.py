@@ -1,10 +1,13 @@
 """Weaver: a hot GPU places a share of its sequences' KV and decode attention on a cold GPU.
 
 For each (hot GPU, cold GPU) pair of the plan, the cold GPU lends `region_fraction` of its
-KV memory as a remote pool; the hot scheduler admits against local and remote capacity
-(remote first until `offload_ratio` of its running sequences are remote), so its batches
-grow. Costs, from `OffloadCostModel`: per layer the hot step waits for q/kv transfer, the
-poll wait on the cold side and the remote attention, minus the local attention it overlaps
+KV memory as a remote pool; the hot scheduler admits against local and remote capacity,
+so its batches grow: with `offload_policy: fixed`, remote first until `offload_ratio` of
+its running sequences are remote; with `overflow`, remote only once local KV is full (so
+weaving costs only the cold side's polling while local memory suffices).
+
+Costs, from `OffloadCostModel`: per layer the hot step waits for q/kv transfer, the poll
+wait on the cold side and the remote attention, minus the local attention it overlaps
 with; the cold GPU's steps stretch by the share of time it spends on that attention plus a
 per-step polling cost (Weaver §3, §5)."""
 
@@ -41,6 +44,7 @@ class WeaverPolicy(MuxServePolicy):
                                  "give each hot GPU one cold GPU")
             server.remote = SeqSet(region, server.cfg.block_size, server.local.block_bytes)
             server.offload_ratio = ratio
+            server.offload_policy = spec.offload_policy
             # Same device type everywhere, so the hot model's attention costs the same on
             # the cold GPU; a heterogeneous cluster would pass the cold device's profile.
             server.offload = OffloadCostModel(server.perf, server.perf,
