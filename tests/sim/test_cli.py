@@ -16,7 +16,7 @@ def parse(argv):
 
 def test_packaged_configs_validate():
     configs = packaged_configs()
-    assert {"paper_a100", "scale_64gpu", "tiny"} <= set(configs)
+    assert {"paper_a100", "kv_bound_a100", "scale_64gpu", "tiny"} <= set(configs)
     for path in configs.values():
         load_config(path)
     scale = load_config(configs["scale_64gpu"])

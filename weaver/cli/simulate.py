@@ -24,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _config_help() -> str:
     return ("a YAML simulation config, or the name of a packaged one (see "
-            "weaver/sim/configs/: paper_a100, scale_64gpu, tiny)")
+            "weaver/sim/configs/: paper_a100, kv_bound_a100, scale_64gpu, tiny)")
 
 
 def _register_simulate(subparsers: argparse._SubParsersAction) -> None:
