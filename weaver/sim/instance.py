@@ -100,9 +100,13 @@ class SeqSet:
             return False
         return self.pool.can_take(num_blocks * self.block_bytes)
 
-    def _take(self, num_blocks: int) -> None:
+    def allocate(self, num_blocks: int) -> None:
+        """Take blocks (the caller checked `can_take`); negative numbers give them back."""
         self.num_blocks += num_blocks
         self.pool.used_bytes += num_blocks * self.block_bytes
+
+    def free(self, num_blocks: int) -> None:
+        self.allocate(-num_blocks)
 
     def add(self, req: SimRequest, num_context: int, step: int, num_blocks_taken: int) -> None:
         """Join the batch holding `num_context` tokens of KV (blocks already taken)."""
@@ -111,7 +115,7 @@ class SeqSet:
         self.num_context_tokens += num_context
         self._crossing[(step - num_context) % self.block_size] += 1
         extra = blocks_for(num_context, self.block_size) - num_blocks_taken
-        self._take(extra)
+        self.allocate(extra)
 
     def context_of(self, req: SimRequest, step: int) -> int:
         return req.start_context + step - req.start_step
@@ -122,14 +126,14 @@ class SeqSet:
         req.seq_set = None
         self.num_context_tokens -= context
         self._crossing[(req.start_step - req.start_context) % self.block_size] -= 1
-        self._take(-blocks_for(context, self.block_size))
+        self.free(blocks_for(context, self.block_size))
 
     def num_new_blocks(self, step: int) -> int:
         """Blocks the batch needs to append one token each at decode step `step`."""
         return self._crossing[step % self.block_size]
 
     def grow(self, step: int) -> None:
-        self._take(self.num_new_blocks(step))
+        self.allocate(self.num_new_blocks(step))
 
     def advance(self) -> None:
         self.num_context_tokens += self.num_seqs
@@ -167,7 +171,7 @@ class StepPlan:
 class ServerConfig:
     block_size: int = 16
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 8192  # vLLM's default for API serving on 80 GB GPUs
 
 
 class ModelServer:
@@ -192,7 +196,6 @@ class ModelServer:
         self.finishing: dict[int, list[SimRequest]] = {}
         self.on_finished: Callable[[SimRequest], None] = lambda req: None
         self.on_prefilled: Callable[[SimRequest, float], list[Event]] = lambda req, t: []
-        self.num_prefill_tokens_done = 0
         self.num_in_flight = 0  # requests on their way here (Splitwise KV transfer)
         self.prefilling: list[Prefill] = []
 
@@ -282,7 +285,7 @@ class ModelServer:
             if target is None:
                 break
             self.waiting.popleft()
-            target._take(num_blocks)
+            target.allocate(num_blocks)
             num_remote += target is self.remote
             entry = Prefill(req, target, num_blocks, compute)
             self.prefilling.append(entry)
@@ -321,16 +324,15 @@ class ModelServer:
         if req.has_kv:
             req.has_kv = False
         else:
-            self.num_prefill_tokens_done += context
             req.num_done += 1
             if req.first_token_s is None:
                 req.first_token_s = now
         if req.num_done >= req.num_output:
-            target._take(-num_blocks)
+            target.free(num_blocks)
             self._finish(req, now)
             return []
         if self.phase == "prompt":
-            target._take(-num_blocks)
+            target.free(num_blocks)
             return self.on_prefilled(req, now)
         req.is_remote = target is self.remote
         target.add(req, context, self.num_steps, num_blocks)
