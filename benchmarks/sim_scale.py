@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     plots.plot_plan(path, path.with_suffix(".png"))
     for entry in result["candidates"] + [result["baseline"]]:
         total, sim = entry["summary"]["_all"], entry["sim"]
-        print(f"{entry['label']:<45} {total['output_tokens_per_s']:8.0f} tok/s  "
+        print(f"{entry['label']:<55} {total['output_tokens_per_s']:8.0f} tok/s  "
               f"goodput {total['goodput_rps']:7.2f} req/s  SLO attainment "
               f"{total['slo_attainment']:.1%}  ({sim['num_events']} events, "
               f"{sim['wall_s']:.1f} s wall)")

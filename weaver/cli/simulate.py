@@ -136,7 +136,7 @@ def run_plan(args: argparse.Namespace) -> int:
     path = _write_json(Path(args.out) / config.name / "plan.json", result)
     for entry in result["candidates"] + [result["baseline"]]:
         total = entry["summary"]["_all"]
-        print(f"{entry['label']:<50} gpus={len(entry['plan']['gpus']):>3} "
+        print(f"{entry['label']:<55} gpus={len(entry['plan']['gpus']):>3} "
               f"pairs={len(entry['plan'].get('pairs', [])):>3} "
               f"tokens={total['output_tokens_per_s']:9.0f}/s "
               f"goodput={total['goodput_rps']:8.2f} req/s "
