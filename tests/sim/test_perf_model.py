@@ -1,5 +1,4 @@
 import pytest
-from sim_helpers import A1, SHAPE, decode_time, linear_profile, prefill_time
 
 from weaver.sim.perf_model import (
     Bilinear,
@@ -31,11 +30,11 @@ def test_bilinear_reproduces_a_bilinear_function_exactly():
         assert grid(x, y) == pytest.approx(g(x, y))
 
 
-def test_perf_model_on_linear_profile():
-    perf = PerfModel(linear_profile())
-    assert perf.prefill_time(100) == pytest.approx(prefill_time(100))
-    assert perf.decode_time(7, 3000) == pytest.approx(decode_time(7, 3000))
-    assert perf.attention_time(2000) == pytest.approx(A1 * 2000)
+def test_perf_model_on_linear_profile(lin):
+    perf = PerfModel(lin.profile())
+    assert perf.prefill_time(100) == pytest.approx(lin.prefill_time(100))
+    assert perf.decode_time(7, 3000) == pytest.approx(lin.decode_time(7, 3000))
+    assert perf.attention_time(2000) == pytest.approx(lin.A1 * 2000)
     assert perf.attention_time(0) == 0.0
 
 
@@ -51,12 +50,13 @@ def test_mg1_poll_wait_is_the_length_biased_residual():
     assert skewed.operator_s == [3.0, 1.0]
 
 
-def test_offload_overhead_per_layer_and_injectable_wait():
-    perf = PerfModel(linear_profile())
+def test_offload_overhead_per_layer_and_injectable_wait(lin):
+    A1 = lin.A1
+    perf = PerfModel(lin.profile())
     link = LinkModel(bandwidth_bps=1e9, latency_s=1e-3)
     cost = OffloadCostModel(perf, perf, link, poll_wait_fn=lambda ctx: 0.002)
     poll = PollContext(1.0, (1.0,), 1.0, 1e-4)
-    s = SHAPE
+    s = lin.SHAPE
     q = 3 * s.num_heads * s.head_size * s.dtype_bytes
     kv = 2 * 3 * s.num_kv_heads * s.head_size * s.dtype_bytes
     per_layer = (1e-3 + (q + kv) / 1e9) + 0.002 + A1 * 1000 / s.num_layers + (1e-3 + q / 1e9) \

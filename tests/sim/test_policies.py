@@ -1,5 +1,4 @@
 import pytest
-from sim_helpers import SHAPE, decode_time, prefill_time
 
 from weaver.sim.cluster import Cluster
 from weaver.sim.engine import Engine
@@ -22,24 +21,24 @@ def test_registry_has_one_policy_per_name():
 
 
 @pytest.mark.parametrize("policy", sorted(POLICY_CLASSES))
-def test_every_policy_serves_one_request_with_exact_ttft(make_config, policy):
+def test_every_policy_serves_one_request_with_exact_ttft(make_config, policy, lin):
     cfg = make_config([("a", 1.0)], num_gpus=2,
                       placement={"gpus": [{"models": ["a"]}, {"models": ["a"]}]})
     result = simulate(cfg, policy=policy, requests=one_request())
     rec = result["requests"][0]
-    assert rec["ttft_s"] == pytest.approx(prefill_time(100))
+    assert rec["ttft_s"] == pytest.approx(lin.prefill_time(100))
     assert result["summary"]["a"]["num_completed"] == 1
 
 
-def test_splitwise_adds_exactly_the_kv_transfer_time(make_config):
+def test_splitwise_adds_exactly_the_kv_transfer_time(make_config, lin):
     placement = {"gpus": [{"models": ["a"], "role": "prompt"},
                           {"models": ["a"], "role": "token"}]}
     cfg = make_config([("a", 1.0)], num_gpus=2, placement=placement)
     split = simulate(cfg, policy="splitwise", requests=one_request())["requests"][0]
     dedicated = simulate(cfg, policy="dedicated", requests=one_request())["requests"][0]
-    transfer = 1e-3 + 100 * SHAPE.kv_bytes_per_token / 1e9  # linear profile's link
+    transfer = 1e-3 + 100 * lin.SHAPE.kv_bytes_per_token / 1e9  # linear profile's link
     assert dedicated["e2e_s"] == pytest.approx(
-        prefill_time(100) + sum(decode_time(1, 100 + i) for i in range(4)))
+        lin.prefill_time(100) + sum(lin.decode_time(1, 100 + i) for i in range(4)))
     assert split["ttft_s"] == pytest.approx(dedicated["ttft_s"])
     assert split["e2e_s"] == pytest.approx(dedicated["e2e_s"] + transfer)
     assert split["instance"] == "gpu1-token"
