@@ -55,9 +55,9 @@ def summarize(records: list[dict], slo: Slo, num_submitted: dict[str, int],
     - `output_tokens_per_s`: tokens generated inside the window per second of it (a
       request's tokens are spread evenly between its first token and its finish); the
       steady-state throughput, low only when the system falls behind;
-    - `throughput_rps`: completions inside the window per second (it lags the offered
-      rate by about one E2E latency's worth of requests, the same for every policy);
-    - `goodput_rps`: requests arriving in the window that met the SLO, per second;
+    - `throughput_rps`: requests arriving in the window that completed (by the end of
+      the simulation), per second of the window: the served rate;
+    - `goodput_rps`: those of them that met the SLO, per second (<= throughput);
     - `slo_attainment`: the share of all submitted requests that met the SLO
       (unfinished ones miss it)."""
     if window is None and records:
@@ -90,7 +90,7 @@ def _summarize_one(records: list[dict], slo: Slo, num_submitted: int,
     if end <= start:  # one instant of arrivals: measure up to the last completion
         end = max((r["arrival_s"] + r["e2e_s"] for r in done), default=start)
     span = max(end - start, 1e-9)
-    in_window = [r for r in done if r["arrival_s"] + r["e2e_s"] <= end]
+    served = [r for r in done if start <= r["arrival_s"] <= end]
     tokens = sum(tokens_by(r, end) - tokens_by(r, start) for r in done)
     return {
         "num_submitted": num_submitted,
@@ -100,7 +100,7 @@ def _summarize_one(records: list[dict], slo: Slo, num_submitted: int,
         "num_remote": sum(r["is_remote"] for r in done),
         "window_s": span,
         "output_tokens_per_s": tokens / span,
-        "throughput_rps": len(in_window) / span,
+        "throughput_rps": len(served) / span,
         "goodput_rps": sum(start <= r["arrival_s"] <= end for r in good) / span,
         "slo_attainment": len(good) / num_submitted if num_submitted else None,
         "ttft_s": _percentiles([r["ttft_s"] for r in done]),

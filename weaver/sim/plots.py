@@ -72,7 +72,7 @@ def plot_plan(plan_json: str | Path, out_png: str | Path) -> Path:
     fig, ax = plt.subplots(figsize=(max(6, len(entries) * 1.6), 4.5))
     xs = range(len(entries))
     ax.bar([x - 0.2 for x in xs], [e["summary"]["_all"]["throughput_rps"] for e in entries],
-           width=0.4, label="completions in window")
+           width=0.4, label="served (completed)")
     ax.bar([x + 0.2 for x in xs], [e["summary"]["_all"]["goodput_rps"] for e in entries],
            width=0.4, label="goodput (within SLO)")
     ax.set_xticks(list(xs), labels, rotation=20, ha="right", fontsize=8)
