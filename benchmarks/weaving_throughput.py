@@ -36,6 +36,7 @@ BLOCK_SIZE = 32
 # SmolLM2: 30 layers × 3 kv heads × block tokens × (K, V) × head 64 × fp32
 SMOLLM2_BLOCK_BYTES = 30 * 3 * BLOCK_SIZE * 2 * 64 * 4
 GiB = 1 << 30
+DEPLOYMENTS = ("dedicated", "weaving", "upper-bound")
 
 
 def deployment_yaml(label: str, model_dir: Path, local_blocks: int, remote_blocks: int,
@@ -118,19 +119,26 @@ def main() -> int:
     parser.add_argument("--cold-interval-s", type=float, default=5.0)
     parser.add_argument("--out", type=Path,
                         default=Path("benchmarks/results/weaving_throughput.json"))
+    parser.add_argument("--deployments", nargs="+", default=list(DEPLOYMENTS),
+                        choices=DEPLOYMENTS, help="which to run (default: all three)")
     args = parser.parse_args()
 
     model_dir = prepare_model("smollm2-135m-instruct")
     requests = workload(args)
     runs = []
-    with tempfile.TemporaryDirectory(prefix="weaver-bench-") as tmp:
-        for label in ("dedicated", "weaving", "upper-bound"):
-            config = Path(tmp) / f"{label}.yaml"
-            config.write_text(deployment_yaml(label, model_dir, args.local_blocks,
-                                              args.remote_blocks, args.offload_ratio))
-            print(f"== {label}", flush=True)
-            runs.append(measure(label, config, requests))
+    # Kept after the run: each deployment's YAML and server log, for a look afterwards.
+    work_dir = Path(tempfile.mkdtemp(prefix="weaver-bench-"))
+    print(f"deployment files and server logs: {work_dir}", flush=True)
+    for label in args.deployments:
+        config = work_dir / f"{label}.yaml"
+        config.write_text(deployment_yaml(label, model_dir, args.local_blocks,
+                                          args.remote_blocks, args.offload_ratio))
+        print(f"== {label}", flush=True)
+        runs.append(measure(label, config, requests))
     by_label = {r["label"]: r for r in runs}
+    print(json.dumps(runs, indent=1))
+    if set(by_label) != set(DEPLOYMENTS):
+        return 0
     base = by_label["dedicated"]["hot_throughput_tok_s"]
     weave_gain = by_label["weaving"]["hot_throughput_tok_s"] / base - 1
     upper_gain = by_label["upper-bound"]["hot_throughput_tok_s"] / base - 1

@@ -19,6 +19,7 @@ SUBCOMMAND_MODULES = (
     "weaver.cli.config",
     "weaver.cli.plan_split",
     "weaver.cli.bench",
+    "weaver.cli.simulate",
 )
 
 

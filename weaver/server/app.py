@@ -31,6 +31,7 @@ from weaver.server.weaving import (
 logger = logging.getLogger(__name__)
 
 CHILD_EXIT_GRACE_S = 10.0
+STATS_LOG_INTERVAL_S = 10.0
 
 
 @dataclass
@@ -120,6 +121,8 @@ async def run_server(settings: ServeSettings) -> None:
             lifespan="on",
         )
         server = uvicorn.Server(config)
+        stats_task = asyncio.create_task(_log_stats_periodically(backends))
+        stack.callback(stats_task.cancel)
         print(
             f"Weaver serves {len(backends)} model(s) {sorted(backends)} on "
             f"http://{settings.host}:{settings.port}/v1",
@@ -127,6 +130,16 @@ async def run_server(settings: ServeSettings) -> None:
         )
         await server.serve()
         logger.info("HTTP server stopped; shutting down %d engines", len(backends))
+
+
+async def _log_stats_periodically(backends: dict, interval_s: float = STATS_LOG_INTERVAL_S):
+    # What vLLM's own server lifespan does per engine (its throughput/KV log lines); the
+    # engines' apps run under the gateway, so their lifespans do not.
+    while True:
+        await asyncio.sleep(interval_s)
+        for backend in backends.values():
+            if not backend.is_dead:
+                await backend.client.do_log_stats()
 
 
 def _hand_signals_to_uvicorn() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import threading
 from typing import Any
 
 from weaver.offload.channel import OffloadReceiver, OffloadSender
@@ -20,6 +21,7 @@ from weaver.weaving.plan import PairPlan
 logger = logging.getLogger(__name__)
 
 ATTACH_TIMEOUT_S = 30.0
+IDLE_WAIT_S = 0.05  # the idle poller's longest sleep; a task's doorbell wakes it at once
 
 
 def _attention_layers(worker: Any) -> dict[str, Any]:
@@ -42,8 +44,10 @@ def _poll_point_modules(model: Any) -> list[Any]:
 
 class WeaverWorkerExtension:
     _weaver_hot: Any = None  # HotWeavingRuntime of a hot worker
-    _weaver_receivers: list | None = None  # (region name, OffloadReceiver) of a cold worker
+    _weaver_receivers: list | None = None  # (region name, OffloadReceiver, task doorbell)
     _weaver_hooks: list | None = None
+    _weaver_stop: threading.Event | None = None
+    _weaver_idle_served: int = 0
 
     # --- hot side -----------------------------------------------------------------
     def weaver_attach_hot(self, plan_data: dict) -> dict:
@@ -76,11 +80,24 @@ class WeaverWorkerExtension:
             plan = PairPlan.from_dict(data)
             region = ShmRegion.create(plan.layout(), plan.region_name)
             receiver = OffloadReceiver(region, CpuPagedAttentionExecutor(plan.shape))
-            receiver.start_idle_poller()
-            receivers.append((plan.region_name, receiver))
+            receivers.append((plan.region_name, receiver, region.task_wakeup))
         self._weaver_receivers = receivers
         modules = _poll_point_modules(self.model_runner.get_model())
         self._weaver_hooks = [m.register_forward_hook(self._weaver_poll) for m in modules]
+        # The cold model's own steps and the offloaded tasks never run at the same time:
+        # vLLM's CPU kernels share scratch buffers across threads (running both at once
+        # crashed the worker), and on the GPU the poll kernel is likewise serialised on the
+        # cold stream. During a step, tasks are served at the poll points (same thread);
+        # between steps, by the idle poller, which takes the step lock to serve.
+        self._weaver_step_lock = threading.Lock()
+        for name in ("execute_model", "sample_tokens"):
+            method = getattr(self, name, None)
+            if method is not None:
+                setattr(self, name, self._weaver_in_step(method))
+        self._weaver_stop = threading.Event()
+        self._weaver_idle_thread = threading.Thread(
+            target=self._weaver_idle_loop, name="weaver-idle-poller", daemon=True)
+        self._weaver_idle_thread.start()
         atexit.register(self.weaver_close)
         logger.info("cold worker serves %d region(s) with %d poll points",
                     len(receivers), len(modules))
@@ -88,8 +105,28 @@ class WeaverWorkerExtension:
                 "num_poll_points": len(modules)}
 
     def _weaver_poll(self, *_: Any) -> None:
-        for _, receiver in self._weaver_receivers or ():
+        for _, receiver, _ in self._weaver_receivers or ():
             receiver.poll()
+
+    def _weaver_in_step(self, method: Any) -> Any:
+        def stepping(*args: Any, **kwargs: Any) -> Any:
+            with self._weaver_step_lock:
+                return method(*args, **kwargs)
+
+        return stepping
+
+    def _weaver_idle_loop(self) -> None:
+        receivers = self._weaver_receivers or []
+        wait_s = IDLE_WAIT_S / max(1, len(receivers))
+        while not self._weaver_stop.is_set():
+            for _, receiver, wakeup in receivers:
+                # Sleeps on the region's doorbell (no busy-wait: the machine's other
+                # engine needs the core); a published task wakes it at once.
+                if not wakeup.wait(wait_s) and not receiver.has_pending():
+                    continue
+                with self._weaver_step_lock:
+                    if receiver.poll():
+                        self._weaver_idle_served += 1
 
     # --- both ---------------------------------------------------------------------
     def weaver_stats(self) -> dict:
@@ -99,7 +136,8 @@ class WeaverWorkerExtension:
             stats["hot"]["remote_blocks_used"] = self._weaver_remote_blocks_in_use()
         if self._weaver_receivers:
             stats["cold"] = [{"region": name, **vars(receiver.stats)}
-                             for name, receiver in self._weaver_receivers]
+                             for name, receiver, _ in self._weaver_receivers]
+            stats["cold_served_by_idle_poller"] = self._weaver_idle_served
         return stats
 
     def _weaver_remote_blocks_in_use(self) -> int:
@@ -114,6 +152,9 @@ class WeaverWorkerExtension:
         for hook in self._weaver_hooks or ():
             hook.remove()
         self._weaver_hooks = None
-        for _, receiver in self._weaver_receivers or ():
+        if self._weaver_stop is not None:
+            self._weaver_stop.set()
+            self._weaver_idle_thread.join(timeout=5)
+        for _, receiver, _ in self._weaver_receivers or ():
             receiver.close()
         self._weaver_receivers = None
