@@ -96,6 +96,11 @@ def test_loads_in_transformers_and_generates(tiny_dirs: dict[str, Path], name: s
     assert len(new_tokens) == 12  # eos is unlikely from random weights, so nothing stops early
     assert len(set(new_tokens)) >= 2, f"degenerate greedy output: {new_tokens}"
     assert tokenizer.decode(new_tokens).strip()
+    # Attention must matter: dropping the first prompt tokens changes what follows (a model
+    # whose output ignores the context would hide attention bugs in offload tests).
+    with torch.no_grad():
+        shorter = model.generate(inputs["input_ids"][:, 3:], max_new_tokens=12, do_sample=False)
+    assert shorter[0, inputs["input_ids"].shape[1] - 3 :].tolist() != new_tokens
 
 
 def test_same_seed_same_weights_other_seed_other_weights(smollm2_dir: Path, tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from weaver.models.shapes import LlamaShape
 from weaver.models.smollm2 import check_saved_llama
-from weaver.models.store import Step, offline_hub, run_steps
+from weaver.models.store import Step, offline_hub, run_steps, transformers_progress
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -69,7 +69,7 @@ class RandomLlamaBuilder:
         ]
 
     def build(self, show_progress: bool = True) -> None:
-        with offline_hub():
+        with offline_hub(), transformers_progress(show_progress):
             run_steps(self.steps(), desc=self.name, show_progress=show_progress)
 
     def copy_tokenizer(self) -> None:

@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from weaver.models.store import Step, offline_hub, run_steps
+from weaver.models.store import Step, offline_hub, run_steps, transformers_progress
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -143,7 +143,7 @@ class SmolLM2Builder:
         ]
 
     def build(self, show_progress: bool = True) -> None:
-        with offline_hub():
+        with offline_hub(), transformers_progress(show_progress):
             run_steps(self.steps(), desc="smollm2-135m-instruct", show_progress=show_progress)
 
     def locate_gguf(self) -> None:

@@ -145,3 +145,19 @@ def offline_hub() -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+@contextlib.contextmanager
+def transformers_progress(is_enabled: bool) -> Iterator[None]:
+    """Switch transformers' own progress bars (loading, writing shards) off while building
+    when ours are off. Its GGUF reader draws a plain tqdm bar that this cannot reach."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if was_enabled and not is_enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled and not is_enabled:
+            hf_logging.enable_progress_bar()
