@@ -219,3 +219,35 @@ def test_missing_tokenizer_is_a_clear_error(tmp_path: Path, needs_builders: None
     out_dir.mkdir()
     with pytest.raises(ValueError, match="holds no tokenizer"):
         build_random_llama(SMALL, tmp_path / "empty", out_dir, show_progress=False)
+
+
+def test_concurrent_prepares_build_once(monkeypatch: pytest.MonkeyPatch, models_dir: Path) -> None:
+    import threading
+
+    from weaver.models import registry
+
+    real_build = registry._build
+    built: list[str] = []
+
+    def counting_build(*args, **kwargs) -> None:
+        built.append(threading.current_thread().name)
+        real_build(*args, **kwargs)
+
+    monkeypatch.setattr(registry, "_build", counting_build)
+    paths: list[Path] = []
+
+    def prepare() -> None:
+        paths.append(
+            prepare_random_llama(
+                SMALL, name="raced-llama", models_dir=models_dir, show_progress=False
+            )
+        )
+
+    threads = [threading.Thread(target=prepare, name=f"preparer-{i}") for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(built) == 1
+    assert paths == [models_dir / "raced-llama"] * 2
+    assert resolve_model("raced-llama", models_dir) == models_dir / "raced-llama"

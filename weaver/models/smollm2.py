@@ -199,8 +199,12 @@ class SmolLM2Builder:
 
     def check_files(self) -> None:
         check_saved_llama(self.out_dir, EXPECTED_CONFIG)
-        if self.tokenizer is not None and not self.tokenizer.chat_template:
-            raise RuntimeError("the GGUF tokenizer carries no chat template")
+        # transformers 5 writes the template to its own file; older ones into the config.
+        tokenizer_config = json.loads((self.out_dir / "tokenizer_config.json").read_text())
+        if not (self.out_dir / "chat_template.jinja").is_file() and not tokenizer_config.get(
+            "chat_template"
+        ):
+            raise RuntimeError("no chat template was saved (vLLM's chat endpoint needs it)")
 
 
 def build_smollm2(out_dir: Path, show_progress: bool = True) -> None:
