@@ -17,6 +17,8 @@ SUBCOMMAND_MODULES = (
     "weaver.cli.serve",
     "weaver.cli.models",
     "weaver.cli.config",
+    "weaver.cli.plan_split",
+    "weaver.cli.bench",
 )
 
 

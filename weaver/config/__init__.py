@@ -1,1 +1,10 @@
+from weaver.config.deployment import (
+    Deployment,
+    ModelSpec,
+    Role,
+    WeavingSpec,
+    load_deployment,
+    parse_deployment,
+)
 
+__all__ = ["Deployment", "ModelSpec", "Role", "WeavingSpec", "load_deployment", "parse_deployment"]

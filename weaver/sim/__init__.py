@@ -1,1 +1,15 @@
+"""Cluster simulator and planner for multi-LLM serving (pure Python: no vLLM, no CUDA).
 
+Pieces, one job each:
+- `profile`: the JSON profile format (PROFILE_FORMAT.md) and roofline profiles from
+  published device specs; `measure`: the same format measured on this CPU with torch;
+- `perf_model`: interpolated step times, offload (weaving) costs, poll wait, KV transfer;
+- `engine`: discrete events ordered by (time, id), actions return follow-up events;
+- `instance`: continuous batching with chunked prefill and paged KV capacity;
+- `policies/`: dedicated, mux_temporal, muxserve, splitwise, weaver (registry by name);
+- `planner`: MuxServe-style enumeration + greedy placement, extended with weaving;
+- `config`, `runner`, `metrics`, `plots`: YAML configs, runs and sweeps, JSON results,
+  plots from saved JSON. The commands are in `weaver.cli.simulate`.
+
+Example: `weaver simulate paper_a100 --out results/sim` (a packaged config name or a path).
+"""

@@ -1,0 +1,162 @@
+"""Hot-model throughput and cold-model TPOT: dedicated vs weaving vs an upper bound.
+
+One invocation runs the same KV-bound workload against three deployments, one after the
+other, each in its own `weaver serve`:
+
+- dedicated:   the hot engine has LOCAL KV blocks, the cold engine serves alone;
+- weaving:     the same, plus REMOTE blocks lent by the cold engine (weaving on);
+- upper-bound: a dedicated hot engine whose own KV is LOCAL + REMOTE blocks: what the
+               extra memory would give with no offload cost.
+
+The hot model gets NUM_HOT requests at once (long outputs, ignore_eos) and the cold model
+a steady trickle; both engines are pinned to their own core so that the cold core is the
+one that also serves offloaded attention. Prints hot output-token throughput and cold
+TPOT per deployment and the ratios, and writes JSON.
+
+    python benchmarks/weaving_throughput.py --out benchmarks/results/weaving_throughput.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from weaver.bench.loadgen import LoadGenConfig, run_load_sync
+from weaver.bench.results import RequestStatus
+from weaver.models.registry import prepare_model
+from weaver.server.process import weaver_server
+from weaver.workloads.types import TraceRequest
+
+BLOCK_SIZE = 32
+# SmolLM2: 30 layers × 3 kv heads × block tokens × (K, V) × head 64 × fp32
+SMOLLM2_BLOCK_BYTES = 30 * 3 * BLOCK_SIZE * 2 * 64 * 4
+GiB = 1 << 30
+
+
+def deployment_yaml(label: str, model_dir: Path, local_blocks: int, remote_blocks: int,
+                    ratio: float) -> str:
+    hot_role, weaving, lend = "dedicated", "[]", ""
+    hot_blocks = local_blocks + 1  # + vLLM's null block
+    if label == "weaving":
+        hot_role = "hot"
+        lend = f"\n    lend_kv_gib: {remote_blocks * SMOLLM2_BLOCK_BYTES / GiB:.6f}"
+        weaving = f"[{{hot: hot, cold: [cold], offload_ratio: {ratio}}}]"
+    elif label == "upper-bound":
+        hot_blocks += remote_blocks
+    return f"""
+models:
+  - name: hot
+    model: {model_dir}
+    role: {hot_role}
+    kv_cache_gib: 0.5
+    max_model_len: 1024
+    block_size: {BLOCK_SIZE}
+    num_gpu_blocks_override: {hot_blocks}
+    max_num_seqs: 64
+    cpu_cores: "0"
+  - name: cold
+    model: {model_dir}
+    role: {"cold" if label == "weaving" else "dedicated"}
+    kv_cache_gib: 0.25
+    max_model_len: 1024
+    cpu_cores: "1"{lend}
+weaving: {weaving}
+"""
+
+
+def workload(args: argparse.Namespace) -> list[TraceRequest]:
+    hot = [TraceRequest(0.0, args.hot_input, args.hot_output, "hot", i)
+           for i in range(args.num_hot)]
+    cold = [TraceRequest(args.cold_start_s + i * args.cold_interval_s, args.cold_input,
+                         args.cold_output, "cold", args.num_hot + i)
+            for i in range(args.num_cold)]
+    return hot + cold
+
+
+def measure(label: str, config: Path, requests: list[TraceRequest]) -> dict:
+    with weaver_server(config, config.with_suffix(".log")) as server:
+        warm = [TraceRequest(0.0, 8, 4, m, i) for i, m in enumerate(("hot", "cold"))]
+        run_load_sync(warm, LoadGenConfig(server.base_url, show_progress=False))
+        outcome = run_load_sync(requests, LoadGenConfig(server.base_url))
+        health = server.health().json()
+    hot = [r for r in outcome.records if r.model == "hot"]
+    cold = [r for r in outcome.records if r.model == "cold"]
+    failed = [r for r in outcome.records if r.status is not RequestStatus.OK]
+    if failed:
+        raise RuntimeError(f"{label}: {len(failed)} requests failed: {failed[0].error}")
+    hot_span = max(r.sent_at_s + r.e2e_s for r in hot) - min(r.sent_at_s for r in hot)
+    cold_tpots = sorted(r.tpot_s for r in cold)
+    return {
+        "label": label,
+        "hot_output_tokens": sum(r.num_output_tokens for r in hot),
+        "hot_span_s": hot_span,
+        "hot_throughput_tok_s": sum(r.num_output_tokens for r in hot) / hot_span,
+        "cold_tpot_mean_s": sum(cold_tpots) / len(cold_tpots),
+        "cold_tpot_p50_s": cold_tpots[len(cold_tpots) // 2],
+        "weaving": health.get("weaving"),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--local-blocks", type=int, default=96, help="hot engine's own KV blocks")
+    parser.add_argument("--remote-blocks", type=int, default=192, help="blocks the cold lends")
+    parser.add_argument("--offload-ratio", type=float, default=0.67)
+    parser.add_argument("--num-hot", type=int, default=32)
+    parser.add_argument("--hot-input", type=int, default=32)
+    parser.add_argument("--hot-output", type=int, default=256)
+    parser.add_argument("--num-cold", type=int, default=12)
+    parser.add_argument("--cold-input", type=int, default=32)
+    parser.add_argument("--cold-output", type=int, default=32)
+    parser.add_argument("--cold-start-s", type=float, default=5.0)
+    parser.add_argument("--cold-interval-s", type=float, default=5.0)
+    parser.add_argument("--out", type=Path,
+                        default=Path("benchmarks/results/weaving_throughput.json"))
+    args = parser.parse_args()
+
+    model_dir = prepare_model("smollm2-135m-instruct")
+    requests = workload(args)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="weaver-bench-") as tmp:
+        for label in ("dedicated", "weaving", "upper-bound"):
+            config = Path(tmp) / f"{label}.yaml"
+            config.write_text(deployment_yaml(label, model_dir, args.local_blocks,
+                                              args.remote_blocks, args.offload_ratio))
+            print(f"== {label}", flush=True)
+            runs.append(measure(label, config, requests))
+    by_label = {r["label"]: r for r in runs}
+    base = by_label["dedicated"]["hot_throughput_tok_s"]
+    weave_gain = by_label["weaving"]["hot_throughput_tok_s"] / base - 1
+    upper_gain = by_label["upper-bound"]["hot_throughput_tok_s"] / base - 1
+    cold_ratio = by_label["weaving"]["cold_tpot_mean_s"] / by_label["dedicated"]["cold_tpot_mean_s"]
+    summary = {
+        "weaving_gain": weave_gain,
+        "upper_bound_gain": upper_gain,
+        "weaving_gain_over_upper_bound_gain": weave_gain / upper_gain if upper_gain else None,
+        "cold_tpot_weaving_over_dedicated": cold_ratio,
+    }
+    print(f"\n{'deployment':<12} {'hot tok/s':>10} {'cold TPOT ms':>13}")
+    for run in runs:
+        print(f"{run['label']:<12} {run['hot_throughput_tok_s']:>10.1f} "
+              f"{run['cold_tpot_mean_s'] * 1e3:>13.1f}")
+    print(f"\nhot gain: weaving {weave_gain:+.1%}, upper bound {upper_gain:+.1%}, "
+          f"ratio of gains {summary['weaving_gain_over_upper_bound_gain']:.2f} (target >= 0.85)")
+    print(f"cold TPOT weaving / dedicated: {cold_ratio:.3f} (target <= 1.10)")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "command": " ".join(sys.argv), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"cpu_count": __import__("os").cpu_count(), "platform": platform.platform()},
+        "args": {k: str(v) for k, v in vars(args).items()}, "runs": runs, "summary": summary,
+    }, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

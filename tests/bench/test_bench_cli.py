@@ -1,0 +1,134 @@
+"""`weaver bench` sub-commands, driven through argparse against local fake servers."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+
+import pytest
+from bench_fake_server import FakeBehavior
+
+from weaver.bench.compare import compare_deployments, parse_target
+from weaver.bench.loadgen import LoadGenConfig
+from weaver.bench.report import comparison_table
+from weaver.bench.results import ALL_MODELS, load_result
+from weaver.cli import bench
+from weaver.workloads.types import TraceRequest
+
+
+def _main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="weaver")
+    bench.register(parser.add_subparsers())
+    args = parser.parse_args(argv)
+    return args.handler(args)
+
+
+WORKLOAD = ["--model", "hot", "--model", "cold", "--power-law-alpha", "1.5",
+            "--num-requests", "8", "--length-scale", "0.01", "--max-model-len", "16",
+            "--no-progress"]
+
+
+def test_run_summary_plot(fake_server, tmp_path, capsys, monkeypatch):
+    server = fake_server(FakeBehavior(ttft_s=0.02, itl_s=0.005))
+    out = tmp_path / "r.json"
+    argv = ["bench", "run", "--url", server.url, "--label", "fake", "--rate", "20", "40",
+            "--out", str(out), "--isolated", "hot=20,5", "--isolated", "cold=20,5",
+            "--tpot-slo-ms", "50", "--role", "hot=hot", "--role", "cold=cold", *WORKLOAD]
+    monkeypatch.setattr("sys.argv", ["weaver", *argv])
+    assert _main(argv) == 0
+    result = load_result(out)
+    assert [run.rate for run in result.runs] == [20.0, 40.0]
+    run = result.runs[0]
+    assert run.summary[ALL_MODELS].num_ok == 8
+    assert run.roles == {"hot": "hot", "cold": "cold"}
+    assert run.workload["model_rates"]["hot"] > run.workload["model_rates"]["cold"]
+    assert set(run.slo["hot"].attainment) == {"5", "8"}
+    # --max-model-len 16 less the prompt margin (BOS, tokenizer drift).
+    fits = 16 - bench.PROMPT_TOKEN_MARGIN
+    assert all(r.input_tokens + r.output_tokens <= fits for r in run.records)
+    assert result.command == ["weaver", *argv]
+    printed = capsys.readouterr().out
+    assert "TPOT p90" in printed and "SLO x5" in printed
+
+    assert _main(["bench", "summary", str(out), "--tpot-slo-ms", "50"]) == 0
+    printed = capsys.readouterr().out
+    assert "fake hot: 40 req/s" in printed  # TPOT ~5 ms meets 50 ms at both rates
+
+    assert _main(["bench", "plot", str(out), "--out-dir", str(tmp_path / "png")]) == 0
+    assert (tmp_path / "png" / "tpot_vs_rate.png").stat().st_size > 0
+    assert (tmp_path / "png" / "throughput.png").stat().st_size > 0
+
+
+def test_compare_two_fake_deployments_reports_ratios(fake_server, tmp_path, capsys):
+    fast = fake_server(FakeBehavior(ttft_s=0.02, itl_s=0.01))
+    slow = fake_server(FakeBehavior(ttft_s=0.02, itl_s=0.03))
+    requests = [TraceRequest(0.02 * i, 8, 8, "m", i) for i in range(4)]
+    runs = compare_deployments(
+        [("fast", fast.url), ("slow", slow.url)], requests,
+        LoadGenConfig(fast.url, show_progress=False), tpot_slo_s=0.025,
+    )
+    assert [r.label for r in runs] == ["fast", "slow"]
+    assert [r.base_url for r in runs] == [fast.url, slow.url]
+    ratio = runs[1].summary["m"].tpot.p(90) / runs[0].summary["m"].tpot.p(90)
+    assert 1.5 < ratio < 4.0  # injected 30 ms vs 10 ms; slack for a busy machine
+    assert runs[0].slo["m"].goodput_requests_per_s > 0
+    assert runs[1].slo["m"].goodput_requests_per_s == 0
+    table = comparison_table(runs)
+    assert "relative to fast" in table
+    with pytest.raises(ValueError, match="repeat"):
+        compare_deployments([("a", fast.url), ("a", slow.url)], requests, LoadGenConfig(fast.url))
+
+    out = tmp_path / "cmp.json"
+    argv = ["bench", "compare", "--target", f"fast={fast.url}", "--target", f"slow={slow.url}",
+            "--rate", "50", "--out", str(out), *WORKLOAD]
+    assert _main(argv) == 0
+    assert [r.label for r in load_result(out).runs] == ["fast", "slow"]
+    assert "x TPOT p90" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["bench", "run", "--url", "localhost:1", "--model", "a", "--rate", "1"], "http://"),
+    (["bench", "run", "--url", "http://127.0.0.1:9", "--model", "a"], "--rate is required"),
+    (["bench", "run", "--url", "http://127.0.0.1:9", "--model", "a=1", "--rate", "1"], "not both"),
+    (["bench", "run", "--url", "http://127.0.0.1:9", "--model", "a", "--rate", "1",
+      "--trace", "sharegpt"], "unknown trace"),
+    (["bench", "compare", "--target", "nourl", "--model", "a", "--rate", "1"], "LABEL=URL"),
+    (["bench", "summary", "/nonexistent.json"], "does not exist"),
+])
+def test_user_errors_exit_2_with_a_message(argv, message, capsys):
+    assert _main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unreachable_server_warns_and_missing_isolated_fails_early(tmp_path, capsys):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    out = tmp_path / "down.json"
+    assert _main(["bench", "run", "--url", url, "--rate", "50", "--out", str(out), *WORKLOAD]) == 0
+    assert "no request" in capsys.readouterr().err
+    assert load_result(out).runs[0].summary[ALL_MODELS].num_errors == 8
+    argv = ["bench", "run", "--url", url, "--rate", "50", "--isolated", "hot=1,1", *WORKLOAD]
+    assert _main(argv) == 2
+    assert "['cold']" in capsys.readouterr().err
+
+
+def test_parse_target():
+    assert parse_target("weaver=http://127.0.0.1:8000") == ("weaver", "http://127.0.0.1:8000")
+
+
+def test_bench_without_subcommand_prints_help(capsys):
+    assert _main(["bench"]) == 2
+    assert "bench commands" in capsys.readouterr().out
+
+
+def test_registers_through_weaver_main(monkeypatch, capsys):
+    # What the merge does: main imports the module by name and calls register().
+    from weaver.cli import main
+
+    monkeypatch.setattr(main, "SUBCOMMAND_MODULES", ("weaver.cli.bench",))
+    assert main.main(["bench", "summary", "/nonexistent.json"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main.main(["bench", "plot", "--help"])
+    assert "tpot_vs_rate.png" in capsys.readouterr().out

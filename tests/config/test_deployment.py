@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import pytest
+
+from weaver.config.deployment import Role, load_deployment, parse_deployment
+
+
+def model(name: str, **extra) -> dict:
+    return {"name": name, "model": "smollm2-135m-instruct", **extra}
+
+
+def test_embedded_default_serves_two_models():
+    deployment = load_deployment()
+    assert len(deployment.models) == 2
+    assert {m.device for m in deployment.models} == {"cpu"}
+
+
+def test_defaults_filled_in():
+    spec = parse_deployment({"models": [model("m")]}).models[0]
+    assert (spec.role, spec.device, spec.dtype, spec.max_model_len) == (
+        Role.DEDICATED, "cpu", "float32", 2048)
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ({"models": [model("m", device="gpu")]}, "models.0.device: device 'gpu' is not"),
+        ({"models": [model("m", kv_cache_gibs=1)]}, "models.0.kv_cache_gibs: unknown field"),
+        ({"models": [model("m", kv_cache_gib=0)]}, "models.0.kv_cache_gib"),
+        ({"models": [model("bad name")]}, "must be 1-64 characters"),
+        ({"models": [model("m"), model("m")]}, "repeated: ['m']"),
+        ({"models": []}, "models: List should have at least 1 item"),
+        ({"models": [model("m", lend_kv_gib=1)]}, "only a cold model lends memory"),
+        ({"models": [model("h", role="hot"), model("c", role="cold", lend_kv_gib=1)],
+          "weaving": [{"hot": "h", "cold": ["x"]}]}, "weaving names 'x'"),
+        ({"models": [model("h", role="hot"), model("c", role="dedicated")],
+          "weaving": [{"hot": "h", "cold": ["c"]}]}, "uses 'c' as cold but its role is"),
+        ({"models": [model("h", role="hot"), model("c", role="cold")],
+          "weaving": [{"hot": "h", "cold": ["c"]}]}, "must lend memory"),
+        ({"models": [model("h", role="hot"), model("c", role="cold", lend_kv_gib=1)],
+          "weaving": [{"hot": "h", "cold": ["c"], "offload_ratio": 1.5}]}, "offload_ratio"),
+    ],
+)
+def test_errors_name_the_field_and_the_fix(data, expected):
+    with pytest.raises(ValueError, match=None) as info:
+        parse_deployment(data)
+    assert expected in str(info.value)
+
+
+def test_weaving_pair_accepted():
+    deployment = parse_deployment({
+        "models": [model("h", role="hot"), model("c", role="cold", lend_kv_gib=0.5)],
+        "weaving": [{"hot": "h", "cold": ["c"], "offload_ratio": 1.0}],
+    })
+    assert deployment.weaving[0].offload_ratio == 1.0
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_deployment(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("models: [\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_deployment(bad)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("42\n")
+    with pytest.raises(ValueError, match="expected a mapping"):
+        load_deployment(scalar)

@@ -1,0 +1,57 @@
+"""Cold side in its own process, for the cross-process tests (not a test module).
+
+Usage: python cold_worker.py '<json>' where json has name, shm_dir, layout (the
+RegionLayout fields), executor ("reference" | "vllm") and poller (bool). Prints READY
+once the region exists and the receiver is alive; reads commands from stdin:
+"close" closes the receiver (prints CLOSED and exits); EOF does the same.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from weaver.offload.channel import OffloadReceiver, OffloadTask
+from weaver.offload.layout import HotAttentionShape, RegionLayout
+from weaver.offload.reference_attention import paged_decode_attention_reference
+from weaver.offload.shm_transport import ShmRegion
+
+
+def _reference_executor(task: OffloadTask) -> None:
+    out = paged_decode_attention_reference(
+        task.q, task.kv_layer, task.seq_lens, task.block_table, task.scale, key_layout="nd"
+    )
+    task.out.copy_(out)
+
+
+def main() -> int:
+    spec = json.loads(sys.argv[1])
+    lay = spec["layout"]
+    layout = RegionLayout(
+        shape=HotAttentionShape(**lay["shape"]),
+        num_remote_blocks=lay["num_remote_blocks"],
+        max_seqs_per_task=lay["max_seqs_per_task"],
+        max_blocks_per_seq=lay["max_blocks_per_seq"],
+    )
+    if spec["executor"] == "vllm":
+        from weaver.vllm_ext.cpu_paged_attention import CpuPagedAttentionExecutor
+
+        executor = CpuPagedAttentionExecutor(layout.shape)
+    else:
+        executor = _reference_executor
+    region = ShmRegion.create(layout, spec["name"], shm_dir=spec["shm_dir"])
+    receiver = OffloadReceiver(region, executor)
+    if spec["poller"]:
+        receiver.start_idle_poller()
+    print("READY", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "close":
+            break
+    served = receiver.stats.num_served
+    receiver.close()
+    print(f"CLOSED served={served}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+import argparse
+import json
+
+import pytest
+
+from weaver.cli import simulate as cli
+from weaver.sim.config import load_config, packaged_configs
+from weaver.sim.profile import Profile
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(prog="weaver")
+    cli.register(parser.add_subparsers())
+    return parser.parse_args(argv)
+
+
+def test_packaged_configs_validate():
+    configs = packaged_configs()
+    assert {"paper_a100", "kv_bound_a100", "scale_64gpu", "tiny"} <= set(configs)
+    for path in configs.values():
+        load_config(path)
+    scale = load_config(configs["scale_64gpu"])
+    assert len(scale.models) == 32 and scale.cluster.num_gpus == 64
+    rates = [m.rate for m in scale.models]
+    assert rates == sorted(rates, reverse=True) and sum(rates) == pytest.approx(250)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("name: x\n", "cluster"),
+    ("name: x\ncluster: {num_gpus: 1}\n", "no models"),
+    ("name: x\ncluster: {num_gpus: 1, device: TPU}\nmodels: [{name: a, rate: 1}]\n",
+     "unknown device"),
+    ("name: x\ncluster: {num_gpus: 1}\nmodels: [{name: a, rate: 1}]\npolicy: best\n",
+     "unknown policy"),
+    ("name: x\ncluster: {num_gpus: 1}\nmodels: [{name: a, rate: -1}]\n", "rate"),
+    ("name: x\ncluster: {num_gpus: 1}\nmodels: [{name: a, rate: 1}]\n"
+     "placement: {gpus: [{models: [b]}]}\n", "unknown models"),
+    ("name: x\ncluster: {num_gpus: 1}\nmodels: [{name: a, rate: 1, colour: red}]\n",
+     "colour"),
+    ("- just a list\n", "mapping"),
+])
+def test_bad_configs_say_what_to_fix(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_config(path)
+
+
+def test_simulate_command_writes_json_and_a_plot(tmp_path, profile_path, capsys):
+    config = tmp_path / "small.yaml"
+    config.write_text(
+        "name: small\nduration_s: 5\npolicy: weaver\ncluster: {num_gpus: 2}\nmodels:\n"
+        f"  - {{name: hot, rate: 8, profile: {profile_path}}}\n"
+        f"  - {{name: cold, rate: 1, profile: {profile_path}}}\n")
+    args = parse(["simulate", str(config), "--out", str(tmp_path / "out")])
+    assert args.handler(args) == 0
+    result = json.loads((tmp_path / "out" / "small" / "weaver.json").read_text())
+    assert result["policy"] == "weaver" and result["requests"]
+    assert (tmp_path / "out" / "small" / "weaver.png").stat().st_size > 0
+    assert "hot" in capsys.readouterr().out
+
+
+def test_sweep_prints_the_ratio_beside_the_paper(tmp_path, profile_path, capsys):
+    config = tmp_path / "sweep.yaml"
+    config.write_text(
+        "name: sw\nduration_s: 5\ncluster: {num_gpus: 2}\nslo: {tpot_ms: 300}\nmodels:\n"
+        f"  - {{name: hot, rate: 8, profile: {profile_path}, output: {{mean: 32}}}}\n"
+        f"  - {{name: cold, rate: 1, profile: {profile_path}, output: {{mean: 32}}}}\n"
+        "placement: {gpus: [{models: [hot]}, {models: [cold]}], "
+        "pairs: [{hot_gpu: 0, cold_gpu: 1}]}\n"
+        "sweep: {model: hot, rates: [5, 20], policies: [dedicated, weaver]}\n")
+    args = parse(["simulate", str(config), "--out", str(tmp_path / "out")])
+    assert args.handler(args) == 0
+    out = capsys.readouterr().out
+    assert "weaving vs dedicated" in out and "+60%" in out
+    sweep = json.loads((tmp_path / "out" / "sw" / "sweep.json").read_text())
+    assert len(sweep["points"]) == 4
+    assert sweep["max_rate_rps"]["dedicated"] == 5  # rate 20 overloads one GPU
+    assert (tmp_path / "out" / "sw" / "sweep.png").exists()
+
+
+def test_bad_config_exits_2(tmp_path):
+    args = parse(["simulate", str(tmp_path / "missing.yaml")])
+    assert args.handler(args) == 2
+
+
+def test_profile_command_roofline(tmp_path):
+    out = tmp_path / "h100.json"
+    args = parse(["profile", "--device", "H100-80GB", "--shape", "llama-3-8b", "--out",
+                  str(out)])
+    assert args.handler(args) == 0
+    assert Profile.load(out).source.startswith("roofline")

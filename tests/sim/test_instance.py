@@ -1,0 +1,150 @@
+import pytest
+
+from weaver.sim.engine import Engine
+from weaver.sim.instance import BlockPool, Instance, ModelServer, SeqSet, ServerConfig, SimRequest
+from weaver.sim.perf_model import LinkModel, OffloadCostModel, PerfModel
+from weaver.workloads.types import TraceRequest
+
+BLOCK = 16  # conftest.Linear.BLOCK
+
+
+def make_server(lin, num_blocks: int, name: str = "m", max_num_seqs: int = 256):
+    perf = PerfModel(lin.profile())
+    cfg = ServerConfig(block_size=BLOCK, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
+    server = ModelServer(name, perf, BlockPool(num_blocks * lin.BLOCK_BYTES), cfg)
+    finished = []
+    server.on_finished = finished.append
+    return server, finished
+
+
+def submit(engine, instance, requests):
+    for req in requests:
+        engine.schedule(req.trace.arrival_s, "arrival",
+                        lambda t, req=req: instance.submit(req, t))
+
+
+def request(input_tokens, output_tokens, arrival=0.0, model="m", rid=0):
+    return SimRequest(TraceRequest(arrival, input_tokens, output_tokens, model, rid))
+
+
+def test_one_request_has_exact_ttft_and_e2e(lin):
+    engine = Engine()
+    server, finished = make_server(lin, 1000)
+    inst = Instance(engine, "gpu0", [server])
+    req = request(100, 5)
+    submit(engine, inst, [req])
+    engine.run()
+    assert finished == [req]
+    assert req.first_token_s == pytest.approx(lin.prefill_time(100))
+    expected_e2e = lin.prefill_time(100) + sum(lin.decode_time(1, 100 + i) for i in range(4))
+    assert req.finish_s == pytest.approx(expected_e2e)
+    assert server.local.num_blocks == 0 and server.local.pool.used_bytes == 0
+
+
+def test_full_kv_makes_the_second_request_queue(lin):
+    engine = Engine()
+    server, finished = make_server(lin, 3)  # one request of 32 + 8 tokens needs all 3 blocks
+    inst = Instance(engine, "gpu0", [server])
+    first, second = request(32, 8, rid=0), request(32, 8, rid=1)
+    submit(engine, inst, [first, second])
+    engine.run()
+    assert finished == [first, second]
+    assert first.finish_s == pytest.approx(
+        lin.prefill_time(32) + sum(lin.decode_time(1, 32 + i) for i in range(7)))
+    assert second.first_token_s == pytest.approx(first.finish_s + lin.prefill_time(32))
+    assert second.num_preemptions == 0
+
+
+def test_growth_beyond_capacity_preempts_the_newest_and_recomputes(lin):
+    engine = Engine()
+    server, finished = make_server(lin, 4)
+    inst = Instance(engine, "gpu0", [server])
+    old, new = request(16, 40, 0.0, rid=0), request(16, 40, 0.001, rid=1)
+    submit(engine, inst, [old, new])
+    pool = server.local.pool
+    engine.run(on_event=lambda ev: _check_pool(pool))
+    assert set(finished) == {old, new}
+    assert new.num_preemptions >= 1 and old.num_preemptions == 0
+    assert new.first_token_s < old.finish_s < new.finish_s
+    assert pool.used_bytes == 0
+
+
+def _check_pool(pool):
+    assert pool.used_bytes <= pool.capacity_bytes
+
+
+def test_request_that_can_never_fit_is_rejected(lin):
+    engine = Engine()
+    server, finished = make_server(lin, 2)
+    inst = Instance(engine, "gpu0", [server])
+    req = request(100, 10)
+    submit(engine, inst, [req])
+    engine.run()
+    assert finished == [req] and req.is_rejected and req.finish_s is None
+
+
+def _max_running(lin, weave: bool):
+    engine = Engine()
+    hot, finished = make_server(lin, 8, "hot")  # room for two requests of 40 + 20 tokens
+    cold, _ = make_server(lin, 100, "cold")
+    hot_inst = Instance(engine, "gpu0", [hot])
+    cold_inst = Instance(engine, "gpu1", [cold])
+    if weave:
+        hot.remote = SeqSet(BlockPool(8 * lin.BLOCK_BYTES), BLOCK, lin.BLOCK_BYTES)
+        hot.offload_ratio = 0.5
+        hot.offload = OffloadCostModel(hot.perf, hot.perf, LinkModel(1e9, 1e-5))
+        hot.remote_instance = cold_inst
+    reqs = [request(40, 20, 0.0, "hot", i) for i in range(4)]
+    submit(engine, hot_inst, reqs)
+    peak = [0]
+    engine.run(on_event=lambda ev: peak.__setitem__(0, max(peak[0], hot.num_running)))
+    assert len(finished) == 4 and not any(r.num_preemptions for r in reqs)
+    return peak[0], reqs, cold_inst
+
+
+def test_weaving_raises_hot_batch_capacity(lin):
+    alone, reqs, _ = _max_running(lin, weave=False)
+    woven, woven_reqs, cold_inst = _max_running(lin, weave=True)
+    assert alone == 2
+    assert woven == 4
+    assert sum(r.is_remote for r in woven_reqs) == 2
+    assert not any(r.is_remote for r in reqs)
+    # The cold device was told how much of its time the remote attention takes.
+    assert set(cold_inst.external_loads) == {"gpu0/hot"}
+
+
+def test_seq_set_block_accounting_matches_ceil(lin):
+    pool = BlockPool(1000 * lin.BLOCK_BYTES)
+    seqs = SeqSet(pool, BLOCK, lin.BLOCK_BYTES)
+    joined = []
+    step = 0
+    for ctx in (1, 15, 16, 17, 40, 31):  # sequences join between decode steps
+        req = request(ctx, 100)
+        seqs.add(req, ctx, step, 0)
+        joined.append(req)
+        for _ in range(7):
+            seqs.grow(step)
+            seqs.advance()
+            step += 1
+            want = sum(-(-seqs.context_of(r, step) // BLOCK) for r in joined)
+            assert seqs.num_blocks == want
+            assert seqs.num_context_tokens == sum(seqs.context_of(r, step) for r in joined)
+    seqs.remove(joined[2], step)
+    assert seqs.num_blocks == sum(-(-seqs.context_of(r, step) // BLOCK) for r in joined
+                                  if r is not joined[2])
+
+
+def test_overflow_offload_goes_remote_only_when_local_is_full(lin):
+    engine = Engine()
+    hot, finished = make_server(lin, 8, "hot")  # room for two requests of 40 + 20 tokens
+    cold, _ = make_server(lin, 100, "cold")
+    hot_inst, cold_inst = Instance(engine, "gpu0", [hot]), Instance(engine, "gpu1", [cold])
+    hot.remote = SeqSet(BlockPool(8 * lin.BLOCK_BYTES), BLOCK, lin.BLOCK_BYTES)
+    hot.offload_ratio, hot.offload_policy = 1.0, "overflow"
+    hot.offload = OffloadCostModel(hot.perf, hot.perf, LinkModel(1e9, 1e-5))
+    hot.remote_instance = cold_inst
+    reqs = [request(40, 20, 0.0, "hot", i) for i in range(4)]
+    submit(engine, hot_inst, reqs)
+    engine.run()
+    assert len(finished) == 4
+    assert [r.is_remote for r in reqs] == [False, False, True, True]

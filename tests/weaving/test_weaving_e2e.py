@@ -1,0 +1,163 @@
+"""Weaving end to end on real vLLM engines, through the OpenAI endpoint.
+
+One server hosts four engines: `ref` (SmolLM2, dedicated: weaving off), `hot` (the same
+model weaving half its sequences into `cold`), `hot-all` (every sequence remote) and
+`cold` (a random-weight Llama of another shape: 3 layers, 6 q / 1 kv heads, head 64,
+against SmolLM2's 30 layers, 9 q / 3 kv heads). The three SmolLM2 engines have the same
+capped local KV (16 usable blocks of 32 tokens) and a small prefill chunk (64 tokens), so long
+prompts span several chunks and the batch is KV-bound. Tests run in file order; the last
+ones kill the cold engine and stop the server.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from weaver.server.process import weaver_server
+
+pytestmark = pytest.mark.engine
+
+NUM_PROMPTS = 32
+MAX_TOKENS = 24
+LOCAL_BLOCKS = 17  # 16 usable: block 0 is vLLM's null block
+SMOLLM2_ENGINE = """
+    model: {smollm2}
+    kv_cache_gib: 0.25
+    max_model_len: 512
+    block_size: 32
+    num_gpu_blocks_override: {local_blocks}
+    max_num_seqs: 48
+    extra_engine_args: {{max_num_batched_tokens: 64}}"""
+
+DEPLOYMENT = """
+models:
+  - name: ref
+    role: dedicated{engine}
+  - name: hot
+    role: hot{engine}
+  - name: hot-all
+    role: hot{engine}
+  - name: cold
+    model: {tiny}
+    role: cold
+    kv_cache_gib: 0.1
+    max_model_len: 512
+    lend_kv_gib: 0.25
+weaving:
+  - {{hot: hot, cold: [cold], offload_ratio: 0.5, timeout_s: 3.0}}
+  - {{hot: hot-all, cold: [cold], offload_ratio: 1.0, timeout_s: 3.0}}
+"""
+
+
+def make_prompts() -> list[str]:
+    # Mixed lengths, from a few tokens to ~300 (several 64-token prefill chunks).
+    topics = ["the ocean", "volcanoes", "the moon", "bread", "chess", "rivers", "owls"]
+    prompts = []
+    for i in range(NUM_PROMPTS):
+        topic = topics[i % len(topics)]
+        filler = f" Here is more context about {topic}." * ((i * 7) % 40)
+        prompts.append(f"Write a short note about {topic}.{filler} Note {i}:")
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smollm2_dir):
+    from weaver.models.registry import prepare_model
+
+    tiny = prepare_model("tiny-llama-b")
+    root = tmp_path_factory.mktemp("weaving")
+    config = root / "deployment.yaml"
+    engine = SMOLLM2_ENGINE.format(smollm2=smollm2_dir, local_blocks=LOCAL_BLOCKS)
+    config.write_text(DEPLOYMENT.format(engine=engine, tiny=tiny))
+    with weaver_server(config, root / "serve.log") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0,
+                         timeout=600)
+
+
+def complete_all(client: openai.OpenAI, model: str, prompts: list[str]) -> list[str]:
+    def one(prompt: str) -> str:
+        reply = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS,
+                                          temperature=0, extra_body={"ignore_eos": True})
+        return reply.choices[0].text
+
+    with cf.ThreadPoolExecutor(NUM_PROMPTS) as pool:
+        return list(pool.map(one, prompts))
+
+
+def metric(server, name: str) -> float:
+    total = 0.0
+    for line in httpx.get(f"{server.base_url}/metrics", timeout=30).text.splitlines():
+        if line.startswith(name):
+            total += float(line.split()[-1])
+    return total
+
+
+@pytest.fixture(scope="module")
+def reference(server, client) -> dict:
+    prompts = make_prompts()
+    outputs = complete_all(client, "ref", prompts)
+    # vLLM's own SchedulerStats, as the gateway exports them per model.
+    peak = metric(server, 'weaver_peak_running{model="ref"}')
+    return {"prompts": prompts, "outputs": outputs, "peak_running": peak}
+
+
+def test_half_remote_is_token_exact_and_runs_larger_batches(server, client, reference):
+    outputs = complete_all(client, "hot", reference["prompts"])
+    peak = metric(server, 'weaver_peak_running{model="hot"}')
+    assert outputs == reference["outputs"]
+    assert metric(server, 'weaver_offload_sequences_total{model="hot"}') >= NUM_PROMPTS // 2
+    assert metric(server, 'weaver_offload_tasks_total{cold="cold",hot="hot"}') > 0
+    # Capacity: same local KV, plus the lent blocks (acceptance: >= 1.8x).
+    print(f"peak running: ref {reference['peak_running']}, hot {peak}")
+    assert reference["peak_running"] > 0
+    assert peak >= 1.8 * reference["peak_running"]
+
+
+def test_all_remote_is_token_exact(server, client, reference):
+    outputs = complete_all(client, "hot-all", reference["prompts"])
+    assert outputs == reference["outputs"]
+    assert metric(server, 'weaver_offload_sequences_total{model="hot-all"}') >= NUM_PROMPTS
+    assert metric(server, 'weaver_offload_fallbacks_total{model="hot-all"}') == 0
+
+
+def test_health_reports_weaving_pairs(server):
+    pairs = {(p["hot"], p["cold"]): p for p in server.health().json()["weaving"]}
+    assert pairs[("hot", "cold")]["status"] == "ok"
+    assert pairs[("hot-all", "cold")]["offload_ratio"] == 1.0
+
+
+def test_killing_the_cold_engine_mid_run_loses_no_request(server, client, reference):
+    cold_pids = server.health().json()["models"]["cold"]["engine_pids"]
+    with cf.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(complete_all, client, "hot-all", reference["prompts"])
+        deadline = time.monotonic() + 120
+        while metric(server, 'weaver_offload_tasks_total{cold="cold",hot="hot-all"}') < 1500:
+            assert time.monotonic() < deadline and not pending.done()
+            time.sleep(0.2)
+        for pid in cold_pids:
+            psutil.Process(pid).kill()
+        outputs = pending.result(timeout=600)
+    assert outputs == reference["outputs"]
+    assert metric(server, 'weaver_offload_fallbacks_total{model="hot-all"}') > 0
+    pairs = {(p["hot"], p["cold"]): p for p in server.health().json()["weaving"]}
+    assert pairs[("hot-all", "cold")]["status"] == "degraded"
+
+
+def test_no_shared_memory_left_after_sigterm(server):
+    prefix = f"weaver{server.process.pid}-"
+    assert server.stop(signal.SIGTERM) == 0
+    leftovers = [p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(prefix)]
+    assert leftovers == []

@@ -1,0 +1,431 @@
+"""`weaver bench`: trace-driven benchmarks against running OpenAI-compatible servers.
+
+  weaver bench run      send a workload (Azure conv/code or BurstGPT) to one server
+  weaver bench compare  send the same workload to several servers, print ratios
+  weaver bench summary  print tables from saved results
+  weaver bench plot     draw TPOT-vs-rate and throughput figures from saved results
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "OPENAI_API_KEY"
+# The synthetic prompt of N words tokenizes to about N tokens plus BOS/special tokens; keep
+# this many tokens free under --max-model-len so that no request is rejected as too long.
+PROMPT_TOKEN_MARGIN = 4
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="trace-driven benchmarks against running servers",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(title="bench commands", metavar="BENCH_COMMAND")
+    parser.set_defaults(handler=lambda _args: _print_help(parser))
+    _register_run(commands)
+    _register_compare(commands)
+    _register_summary(commands)
+    _register_plot(commands)
+
+
+def _print_help(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 2
+
+
+def _add_workload_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("workload")
+    g.add_argument(
+        "--model", action="append", required=True, metavar="NAME[=RATE]",
+        help="a served model name, optionally with its own rate in req/s; repeat for several "
+        "models (rates for all or for none; with none, --rate is split by --power-law-alpha)",
+    )
+    g.add_argument(
+        "--trace", default="azure-conv", metavar="azure-conv|azure-code|burstgpt:PATH",
+        help="request lengths (and, with --arrival trace, arrival times) come from this trace "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--traces-dir", default=None,
+        help="folder with the Azure CSVs (default: $WEAVER_TRACES_DIR or <repo>/../shared/traces)",
+    )
+    g.add_argument(
+        "--filter", dest="filter_name", default=None, choices=["weaver-azure", "burstgpt", "none"],
+        help="row filter (default: the Weaver paper's rule for the trace: in+out < 2000 tokens; "
+        "BurstGPT also keeps GPT-4 rows with > 3 response tokens)",
+    )
+    g.add_argument(
+        "--rate", type=float, nargs="+", default=None, metavar="R",
+        help="total request rate in req/s; several values run a sweep into one results file",
+    )
+    g.add_argument(
+        "--arrival", choices=["poisson", "gamma", "trace"], default="poisson",
+        help="arrival process; `trace` replays the trace's timestamps, stretched to --rate if "
+        "given (default: %(default)s)",
+    )
+    g.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape: 1 = Poisson, < 1 burstier (default: %(default)s)")
+    g.add_argument("--time-scale", type=float, default=None,
+                   help="with --arrival trace: multiply the trace's gaps by this factor")
+    g.add_argument("--power-law-alpha", type=float, default=0.0,
+                   help="MuxServe popularity: model i gets rate ~ i^-alpha (default: even split)")
+    g.add_argument("--num-requests", type=int, default=200,
+                   help="requests per run (default: %(default)s)")
+    g.add_argument("--length-scale", type=float, default=1.0,
+                   help="multiply input and output lengths by this factor (default: 1)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="shrink requests so that input + output fits this context length, "
+                   f"less {PROMPT_TOKEN_MARGIN} tokens for the BOS and tokenizer drift of the "
+                   "synthetic prompt")
+    g.add_argument("--seed", type=int, default=0,
+                   help="the one seed of the workload (default: %(default)s)")
+
+
+def _add_client_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("client")
+    g.add_argument("--duration-s", type=float, default=None,
+                   help="deadline per run; outstanding requests are then cancelled and "
+                   "counted as unfinished")
+    g.add_argument("--max-concurrency", type=int, default=None,
+                   help="at most this many requests in flight (default: no cap)")
+    g.add_argument("--api-key", default=None,
+                   help=f"bearer token (default: ${API_KEY_ENV} if set)")
+    g.add_argument("--request-timeout-s", type=float, default=600.0,
+                   help="per-request HTTP timeout (default: %(default)s)")
+    g.add_argument("--no-vllm-extras", action="store_true",
+                   help="do not send ignore_eos/min_tokens (for non-vLLM servers)")
+    g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    g = parser.add_argument_group("SLOs")
+    g.add_argument("--tpot-slo-ms", type=float, default=None,
+                   help="TPOT SLO for goodput, in ms")
+    g.add_argument("--isolated-from", default=None, metavar="RESULTS.json",
+                   help="fit each model's isolated TTFT/TPOT from a low-load run saved here, "
+                   "for MuxServe SLO attainment (x5, x8) and slowdowns")
+    g.add_argument("--isolated", action="append", default=[], metavar="MODEL=TTFT_MS,TPOT_MS",
+                   help="isolated latency constants of a model instead of --isolated-from")
+    g.add_argument("--role", action="append", default=[], metavar="MODEL=hot|cold",
+                   help="record which model is hot and which cold (for the plots)")
+    parser.add_argument("--out", default="bench_results.json",
+                        help="results JSON to write (default: %(default)s)")
+
+
+def _register_run(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "run", help="send a workload to one running server",
+        description="Send a trace-driven workload to a running OpenAI-compatible server "
+        "(/v1/completions, streaming) and save per-request records and summaries as JSON.",
+    )
+    parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--label", default="deployment",
+                        help="name of this deployment in results and plots (default: %(default)s)")
+    _add_workload_args(parser)
+    _add_client_args(parser)
+    parser.set_defaults(handler=_run_handler)
+
+
+def _register_compare(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "compare", help="the same workload against several deployments, with ratios",
+        description="Run the same requests (same seed, same arrival times) against each "
+        "deployment in turn, save all runs in one file and print ratios to the first. A "
+        "deployment is a YAML file (Weaver starts `weaver serve` on it, runs the workload "
+        "and stops it before the next one) or the URL of a running server.",
+    )
+    parser.add_argument("deployments", nargs="*", type=Path, metavar="DEPLOYMENT.yaml",
+                        help="deployment files, labelled by their file name; the first is "
+                        "the baseline")
+    parser.add_argument("--target", action="append", default=[], metavar="LABEL=URL|YAML",
+                        help="a running server or a deployment file with a label; repeat")
+    _add_workload_args(parser)
+    _add_client_args(parser)
+    parser.set_defaults(handler=_compare_handler)
+
+
+def _register_summary(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "summary", help="print tables from saved results",
+        description="Print latency/throughput (and SLO) tables from results JSON files; with "
+        "--tpot-slo-ms also the max sustainable rate per deployment and model of a sweep.",
+    )
+    _add_saved_results_args(
+        parser,
+        slo_help="TPOT SLO for the max sustainable rate, in ms",
+        percentile_help="TPOT percentile held to the SLO",
+    )
+    parser.set_defaults(handler=_summary_handler)
+
+
+def _register_plot(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "plot", help="draw figures from saved results",
+        description="Write tpot_vs_rate.png (hot and cold model side by side, one line per "
+        "deployment) and throughput.png (bars per deployment) from results JSON files.",
+    )
+    _add_saved_results_args(
+        parser,
+        slo_help="draw this TPOT SLO as a dashed line, in ms",
+        percentile_help="TPOT percentile to plot",
+    )
+    parser.add_argument("--out-dir", required=True, help="folder for the PNG files")
+    parser.set_defaults(handler=_plot_handler)
+
+
+def _add_saved_results_args(
+    parser: argparse.ArgumentParser, slo_help: str, percentile_help: str
+) -> None:
+    parser.add_argument("results", nargs="+", help="results JSON files")
+    parser.add_argument("--tpot-slo-ms", type=float, default=None, help=slo_help)
+    parser.add_argument("--percentile", type=float, default=90.0,
+                        help=f"{percentile_help} (50, 90 or 99; default: 90)")
+
+
+# Handlers -------------------------------------------------------------------------------
+
+
+def _guarded(fn):
+    """User errors print one line and exit 2, instead of a traceback."""
+
+    def handler(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except ValueError as exc:
+            print(f"weaver bench: error: {exc}", file=sys.stderr)
+            return 2
+
+    return handler
+
+
+def _parse_pairs(values: list[str], flag: str) -> dict[str, str]:
+    out = {}
+    for text in values:
+        key, sep, value = text.partition("=")
+        if not sep or not key or not value:
+            raise ValueError(f"{flag} {text!r}: expected KEY=VALUE")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _isolated(args: argparse.Namespace):
+    from weaver.bench.metrics import IsolatedEstimate, fit_isolated
+    from weaver.bench.results import load_result
+
+    if args.isolated_from:
+        result = load_result(args.isolated_from)
+        return fit_isolated([rec for run in result.runs for rec in run.records])
+    if not args.isolated:
+        return None
+    out = {}
+    for model, value in _parse_pairs(args.isolated, "--isolated").items():
+        try:
+            ttft_ms, tpot_ms = (float(x) for x in value.split(","))
+        except ValueError:
+            raise ValueError(f"--isolated {model}={value}: expected TTFT_MS,TPOT_MS") from None
+        out[model] = IsolatedEstimate(ttft_base_s=ttft_ms / 1000, tpot_s=tpot_ms / 1000)
+    return out
+
+
+def _roles(args: argparse.Namespace) -> dict[str, str]:
+    roles = _parse_pairs(args.role, "--role")
+    bad = {m: r for m, r in roles.items() if r not in ("hot", "cold", "dedicated")}
+    if bad:
+        raise ValueError(f"--role values must be hot, cold or dedicated; got {bad}")
+    return roles
+
+
+def _workloads(args: argparse.Namespace) -> list[tuple[float | None, list, dict[str, Any]]]:
+    """One (rate, requests, description) per swept rate; the trace is read once."""
+    from weaver.workloads.builder import (
+        ModelLoad,
+        WorkloadSpec,
+        build_workload,
+        describe_workload,
+        load_rows,
+        model_rates,
+    )
+    from weaver.workloads.filters import default_filter_name
+
+    models = [ModelLoad.parse(text) for text in args.model]
+    rates: list[float | None] = list(args.rate) if args.rate else [None]
+    rows = None
+    out = []
+    for rate in rates:
+        spec = WorkloadSpec(
+            models=models, trace=args.trace, rate=rate, arrival=args.arrival,
+            burstiness=args.burstiness, num_requests=args.num_requests,
+            length_scale=args.length_scale, max_model_len=_fit_len(args.max_model_len),
+            power_law_alpha=args.power_law_alpha, time_scale=args.time_scale,
+            filter_name=args.filter_name, seed=args.seed, traces_dir=args.traces_dir,
+        )
+        per_model = model_rates(spec)  # checks the rates before the trace is read
+        rows = rows if rows is not None else load_rows(spec)
+        requests = build_workload(spec, rows)
+        total = rate if rate is not None else (sum(per_model) if per_model else None)
+        description = {
+            "trace": args.trace, "filter": spec.filter_name or default_filter_name(args.trace),
+            "arrival": args.arrival,
+            "burstiness": args.burstiness, "num_requests": args.num_requests,
+            "length_scale": args.length_scale, "max_model_len": args.max_model_len,
+            "power_law_alpha": args.power_law_alpha, "time_scale": args.time_scale,
+            "seed": args.seed, "rate": total,
+            "model_rates": (
+                {m.name: r for m, r in zip(models, per_model, strict=True)} if per_model else {}
+            ),
+            "requests": describe_workload(requests),
+        }
+        out.append((total, requests, description))
+    return out
+
+
+def _fit_len(max_model_len: int | None) -> int | None:
+    if max_model_len is None:
+        return None
+    if max_model_len <= PROMPT_TOKEN_MARGIN + 1:
+        raise ValueError(
+            f"--max-model-len must be > {PROMPT_TOKEN_MARGIN + 1}, got {max_model_len}"
+        )
+    return max_model_len - PROMPT_TOKEN_MARGIN
+
+
+def _client_config(args: argparse.Namespace, url: str):
+    from weaver.bench.loadgen import LoadGenConfig
+
+    return LoadGenConfig(
+        base_url=url,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_concurrency=args.max_concurrency,
+        duration_s=args.duration_s,
+        request_timeout_s=args.request_timeout_s,
+        send_vllm_extras=not args.no_vllm_extras,
+        show_progress=not args.no_progress,
+    )
+
+
+def _run_targets(args: argparse.Namespace, targets: list[tuple[str, str]]) -> list:
+    from weaver.bench.compare import compare_deployments
+    from weaver.bench.report import slo_table, summary_table
+    from weaver.bench.results import new_result, save_result
+
+    isolated = _isolated(args)
+    roles = _roles(args)
+    tpot_slo_s = args.tpot_slo_ms / 1000 if args.tpot_slo_ms is not None else None
+    result = new_result(["weaver", *sys.argv[1:]])
+    workloads = _workloads(args)
+    runs_by_target = []
+    for label, where in targets:
+        with _served(label, where, args.out) as url:
+            config = _client_config(args, url)
+            runs = []
+            for rate, requests, description in workloads:
+                (run,) = compare_deployments(
+                    [(label, url)], requests, config, rate=rate, workload=description,
+                    isolated=isolated, tpot_slo_s=tpot_slo_s,
+                )
+                run.roles = roles
+                _warn_if_all_failed(run)
+                runs.append(run)
+                result.runs.append(run)
+                save_result(result, args.out)  # a cut sweep keeps what it measured
+            runs_by_target.append(runs)
+    # Rate-major, so that each swept rate lists the deployments side by side.
+    result.runs = [runs[i] for i in range(len(workloads)) for runs in runs_by_target]
+    save_result(result, args.out)
+    print(summary_table(result.runs))
+    table = slo_table(result.runs)
+    if table:
+        print(table)
+    print(f"results: {args.out}")
+    return result.runs
+
+
+@contextlib.contextmanager
+def _served(label: str, where: str, out: Path):
+    """The URL of a target: as given, or of a `weaver serve` started on a deployment file
+    for the duration of its runs (its log lands beside the results file)."""
+    if where.startswith(("http://", "https://")):
+        yield where
+        return
+    from weaver.server.process import weaver_server
+
+    config = Path(where)
+    if not config.is_file():
+        raise ValueError(f"{where!r} is neither a URL nor an existing deployment file")
+    log = Path(out).with_name(f"{Path(out).stem}.{label}.serve.log")
+    print(f"starting deployment {label!r} from {config} (log: {log})", flush=True)
+    with weaver_server(config, log) as server:
+        yield server.base_url
+
+
+def _warn_if_all_failed(run) -> None:
+    errors = [r.error for r in run.records if r.error]
+    if errors and not any(r.status.value == "ok" for r in run.records):
+        print(f"weaver bench: warning: no request to {run.base_url} succeeded; first error: "
+              f"{errors[0]}", file=sys.stderr)
+
+
+@_guarded
+def _run_handler(args: argparse.Namespace) -> int:
+    _run_targets(args, [(args.label, args.url)])
+    return 0
+
+
+@_guarded
+def _compare_handler(args: argparse.Namespace) -> int:
+    from weaver.bench.compare import parse_target
+    from weaver.bench.report import comparison_table
+
+    targets = [(path.stem, str(path)) for path in args.deployments]
+    targets += [parse_target(text) for text in args.target]
+    if not targets:
+        raise ValueError("give deployment files or --target LABEL=URL|YAML to compare")
+    runs = _run_targets(args, targets)
+    for start in range(0, len(runs), len(targets)):  # one table per swept rate
+        print(comparison_table(runs[start : start + len(targets)]))
+    return 0
+
+
+@_guarded
+def _summary_handler(args: argparse.Namespace) -> int:
+    from weaver.bench.metrics import max_sustainable_rate
+    from weaver.bench.plots import load_runs
+    from weaver.bench.report import slo_table, summary_table
+    from weaver.bench.results import ALL_MODELS
+
+    runs = load_runs(args.results)
+    print(summary_table(runs))
+    table = slo_table(runs)
+    if table:
+        print(table)
+    if args.tpot_slo_ms is not None:
+        print(f"max sustainable rate (p{args.percentile:g} TPOT <= {args.tpot_slo_ms:g} ms):")
+        groups: dict[tuple[str, str], list] = {}
+        for run in runs:
+            if run.rate is None:
+                continue
+            for model, summary in run.summary.items():
+                groups.setdefault((run.label, model), []).append((run.rate, summary))
+        for (label, model), sweep in sorted(groups.items()):
+            best = max_sustainable_rate(sweep, args.tpot_slo_ms / 1000, args.percentile)
+            shown = "none of the swept rates" if best is None else f"{best:g} req/s"
+            print(f"  {label} {'(all)' if model == ALL_MODELS else model}: {shown}")
+    return 0
+
+
+@_guarded
+def _plot_handler(args: argparse.Namespace) -> int:
+    from weaver.bench.plots import plot_results
+
+    tpot_slo_s = args.tpot_slo_ms / 1000 if args.tpot_slo_ms is not None else None
+    for path in plot_results(args.results, args.out_dir, args.percentile, tpot_slo_s):
+        print(f"wrote {path}")
+    return 0

@@ -1,0 +1,209 @@
+"""`weaver simulate`, `weaver plan` and `weaver profile`: the cluster simulator's commands.
+
+Results are JSON in a folder named after the config (`OUT/CONFIG_NAME/`); plots are drawn
+from those saved files afterwards, never from in-memory state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+PAPER_HOT_GAIN = 0.60  # Weaver §5: +60 % hot max throughput under the TPOT SLO, A100
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    _register_simulate(subparsers)
+    _register_plan(subparsers)
+    _register_profile(subparsers)
+
+
+def _config_help() -> str:
+    return ("a YAML simulation config, or the name of a packaged one (see "
+            "weaver/sim/configs/: paper_a100, kv_bound_a100, scale_64gpu, tiny)")
+
+
+def _register_simulate(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "simulate", help="simulate a multi-model cluster from a config",
+        description="Discrete-event simulation of a cluster serving several LLMs under one "
+                    "policy (dedicated, mux_temporal, muxserve, splitwise, weaver). With a "
+                    "`sweep:` section it sweeps one model's rate for each listed policy and "
+                    "reports its max rate under the SLO. Writes JSON results and PNG plots "
+                    "to OUT/CONFIG_NAME/.")
+    parser.add_argument("config", help=_config_help())
+    parser.add_argument("--out", default="results/sim", help="output folder (default: "
+                        "%(default)s)")
+    parser.add_argument("--policy", help="override the config's policy (single run only)")
+    parser.add_argument("--seed", type=int, help="override the config's seed")
+    parser.add_argument("--no-sweep", action="store_true",
+                        help="run the config once even if it has a sweep section")
+    parser.add_argument("--no-plot", action="store_true", help="write JSON only")
+    parser.set_defaults(handler=run_simulate)
+
+
+def _register_plan(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan", help="choose model placement, hot/cold pairs and offload ratio",
+        description="MuxServe-style enumeration + greedy placement extended with weaving; "
+                    "candidates are scored by simulation and compared with the dedicated "
+                    "placement. Writes OUT/CONFIG_NAME/plan.json and plan.png.")
+    parser.add_argument("config", help=_config_help())
+    parser.add_argument("--out", default="results/sim", help="output folder (default: "
+                        "%(default)s)")
+    parser.add_argument("--no-plot", action="store_true", help="write JSON only")
+    parser.set_defaults(handler=run_plan)
+
+
+def _register_profile(subparsers: argparse._SubParsersAction) -> None:
+    from weaver.sim.profile import KNOWN_DEVICES, KNOWN_SHAPES
+
+    parser = subparsers.add_parser(
+        "profile", help="write a performance profile (measured on CPU, or roofline)",
+        description="With --device cpu, time prefill, decode steps and decode attention of "
+                    "a random-weight Llama-shaped layer stack in plain torch on this CPU "
+                    "(about 10 s for --shape tiny). With a GPU name, write the roofline "
+                    "profile from its published specs instead. The format is in "
+                    "weaver/sim/PROFILE_FORMAT.md.")
+    parser.add_argument("--device", default="cpu",
+                        choices=["cpu", *sorted(KNOWN_DEVICES)],
+                        help="cpu measures; a GPU name writes its roofline (default: cpu)")
+    parser.add_argument("--shape", default="tiny", choices=sorted(KNOWN_SHAPES),
+                        help="model shape (default: %(default)s; measure only tiny or small "
+                             "on CPU, the others take long)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per point")
+    parser.add_argument("--out", required=True, help="profile JSON to write")
+    parser.set_defaults(handler=run_profile)
+
+
+def resolve_config(name_or_path: str):
+    from weaver.sim.config import load_config, packaged_configs
+
+    packaged = packaged_configs()
+    if not Path(name_or_path).exists() and name_or_path in packaged:
+        return load_config(packaged[name_or_path])
+    return load_config(name_or_path)
+
+
+def _write_json(path: Path, data: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1))
+    return path
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from weaver.sim import plots
+    from weaver.sim.runner import rate_sweep, simulate
+
+    try:
+        config = resolve_config(args.config)
+        if args.seed is not None:
+            config = config.model_copy(update={"seed": args.seed})
+        folder = Path(args.out) / config.name
+        if config.sweep is not None and not args.no_sweep:
+            sweep = rate_sweep(config, progress=True)
+            path = _write_json(folder / "sweep.json", sweep)
+            _print_sweep(sweep)
+            if not args.no_plot:
+                print(f"plot: {plots.plot_sweep(path, folder / 'sweep.png')}")
+        else:
+            result = simulate(config, policy=args.policy, progress=True)
+            path = _write_json(folder / f"{result['policy']}.json", result)
+            _print_summary(result)
+            if not args.no_plot:
+                print(f"plot: {plots.plot_run(path, folder / (result['policy'] + '.png'))}")
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
+    print(f"results: {path}")
+    return 0
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from weaver.sim import plots
+    from weaver.sim.planner import plan_cluster
+
+    try:
+        config = resolve_config(args.config)
+        result = plan_cluster(config, progress=True)
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
+    path = _write_json(Path(args.out) / config.name / "plan.json", result)
+    for entry in result["candidates"] + [result["baseline"]]:
+        total = entry["summary"]["_all"]
+        print(f"{entry['label']:<55} gpus={len(entry['plan']['gpus']):>3} "
+              f"pairs={len(entry['plan'].get('pairs', [])):>3} "
+              f"tokens={total['output_tokens_per_s']:9.0f}/s "
+              f"goodput={total['goodput_rps']:8.2f} req/s "
+              f"SLO attainment={total['slo_attainment']:.1%}")
+    print(f"chosen: {result['chosen']['label']}; goodput x{result['goodput_gain']:.2f}, token "
+          f"throughput x{result['token_throughput_gain']:.2f} vs {result['baseline']['label']}")
+    if not args.no_plot:
+        print(f"plot: {plots.plot_plan(path, path.with_suffix('.png'))}")
+    print(f"results: {path}")
+    return 0
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from weaver.sim.profile import get_device, get_shape, roofline_profile
+
+    shape = get_shape(args.shape)
+    if args.device == "cpu":
+        from weaver.sim.measure import MeasureSettings, measure_cpu_profile
+
+        if args.repeats < 1:
+            logger.error("--repeats must be at least 1")
+            return 2
+        profile = measure_cpu_profile(shape, MeasureSettings(num_repeats=args.repeats))
+    else:
+        profile = roofline_profile(shape, get_device(args.device))
+    profile.save(args.out)
+    print(f"{profile.shape.name} on {profile.device}: prefill({profile.prefill_tokens[-1]} "
+          f"tokens)={profile.prefill_s[-1] * 1e3:.2f} ms, decode(batch "
+          f"{profile.decode_batch_sizes[0]}, {profile.decode_context_tokens[0]} context)="
+          f"{profile.decode_s[0][0] * 1e3:.2f} ms; source: {profile.source}")
+    print(f"profile: {args.out}")
+    return 0
+
+
+def _print_summary(result: dict) -> None:
+    print(f"{result['config']} / {result['policy']}: {result['sim']['num_events']} events, "
+          f"{result['sim']['wall_s']:.1f} s wall")
+    for model, s in result["summary"].items():
+        ttft, tpot = s["ttft_s"]["p90"], s["tpot_s"]["p90"]
+        print(f"  {model:<8} done {s['num_completed']}/{s['num_submitted']} "
+              f"throughput {s['throughput_rps']:.2f} req/s goodput {s['goodput_rps']:.2f} "
+              f"p90 TTFT {_fmt(ttft, 1, 's')} p90 TPOT {_fmt(tpot, 1e3, 'ms')}")
+
+
+def _fmt(value: float | None, scale: float, unit: str) -> str:
+    return "-" if value is None else f"{value * scale:.2f} {unit}"
+
+
+def _print_sweep(sweep: dict) -> None:
+    model = sweep["model"]
+    for p in sweep["points"]:
+        s = p["summary"][model]
+        others = "  ".join(
+            f"{name} p90 TPOT {_fmt(o['tpot_s']['p90'], 1e3, 'ms')}"
+            for name, o in p["summary"].items() if name not in (model, "_all"))
+        print(f"  {p['policy']:<12} rate {p['rate']:6.2f}  {s['output_tokens_per_s']:7.0f} tok/s"
+              f"  p90 TPOT {_fmt(s['tpot_s']['p90'], 1e3, 'ms')}  p90 TTFT "
+              f"{_fmt(s['ttft_s']['p90'], 1, 's')}  {'meets SLO' if p['meets_slo'] else '-':9}"
+              f"  {others}")
+    rates = sweep["max_rate_rps"]
+    print(f"max {model} rate under SLO (p90 TPOT <= {sweep['slo']['tpot_ms']} ms, p90 TTFT "
+          f"<= {sweep['slo']['ttft_s']} s): "
+          + ", ".join(f"{k} {v:.2f} req/s" for k, v in rates.items()))
+    if "dedicated" in rates and "weaver" in rates:
+        if rates["dedicated"] > 0:
+            gain = f"{rates['weaver'] / rates['dedicated'] - 1:+.0%}"
+        else:
+            gain = "n/a (dedicated meets the SLO at no swept rate; sweep lower rates)"
+        print(f"weaving vs dedicated: {gain} (paper, Weaver §5 on A100: "
+              f"{PAPER_HOT_GAIN:+.0%})")

@@ -1,0 +1,172 @@
+"""The deployment file: which models Weaver serves, where, and how they weave.
+
+A YAML file validated by pydantic. Every error names the offending field and says how to
+fix it, because this file is the first thing a user writes.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+DEFAULT_DEPLOYMENT_RESOURCE = "default.yaml"
+
+# An API model name travels in URLs, metric labels and shared-memory names.
+_MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_DEVICE_RE = re.compile(r"^(cpu|cuda:\d+)$")
+
+
+class Role(str, Enum):
+    DEDICATED = "dedicated"  # serves only itself
+    HOT = "hot"  # popular: may place some sequences on cold models' devices
+    COLD = "cold"  # unpopular: lends memory and attention time to hot models
+
+
+class ModelSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_enum_values=False)
+
+    name: str = Field(description="API model name, the `model` field of requests")
+    model: str = Field(description="a prepared model name (weaver models list) or a directory")
+    role: Role = Role.DEDICATED
+    device: str = Field("cpu", description="cpu or cuda:N")
+    kv_cache_gib: float = Field(0.5, gt=0, description="the engine's own KV-cache budget, GiB")
+    max_model_len: int = Field(2048, ge=16, description="longest prompt + output, tokens")
+    dtype: str = Field("float32", description="weights/activations dtype (float32 on CPU)")
+    block_size: int | None = Field(None, ge=1, description="KV block size; engine default if unset")
+    max_num_seqs: int = Field(64, ge=1, description="most sequences in one batch")
+    lend_kv_gib: float = Field(0.0, ge=0, description="cold role: memory lent to hot models, GiB")
+    num_gpu_blocks_override: int | None = Field(
+        None, ge=1, description="cap the engine's own KV blocks (benchmarks of KV-bound load)"
+    )
+    cpu_cores: str | None = Field(
+        None,
+        description="cpu device: cores for this engine's worker in vLLM's "
+        "VLLM_CPU_OMP_THREADS_BIND syntax ('0', '0-1', 'nobind'); default: vLLM's choice",
+    )
+    extra_engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="more vLLM engine arguments, by their Python name"
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        if not _MODEL_NAME_RE.match(value):
+            raise ValueError(
+                f"model name {value!r} must be 1-64 characters of letters, digits, '.', '_' "
+                "or '-', starting with a letter or digit"
+            )
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        if not _DEVICE_RE.match(value):
+            raise ValueError(f"device {value!r} is not 'cpu' or 'cuda:N' (e.g. 'cuda:0')")
+        return value
+
+    @model_validator(mode="after")
+    def _check_lend(self) -> ModelSpec:
+        if self.lend_kv_gib > 0 and self.role is not Role.COLD:
+            raise ValueError(
+                f"model {self.name!r}: lend_kv_gib is set but role is {self.role.value!r}; "
+                "only a cold model lends memory (set role: cold or remove lend_kv_gib)"
+            )
+        return self
+
+
+class WeavingSpec(BaseModel):
+    """One hot model weaving into one or more cold models."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    hot: str = Field(description="name of a model with role: hot")
+    cold: list[str] = Field(min_length=1, description="names of models with role: cold")
+    offload_ratio: float = Field(
+        0.5, ge=0.0, le=1.0, description="share of sequences placed remotely"
+    )
+    timeout_s: float = Field(5.0, gt=0, description="longest wait for a cold model's answer")
+
+
+class Deployment(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    models: list[ModelSpec] = Field(min_length=1)
+    weaving: list[WeavingSpec] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _check_references(self) -> Deployment:
+        names = [m.name for m in self.models]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"model names must be unique; repeated: {duplicates}")
+        by_name = {m.name: m for m in self.models}
+        for pair in self.weaving:
+            self._check_pair(pair, by_name)
+        hots = [p.hot for p in self.weaving]
+        if len(hots) != len(set(hots)):
+            raise ValueError("each hot model may appear in only one weaving entry")
+        return self
+
+    @staticmethod
+    def _check_pair(pair: WeavingSpec, by_name: dict[str, ModelSpec]) -> None:
+        for name, role in [(pair.hot, Role.HOT)] + [(c, Role.COLD) for c in pair.cold]:
+            spec = by_name.get(name)
+            if spec is None:
+                known = sorted(by_name)
+                raise ValueError(f"weaving names {name!r}, which is not in models: {known}")
+            if spec.role is not role:
+                raise ValueError(
+                    f"weaving uses {name!r} as {role.value} but its role is {spec.role.value!r}"
+                )
+            if role is Role.COLD and spec.lend_kv_gib <= 0:
+                raise ValueError(f"cold model {name!r} must lend memory: set lend_kv_gib > 0")
+
+    def model(self, name: str) -> ModelSpec:
+        for spec in self.models:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
+
+
+def parse_deployment(data: Any, source: str = "<deployment>") -> Deployment:
+    """Validate parsed YAML; raise ValueError with one line per problem."""
+    try:
+        return Deployment.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(_explain(exc, source)) from None
+
+
+def load_deployment(path: str | Path | None = None) -> Deployment:
+    """Load a deployment file, or the embedded default when `path` is None."""
+    if path is None:
+        text = resources.files("weaver.config").joinpath(DEFAULT_DEPLOYMENT_RESOURCE).read_text()
+        source = "embedded default deployment"
+    else:
+        file = Path(path)
+        if not file.is_file():
+            raise ValueError(f"deployment file {str(file)!r} does not exist")
+        text, source = file.read_text(), str(file)
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{source}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: expected a mapping with a 'models' list at the top level")
+    return parse_deployment(data, source)
+
+
+def _explain(exc: ValidationError, source: str) -> str:
+    lines = [f"{source}: {exc.error_count()} problem(s) in the deployment:"]
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            message = "unknown field; check its spelling against `weaver config --schema`"
+        lines.append(f"  - {where}: {message}")
+    return "\n".join(lines)

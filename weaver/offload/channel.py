@@ -1,0 +1,576 @@
+"""The offload protocol, written once over any RegionTransport (architecture.md part 4).
+
+One task is in flight at a time per region: the hot side sends one layer's remote
+sequences, waits for their attention output (o_proj needs it), then sends the next.
+
+Protocol (sequence numbers are int64, start at 0, and never wrap: OverflowError first):
+  hot  ``submit``: copy q into staging, write metadata (stamped with the new seq), then
+       store ``task_seq = seq`` -- the publish is the LAST store -- then ring the task
+       doorbell.
+  cold ``poll``: if ``task_seq > done_seq``: read metadata and q, run the executor into
+       the output staging, store the result word, then ``done_seq = seq`` (LAST store),
+       then ring the done doorbell.
+  hot  ``wait``: once ``done_seq >= seq`` the output staging holds the result.
+
+Memory ordering. The counters are aligned 8-byte words, so each load/store of one is
+single-copy atomic on x86-64 and AArch64. On x86 (TSO) stores are not reordered with
+older stores and loads not with older loads, so "data, then counter" on one side and
+"counter, then data" on the other is release/acquire for free. Every store here is a
+separate C call (numpy item store, torch copy_), so neither CPython nor the C compiler
+can move one past another. The doorbell write is a syscall, a full barrier anyway.
+A weaker-ordered CPU (AArch64, POWER) would need a release fence (``dmb ish``/``stlr``)
+before the counter store and an acquire fence (``ldar``/``dmb ishld``) after the counter
+load; Python has no portable fence, so a port must add a tiny C helper for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from weaver.offload.layout import (
+    DONE_RESULT_OFFSET,
+    DONE_SEQ_OFFSET,
+    HEARTBEAT_OFFSET,
+    INT64_MAX,
+    META_LAYER,
+    META_NUM_FLOAT_WORDS,
+    META_NUM_INT_WORDS,
+    META_NUM_SEQS,
+    META_SCALE,
+    META_SLIDING_WINDOW,
+    META_SOFTCAP,
+    META_TASK_SEQ,
+    OWNER_PID_OFFSET,
+    STATUS_OFFSET,
+    TASK_SEQ_OFFSET,
+    RegionLayout,
+    RegionStatus,
+    TaskResult,
+)
+from weaver.offload.shm_transport import is_process_alive
+from weaver.offload.transport import RegionTransport
+
+logger = logging.getLogger(__name__)
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+class OffloadError(RuntimeError):
+    """Base of every error the offload channel raises to the hot side."""
+
+
+class OffloadTimeout(OffloadError):
+    """The cold side did not answer in time, or is closing/closed/dead.
+
+    The hot side should fall back to computing the attention locally (architecture.md
+    invariant: a failed or slow cold side is a logged fallback, never a hang).
+    """
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason  # "timeout" | "busy" | "closed" | "dead"
+
+
+class OffloadTaskFailed(OffloadError):
+    """The cold side ran the task and its executor raised; see the cold side's log."""
+
+
+@dataclass(frozen=True)
+class OffloadTicket:
+    seq: int
+    layer: int
+    num_seqs: int
+    submitted_at: float  # time.monotonic() after the publish
+
+
+@dataclass(frozen=True)
+class OffloadResult:
+    """Output view plus timing, for the wait-time histogram of a metrics layer."""
+
+    output: torch.Tensor  # [num_seqs, num_q_heads, head_size], valid until the next submit
+    ticket: OffloadTicket
+    wait_s: float  # time spent inside wait()
+    round_trip_s: float  # publish -> completion observed
+    num_sleeps: int  # doorbell sleeps taken (0 = answered during the spin)
+
+
+@dataclass
+class OffloadTask:
+    """One decode-attention task as the cold side's executor sees it (views, no copies)."""
+
+    seq: int
+    layer: int
+    q: torch.Tensor  # [num_seqs, num_q_heads, head_size]
+    out: torch.Tensor  # same shape; the executor writes the result here
+    seq_lens: torch.Tensor  # int32 [num_seqs]
+    block_table: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq], ids local to the pool
+    kv_layer: torch.Tensor  # [num_remote_blocks, num_kv_heads, block_size, 2*head_size]
+    scale: float
+    sliding_window: int  # -1 = none
+    softcap: float  # 0.0 = none
+
+    @property
+    def num_seqs(self) -> int:
+        return self.q.shape[0]
+
+
+Executor = Callable[[OffloadTask], None]
+
+
+@dataclass
+class SenderStats:
+    num_submitted: int = 0
+    num_completed: int = 0
+    num_timeouts: int = 0
+    num_failed: int = 0
+    total_wait_s: float = 0.0
+
+
+@dataclass
+class ReceiverStats:
+    num_served: int = 0
+    num_failed: int = 0
+    num_served_at_poll_points: int = 0
+    num_served_by_idle_poller: int = 0
+    num_idle_wakeups: int = 0
+    total_busy_s: float = 0.0
+
+
+@dataclass
+class _RegionViews:
+    """Typed views over the region's bytes; no copies."""
+
+    task_seq: np.ndarray
+    done_seq: np.ndarray
+    done_result: np.ndarray
+    status: np.ndarray
+    owner_pid: np.ndarray
+    heartbeat: np.ndarray
+    meta_ints: np.ndarray
+    meta_floats: np.ndarray
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    q: torch.Tensor
+    out: torch.Tensor
+    kv_layers: list[torch.Tensor] = field(default_factory=list)
+
+    @classmethod
+    def over(cls, transport: RegionTransport) -> _RegionViews:
+        layout: RegionLayout = transport.layout
+        buf = transport.buffer
+
+        def words(offset: int, count: int, dtype: type = np.int64) -> np.ndarray:
+            return np.frombuffer(buf, dtype=dtype, count=count, offset=offset)
+
+        def tensor(offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            count = int(np.prod(shape))
+            return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset).view(shape)
+
+        dtype = TORCH_DTYPES[layout.shape.dtype]
+        max_seqs = layout.max_seqs_per_task
+        return cls(
+            task_seq=words(TASK_SEQ_OFFSET, 1),
+            done_seq=words(DONE_SEQ_OFFSET, 1),
+            done_result=words(DONE_RESULT_OFFSET, 1),
+            status=words(STATUS_OFFSET, 1),
+            owner_pid=words(OWNER_PID_OFFSET, 1),
+            heartbeat=words(HEARTBEAT_OFFSET, 1, np.float64),
+            meta_ints=words(layout.meta_offset, META_NUM_INT_WORDS),
+            meta_floats=words(layout.meta_floats_offset, META_NUM_FLOAT_WORDS, np.float64),
+            seq_lens=tensor(layout.seq_lens_offset, (max_seqs,), torch.int32),
+            block_table=tensor(
+                layout.block_table_offset, (max_seqs, layout.max_blocks_per_seq), torch.int32
+            ),
+            q=tensor(layout.q_offset, layout.staging_shape, dtype),
+            out=tensor(layout.out_offset, layout.staging_shape, dtype),
+            kv_layers=[
+                tensor(layout.kv_layer_offset(i), layout.kv_layer_shape, dtype)
+                for i in range(layout.shape.num_layers)
+            ],
+        )
+
+
+class OffloadSender:
+    """Hot side of one region: submit one layer's remote sequences, wait for the output.
+
+    spin_s: a short bounded spin before sleeping on the done doorbell (a fast cold side
+    answers within it; longer spinning would steal the cold engine's core).
+    liveness_check_s: how often a waiting sender re-checks the cold side's status/pid.
+    """
+
+    def __init__(
+        self,
+        transport: RegionTransport,
+        *,
+        spin_s: float = 50e-6,
+        liveness_check_s: float = 0.05,
+    ) -> None:
+        if spin_s < 0 or liveness_check_s <= 0:
+            raise ValueError("spin_s must be >= 0 and liveness_check_s > 0")
+        self._transport = transport
+        self._layout = transport.layout
+        self._views = _RegionViews.over(transport)
+        self._spin_s = spin_s
+        self._liveness_check_s = liveness_check_s
+        self._torch_dtype = TORCH_DTYPES[self._layout.shape.dtype]
+        self.stats = SenderStats()
+
+    @property
+    def layout(self) -> RegionLayout:
+        return self._layout
+
+    def kv_layer(self, layer: int) -> torch.Tensor:
+        """The remote pool of one hot layer (CPU_ATTN view) for writing new K/V."""
+        self._layout.kv_layer_offset(layer)  # range check
+        return self._views.kv_layers[layer]
+
+    def can_submit(self) -> bool:
+        """False while an earlier task (e.g. one that timed out) is still being served."""
+        v = self._views
+        return int(v.done_seq[0]) == int(v.task_seq[0]) and self._is_peer_open()
+
+    def submit(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        *,
+        scale: float,
+        sliding_window: int = -1,
+        softcap: float = 0.0,
+    ) -> OffloadTicket:
+        """Publish one decode-attention task for `layer`.
+
+        q: [num_seqs, num_q_heads, head_size] in the region dtype; seq_lens: [num_seqs]
+        tokens including the new one; block_table: [num_seqs, n] remote block ids local to
+        the pool (n <= max_blocks_per_seq). The new token's K/V must already be in the pool.
+        """
+        v = self._views
+        self._validate(layer, q, seq_lens, block_table)
+        if not self._is_peer_open():
+            raise OffloadTimeout(
+                f"cold side of {self._transport.name!r} is {self._peer_status().name}", "closed"
+            )
+        published = int(v.task_seq[0])
+        if int(v.done_seq[0]) != published:
+            raise OffloadTimeout(
+                f"task {published} on {self._transport.name!r} is still being served "
+                "(an earlier wait timed out); compute this layer locally",
+                "busy",
+            )
+        if published >= INT64_MAX:
+            raise OverflowError("offload task sequence number would overflow int64")
+        seq = published + 1
+        num_seqs, num_blocks = block_table.shape
+        v.q[:num_seqs].copy_(q)
+        v.seq_lens[:num_seqs].copy_(seq_lens)
+        v.block_table[:num_seqs, :num_blocks].copy_(block_table)
+        if num_blocks < self._layout.max_blocks_per_seq:
+            v.block_table[:num_seqs, num_blocks:].zero_()
+        v.meta_ints[META_LAYER] = layer
+        v.meta_ints[META_NUM_SEQS] = num_seqs
+        v.meta_ints[META_SLIDING_WINDOW] = sliding_window
+        v.meta_floats[META_SCALE] = scale
+        v.meta_floats[META_SOFTCAP] = softcap
+        v.meta_ints[META_TASK_SEQ] = seq
+        v.task_seq[0] = seq  # publish: the LAST store (see module docstring)
+        self._transport.task_wakeup.notify()
+        self.stats.num_submitted += 1
+        return OffloadTicket(seq, layer, num_seqs, time.monotonic())
+
+    def wait(self, ticket: OffloadTicket, timeout_s: float) -> torch.Tensor:
+        """Output view [num_seqs, num_q_heads, head_size]; copy it before the next submit."""
+        return self.wait_with_timing(ticket, timeout_s).output
+
+    def wait_with_timing(self, ticket: OffloadTicket, timeout_s: float) -> OffloadResult:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        v = self._views
+        start = time.monotonic()
+        deadline = start + timeout_s
+        spin_until = start + self._spin_s
+        num_sleeps = 0
+        while int(v.done_seq[0]) < ticket.seq:
+            now = time.monotonic()
+            if now < spin_until:
+                continue
+            if now >= deadline:
+                self.stats.num_timeouts += 1
+                raise OffloadTimeout(
+                    f"offload task {ticket.seq} (layer {ticket.layer}) on "
+                    f"{self._transport.name!r} not done after {timeout_s:.3f}s",
+                    "timeout",
+                )
+            self._raise_if_peer_gone(ticket)
+            self._transport.done_wakeup.wait(min(deadline - now, self._liveness_check_s))
+            num_sleeps += 1
+        done = int(v.done_seq[0])
+        if done != ticket.seq:
+            raise OffloadError(f"protocol error: done_seq {done} passed ticket {ticket.seq}")
+        end = time.monotonic()
+        self.stats.total_wait_s += end - start
+        if int(v.done_result[0]) != TaskResult.OK:
+            self.stats.num_failed += 1
+            raise OffloadTaskFailed(
+                f"cold side failed offload task {ticket.seq} (layer {ticket.layer}); "
+                "see the cold engine's log"
+            )
+        self.stats.num_completed += 1
+        return OffloadResult(
+            output=v.out[: ticket.num_seqs],
+            ticket=ticket,
+            wait_s=end - start,
+            round_trip_s=end - ticket.submitted_at,
+            num_sleeps=num_sleeps,
+        )
+
+    def close(self) -> None:
+        self._views = None  # type: ignore[assignment]  # drop exports before unmapping
+        self._transport.close()
+
+    # --- helpers ------------------------------------------------------------------
+    def _peer_status(self) -> RegionStatus:
+        return RegionStatus(int(self._views.status[0]))
+
+    def _is_peer_open(self) -> bool:
+        return self._peer_status() in (RegionStatus.INITIALIZING, RegionStatus.ALIVE)
+
+    def _raise_if_peer_gone(self, ticket: OffloadTicket) -> None:
+        if not self._is_peer_open():
+            self.stats.num_timeouts += 1
+            raise OffloadTimeout(
+                f"cold side of {self._transport.name!r} is {self._peer_status().name} "
+                f"while task {ticket.seq} was pending",
+                "closed",
+            )
+        pid = int(self._views.owner_pid[0])
+        if not is_process_alive(pid):
+            self.stats.num_timeouts += 1
+            raise OffloadTimeout(
+                f"cold side of {self._transport.name!r} (pid {pid}) died while task "
+                f"{ticket.seq} was pending",
+                "dead",
+            )
+
+    def _validate(
+        self, layer: int, q: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor
+    ) -> None:
+        lay = self._layout
+        shape = lay.shape
+        if not 0 <= layer < shape.num_layers:
+            raise ValueError(f"layer {layer} out of range [0, {shape.num_layers})")
+        if q.dim() != 3 or tuple(q.shape[1:]) != (shape.num_q_heads, shape.head_size):
+            raise ValueError(
+                f"q must be [num_seqs, {shape.num_q_heads}, {shape.head_size}], got "
+                f"{tuple(q.shape)}"
+            )
+        if q.dtype != self._torch_dtype:
+            raise ValueError(f"q dtype {q.dtype} != region dtype {shape.dtype}; cast it first")
+        num_seqs = q.shape[0]
+        if not 1 <= num_seqs <= lay.max_seqs_per_task:
+            raise ValueError(
+                f"num_seqs {num_seqs} outside [1, {lay.max_seqs_per_task}]; split the batch "
+                "or raise max_seqs_per_task"
+            )
+        if tuple(seq_lens.shape) != (num_seqs,):
+            raise ValueError(f"seq_lens must be [{num_seqs}], got {tuple(seq_lens.shape)}")
+        if block_table.dim() != 2 or block_table.shape[0] != num_seqs:
+            raise ValueError(f"block_table must be [{num_seqs}, n], got {tuple(block_table.shape)}")
+        num_blocks = block_table.shape[1]
+        if num_blocks > lay.max_blocks_per_seq:
+            raise ValueError(
+                f"block_table has {num_blocks} columns > max_blocks_per_seq "
+                f"{lay.max_blocks_per_seq}"
+            )
+        # Bounds are checked here because the cold kernel trusts them: a bad id would
+        # read outside the pool in the cold process.
+        min_len, max_len = int(seq_lens.min()), int(seq_lens.max())
+        if min_len < 1 or max_len > num_blocks * shape.block_size:
+            raise ValueError(
+                f"seq_lens must be in [1, {num_blocks * shape.block_size}] for a block table "
+                f"of {num_blocks} blocks of {shape.block_size}; got [{min_len}, {max_len}]"
+            )
+        used = _used_block_ids(seq_lens, block_table, shape.block_size)
+        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= lay.num_remote_blocks):
+            raise ValueError(
+                f"block ids must be in [0, {lay.num_remote_blocks}) (local to the remote pool: "
+                "subtract the first remote block id)"
+            )
+
+
+def _used_block_ids(
+    seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    num_used = (seq_lens.to(torch.int64) + block_size - 1) // block_size
+    columns = torch.arange(block_table.shape[1])
+    return block_table[columns[None, :] < num_used[:, None]]
+
+
+class OffloadReceiver:
+    """Cold side of one region: serve tasks at poll points and from an idle poller.
+
+    executor: runs one OffloadTask, writing task.out (e.g. CpuPagedAttentionExecutor).
+    idle_wait_s: the idle poller's longest sleep between heartbeats; tasks wake it at once.
+    """
+
+    def __init__(
+        self,
+        transport: RegionTransport,
+        executor: Executor,
+        *,
+        idle_wait_s: float = 0.05,
+    ) -> None:
+        if not transport.is_owner:
+            raise ValueError("OffloadReceiver needs the region's owner (ShmRegion.create)")
+        if idle_wait_s <= 0:
+            raise ValueError(f"idle_wait_s must be > 0, got {idle_wait_s}")
+        self._transport = transport
+        self._layout = transport.layout
+        self._executor = executor
+        self._idle_wait_s = idle_wait_s
+        self._views = _RegionViews.over(transport)
+        self._done_seq = int(self._views.done_seq[0])
+        # One lock: a poll point (model thread) only tries it; the idle thread blocks on it.
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop_event = threading.Event()
+        self.stats = ReceiverStats()
+        self._views.owner_pid[0] = os.getpid()
+        self._views.heartbeat[0] = time.monotonic()
+        self._views.status[0] = int(RegionStatus.ALIVE)
+
+    @property
+    def layout(self) -> RegionLayout:
+        return self._layout
+
+    def kv_layer(self, layer: int) -> torch.Tensor:
+        self._layout.kv_layer_offset(layer)
+        return self._views.kv_layers[layer]
+
+    def has_pending(self) -> bool:
+        return int(self._views.task_seq[0]) > self._done_seq
+
+    def poll(self) -> bool:
+        """Serve a pending task now if no other thread is serving; True if one was served.
+
+        Called between every cold operator, so the idle case is one int64 load and compare.
+        """
+        if int(self._views.task_seq[0]) <= self._done_seq:
+            return False
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            served = self._serve_pending_locked()
+        finally:
+            self._lock.release()
+        if served:
+            self.stats.num_served_at_poll_points += 1
+        return served
+
+    def start_idle_poller(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop_event.clear()
+        self._thread = threading.Thread(
+            target=self._idle_loop, name=f"weaver-offload-{self._transport.name}", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the idle poller (poll() keeps working)."""
+        thread = self._thread
+        if thread is None:
+            return
+        self._stop_event.set()
+        self._transport.task_wakeup.notify()  # wake it from select()
+        thread.join()
+        self._thread = None
+
+    def close(self) -> None:
+        """Tell the hot side we are going (its waits fail fast), stop, remove the region."""
+        if self._views is None:
+            return
+        self._views.status[0] = int(RegionStatus.CLOSING)
+        self._transport.done_wakeup.notify()
+        self.stop()
+        with self._lock:
+            self._views.status[0] = int(RegionStatus.CLOSED)
+            self._transport.done_wakeup.notify()
+            self._views = None  # type: ignore[assignment]  # drop exports before unmapping
+        self._transport.close()
+
+    # --- internals ----------------------------------------------------------------
+    def _idle_loop(self) -> None:
+        wakeup = self._transport.task_wakeup
+        while not self._stop_event.is_set():
+            woke = wakeup.wait(self._idle_wait_s)
+            if self._stop_event.is_set():
+                break
+            self._views.heartbeat[0] = time.monotonic()
+            if woke:
+                self.stats.num_idle_wakeups += 1
+            if not self.has_pending():
+                continue
+            with self._lock:
+                served = self._serve_pending_locked()
+            if served:
+                self.stats.num_served_by_idle_poller += 1
+
+    def _serve_pending_locked(self) -> bool:
+        v = self._views
+        seq = int(v.task_seq[0])  # acquire side: read the counter before the data
+        if seq <= self._done_seq:
+            return False
+        start = time.monotonic()
+        result = TaskResult.OK
+        try:
+            if seq != self._done_seq + 1:
+                raise OffloadError(f"task_seq jumped from {self._done_seq} to {seq}")
+            self._executor(self._read_task(seq))
+        except Exception:
+            logger.exception("offload task %d on %s failed", seq, self._transport.name)
+            result = TaskResult.FAILED
+            self.stats.num_failed += 1
+        v.done_result[0] = int(result)
+        v.done_seq[0] = seq  # publish completion: the LAST store
+        self._done_seq = seq
+        self._transport.done_wakeup.notify()
+        self.stats.num_served += 1
+        self.stats.total_busy_s += time.monotonic() - start
+        return True
+
+    def _read_task(self, seq: int) -> OffloadTask:
+        v = self._views
+        lay = self._layout
+        meta_seq = int(v.meta_ints[META_TASK_SEQ])
+        if meta_seq != seq:
+            raise OffloadError(f"metadata belongs to task {meta_seq}, expected {seq}")
+        layer = int(v.meta_ints[META_LAYER])
+        num_seqs = int(v.meta_ints[META_NUM_SEQS])
+        if not 0 <= layer < lay.shape.num_layers or not 1 <= num_seqs <= lay.max_seqs_per_task:
+            raise OffloadError(f"task {seq}: bad layer {layer} or num_seqs {num_seqs}")
+        return OffloadTask(
+            seq=seq,
+            layer=layer,
+            q=v.q[:num_seqs],
+            out=v.out[:num_seqs],
+            seq_lens=v.seq_lens[:num_seqs],
+            block_table=v.block_table[:num_seqs],
+            kv_layer=v.kv_layers[layer],
+            scale=float(v.meta_floats[META_SCALE]),
+            sliding_window=int(v.meta_ints[META_SLIDING_WINDOW]),
+            softcap=float(v.meta_floats[META_SOFTCAP]),
+        )

@@ -1,0 +1,84 @@
+"""Start and stop a real `weaver serve` process: for end-to-end tests, benchmarks and
+`weaver bench compare`, which all need a server they own and must leave nothing behind."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+
+READY_TIMEOUT_S = 420.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class RunningServer:
+    process: subprocess.Popen
+    base_url: str
+    log_path: Path
+
+    def health(self) -> httpx.Response:
+        return httpx.get(f"{self.base_url}/health", timeout=30)
+
+    def descendants(self) -> list[psutil.Process]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            return psutil.Process(self.process.pid).children(recursive=True)
+        return []
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 90) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        return self.process.wait(timeout=timeout_s)
+
+
+@contextlib.contextmanager
+def weaver_server(config: Path, log_path: Path, *extra_args: str) -> Iterator[RunningServer]:
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "weaver.cli.main", "serve", str(config),
+             "--port", str(port), *extra_args],
+            stdout=log, stderr=subprocess.STDOUT, env=env,
+        )
+    server = RunningServer(process, f"http://127.0.0.1:{port}", log_path)
+    try:
+        _wait_ready(server)
+        yield server
+    finally:
+        leftovers = server.descendants()
+        if server.process.poll() is None:
+            server.stop(signal.SIGTERM)
+        for child in leftovers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+
+
+def _wait_ready(server: RunningServer) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"weaver serve exited early:\n{server.log_tail()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if server.health().status_code == 200:
+                return
+        time.sleep(1.0)
+    raise TimeoutError(f"weaver serve not ready in {READY_TIMEOUT_S} s:\n{server.log_tail()}")

@@ -1,0 +1,157 @@
+"""The gateway's side of weaving: plan the pairs, connect their engines, watch them.
+
+Order at start-up (nothing of this is on the request path): every engine starts with its
+plan in `additional_config`; then each cold worker creates and owns its region, and only
+then does each hot worker attach it. At shutdown the cold workers close (and unlink)
+their regions; a region whose owner died is unlinked here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from weaver.config.deployment import Deployment, Role
+from weaver.offload.shm_transport import region_paths
+from weaver.weaving.plan import PairPlan, default_shm_prefix, plan_pairs
+
+logger = logging.getLogger(__name__)
+
+RPC_TIMEOUT_S = 60.0
+STATS_TIMEOUT_S = 5.0
+CLOSE_TIMEOUT_S = 5.0
+WAIT_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.5, 1.0, 5.0)
+
+
+class WeavingMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.sequences = Counter("weaver_offload_sequences", "Hot sequences placed remotely",
+                                 ["model"], registry=registry)
+        self.tasks = Counter("weaver_offload_tasks", "Decode-attention tasks served remotely",
+                             ["hot", "cold"], registry=registry)
+        self.fallbacks = Counter(
+            "weaver_offload_fallbacks",
+            "Remote decode-attention tasks computed on the hot side because the cold side "
+            "failed or timed out", ["model"], registry=registry)
+        self.wait = Histogram("weaver_offload_wait_seconds",
+                              "Hot side's wait for a remote attention task (publish to output)",
+                              ["hot", "cold"], buckets=WAIT_BUCKETS, registry=registry)
+        self.remote_blocks = Gauge("weaver_remote_kv_blocks_used",
+                                   "Remote KV blocks held by running hot sequences",
+                                   ["hot", "cold"], registry=registry)
+        self._last: dict[tuple, float] = {}
+
+    def add_total(self, counter: Counter, labels: dict[str, str], total: float) -> None:
+        # Workers report running totals; Prometheus counters take increments.
+        key = (counter._name, tuple(sorted(labels.items())))
+        delta = total - self._last.get(key, 0.0)
+        if delta > 0:
+            counter.labels(**labels).inc(delta)
+        self._last[key] = max(total, self._last.get(key, 0.0))
+
+
+def weaving_plans(deployment: Deployment, model_dirs: Mapping[str, Path]) -> list[PairPlan]:
+    return plan_pairs(deployment, dict(model_dirs), default_shm_prefix())
+
+
+def additional_configs(deployment: Deployment, plans: list[PairPlan]) -> dict[str, dict]:
+    from weaver.vllm_ext.additional_config import make_additional_config
+
+    configs = {}
+    for spec in deployment.models:
+        hot = next((p for p in plans if p.hot == spec.name), None)
+        colds = [p for p in plans if p.cold == spec.name]
+        if spec.role is Role.HOT and hot is None:
+            raise ValueError(f"hot model {spec.name!r} is in no weaving entry; add one or "
+                             "make it dedicated")
+        configs[spec.name] = make_additional_config(hot, colds)
+    return configs
+
+
+class WeavingSupervisor:
+    def __init__(self, plans: list[PairPlan], engines: Mapping[str, Any],
+                 metrics: WeavingMetrics) -> None:
+        self.plans = plans
+        self.engines = engines
+        self.metrics = metrics
+        self.state: dict[str, dict[str, Any]] = {
+            f"{p.hot}->{p.cold}": {"hot": p.hot, "cold": p.cold, "status": "starting",
+                                   "offload_ratio": p.offload_ratio,
+                                   "remote_blocks": p.num_remote_blocks, "reason": None}
+            for p in plans
+        }
+
+    async def connect(self) -> None:
+        for cold in sorted({p.cold for p in self.plans}):
+            mine = [p.to_dict() for p in self.plans if p.cold == cold]
+            await _rpc(self.engines[cold], "weaver_open_cold", RPC_TIMEOUT_S, mine)
+        for plan in self.plans:
+            await _rpc(self.engines[plan.hot], "weaver_attach_hot", RPC_TIMEOUT_S, plan.to_dict())
+            self.state[f"{plan.hot}->{plan.cold}"]["status"] = "ok"
+            logger.info("weaving %s -> %s connected (%d remote blocks, ratio %.2f)",
+                        plan.hot, plan.cold, plan.num_remote_blocks, plan.offload_ratio)
+
+    async def refresh(self) -> None:
+        """Pull the workers' counters into Prometheus and the pairs' state into /health."""
+        for plan in self.plans:
+            key = f"{plan.hot}->{plan.cold}"
+            hot = self.engines[plan.hot]
+            if hot.is_dead:
+                self.state[key].update(status="degraded", reason="hot engine is dead")
+                continue
+            try:
+                (stats,) = await _rpc(hot, "weaver_stats", STATS_TIMEOUT_S)
+            except Exception as exc:  # a scrape must not fail because one engine did
+                logger.warning("weaving stats of %s unavailable: %r", plan.hot, exc)
+                continue
+            self._record(plan, stats.get("hot") or {})
+            cold_dead = self.engines[plan.cold].is_dead
+            reason = (stats.get("hot") or {}).get("degraded_reason") or (
+                "cold engine is dead" if cold_dead else None)
+            self.state[key].update(status="degraded" if reason else "ok", reason=reason)
+
+    def _record(self, plan: PairPlan, hot: dict[str, Any]) -> None:
+        m, pair = self.metrics, {"hot": plan.hot, "cold": plan.cold}
+        m.add_total(m.sequences, {"model": plan.hot}, hot.get("remote_sequences", 0))
+        m.add_total(m.tasks, pair, hot.get("offloaded_tasks", 0))
+        m.add_total(m.fallbacks, {"model": plan.hot}, hot.get("fallback_tasks", 0))
+        for seconds in hot.get("wait_seconds", []):
+            m.wait.labels(**pair).observe(seconds)
+        m.remote_blocks.labels(**pair).set(hot.get("remote_blocks_used", 0))
+
+    def health(self) -> dict[str, Any]:
+        return {"weaving": list(self.state.values())}
+
+    async def close(self) -> None:
+        for cold in sorted({p.cold for p in self.plans}):
+            engine = self.engines[cold]
+            if engine.is_dead:
+                continue
+            try:
+                await _rpc(engine, "weaver_close", CLOSE_TIMEOUT_S)
+            except Exception as exc:  # shutting down: the region is unlinked below anyway
+                logger.warning("closing the regions of %s failed: %r", cold, exc)
+        remove_leftover_regions(self.plans)
+
+
+async def _rpc(engine: Any, method: str, timeout_s: float, *args: Any) -> list:
+    # vLLM's own rpc timeout is enforced in the worker; a dead worker never answers at
+    # all, so the gateway bounds the wait itself.
+    call = engine.client.collective_rpc(method, timeout=timeout_s, args=args)
+    return await asyncio.wait_for(call, timeout_s + 1.0)
+
+
+def remove_leftover_regions(plans: list[PairPlan]) -> None:
+    """Unlink regions whose owner could not (it died); ours by name, from the plans."""
+    for plan in plans:
+        for path in region_paths(plan.region_name):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                logger.warning("removed leftover shared region file %s", path)

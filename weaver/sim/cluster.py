@@ -1,0 +1,63 @@
+"""What every policy builds on: the engine, performance models, KV pools and servers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from weaver.sim.config import SimConfig
+from weaver.sim.engine import Engine
+from weaver.sim.instance import BlockPool, Instance, ModelServer, ServerConfig, SimRequest
+from weaver.sim.perf_model import LinkModel, PerfModel
+from weaver.sim.profile import Profile, get_device, get_shape, roofline_profile
+
+
+class Cluster:
+    def __init__(self, config: SimConfig, engine: Engine) -> None:
+        self.config = config
+        self.engine = engine
+        self.device = get_device(config.cluster.device)
+        self.server_cfg = ServerConfig(config.server.block_size, config.server.max_num_seqs,
+                                       config.server.max_num_batched_tokens)
+        self.finished: list[SimRequest] = []
+        self._perf: dict[str, PerfModel] = {}
+
+    def perf(self, model: str) -> PerfModel:
+        if model not in self._perf:
+            spec = self.config.model(model)
+            if spec.profile:
+                profile = Profile.load(spec.profile)
+            else:
+                profile = roofline_profile(get_shape(spec.shape), self.device)
+            self._perf[model] = PerfModel(profile)
+        return self._perf[model]
+
+    def link(self, model: str) -> LinkModel:
+        """The device-to-device link as the model's profile describes it (the roofline
+        profiles copy it from the device datasheet; measured ones measure it)."""
+        profile = self.perf(model).profile
+        return LinkModel(profile.link_bandwidth_bps, profile.link_latency_s)
+
+    def kv_capacity_bytes(self, models: list[str]) -> float:
+        """Device memory left for KV after the weights of the models placed on it."""
+        srv = self.config.server
+        weights = sum(self.perf(m).shape.params_bytes for m in models)
+        reserve = srv.activation_reserve_gib * (1 << 30) * len(models)
+        capacity = self.device.memory_bytes * srv.gpu_memory_utilization - weights - reserve
+        if capacity <= 0:
+            raise ValueError(f"models {models} do not fit on one {self.device.name}: weights "
+                             f"{weights / 2**30:.1f} GiB; place fewer models per GPU")
+        return capacity
+
+    def make_server(self, model: str, pool: BlockPool, phase: str = "both") -> ModelServer:
+        server = ModelServer(model, self.perf(model), pool, self.server_cfg, phase)
+        server.on_finished = self.finished.append
+        return server
+
+    def make_instance(self, name: str, models: list[str], phase: str = "both",
+                      factory: InstanceFactory = Instance) -> Instance:
+        """One instance on one GPU; its models share one KV pool."""
+        pool = BlockPool(self.kv_capacity_bytes(models))
+        return factory(self.engine, name, [self.make_server(m, pool, phase) for m in models])
+
+
+InstanceFactory = Callable[[Engine, str, list[ModelServer]], Instance]

@@ -1,0 +1,205 @@
+"""Simulation / planning configs: YAML validated by pydantic, with messages that say how
+to fix a bad file. Every field has a default except the models and the cluster."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from weaver.sim.profile import KNOWN_DEVICES, KNOWN_SHAPES
+from weaver.sim.workload import power_law_rates
+
+POLICY_NAMES = ("dedicated", "mux_temporal", "muxserve", "splitwise", "weaver")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LengthSpec(_Strict):
+    mean: float = Field(gt=0, description="mean length in tokens")
+    sigma: float = Field(1.0, ge=0, description="lognormal shape parameter")
+    max: int = Field(8192, gt=0, description="lengths are clipped to this")
+
+
+class ModelSpec(_Strict):
+    name: str
+    shape: str = "llama-3-8b"
+    rate: float = Field(ge=0, description="requests per second")
+    input: LengthSpec = LengthSpec(mean=749, max=8192)
+    output: LengthSpec = LengthSpec(mean=232, max=2048)
+    profile: str | None = Field(None, description="profile JSON; default: roofline")
+
+    @model_validator(mode="after")
+    def _known_shape(self) -> ModelSpec:
+        if self.profile is None and self.shape not in KNOWN_SHAPES:
+            raise ValueError(f"model {self.name!r}: unknown shape {self.shape!r}; use one of "
+                             f"{sorted(KNOWN_SHAPES)} or give a profile JSON")
+        return self
+
+
+class ModelSetSpec(_Strict):
+    """Many models of one shape whose rates follow a power law (MuxServe §5.1)."""
+
+    num_models: int = Field(gt=0)
+    total_rate: float = Field(gt=0)
+    alpha: float = Field(1.0, ge=0)
+    shape: str = "llama-3-8b"
+    input: LengthSpec = LengthSpec(mean=749, max=8192)
+    output: LengthSpec = LengthSpec(mean=232, max=2048)
+
+    def expand(self) -> list[ModelSpec]:
+        rates = power_law_rates(self.num_models, self.total_rate, self.alpha)
+        return [ModelSpec(name=f"m{i:02d}", shape=self.shape, rate=r, input=self.input,
+                          output=self.output) for i, r in enumerate(rates)]
+
+
+class ClusterSpec(_Strict):
+    device: str = "A100-80GB"
+    num_gpus: int = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _known_device(self) -> ClusterSpec:
+        if self.device not in KNOWN_DEVICES:
+            raise ValueError(f"unknown device {self.device!r}; use one of "
+                             f"{sorted(KNOWN_DEVICES)}")
+        return self
+
+
+class ServerSpec(_Strict):
+    block_size: int = Field(16, gt=0)
+    max_num_seqs: int = Field(256, gt=0)
+    max_num_batched_tokens: int = Field(8192, gt=0)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    activation_reserve_gib: float = Field(2.0, ge=0)
+
+
+class WeavingSpec(_Strict):
+    offload_policy: Literal["fixed", "overflow"] = Field(
+        "fixed", description="fixed: keep offload_ratio of the running sequences remote; "
+        "overflow: place a sequence remotely only when local KV is full")
+    offload_ratio: float = Field(0.5, ge=0, le=1, description="target share of remote seqs "
+                                 "(fixed) or the cap on it (overflow)")
+    region_fraction: float = Field(0.5, ge=0, le=1,
+                                   description="share of the cold device's KV memory lent")
+    poll_overhead_us: float = Field(20.0, ge=0, description="per cold step, polling cost")
+    idle_poll_interval_us: float = Field(50.0, gt=0)
+
+
+class SplitwiseSpec(_Strict):
+    prompt_fraction: float = Field(0.5, gt=0, lt=1, description="share of a model's GPUs "
+                                   "in the prompt pool")
+
+
+class MuxServeSpec(_Strict):
+    rebalance_interval_s: float = Field(1.0, gt=0, description="ADBS quota re-balancing")
+
+
+class SloSpec(_Strict):
+    ttft_s: float = Field(10.0, gt=0)
+    tpot_ms: float = Field(100.0, gt=0)
+
+
+class GpuSpec(_Strict):
+    models: list[str] = Field(min_length=1)
+    role: Literal["both", "prompt", "token"] = "both"
+
+
+class PairSpec(_Strict):
+    hot_gpu: int = Field(ge=0)
+    cold_gpu: int = Field(ge=0)
+    offload_ratio: float | None = Field(None, ge=0, le=1)
+
+
+class PlacementSpec(_Strict):
+    gpus: list[GpuSpec]
+    pairs: list[PairSpec] = []
+
+
+class SweepSpec(_Strict):
+    model: str = Field(description="the model whose rate is swept")
+    rates: list[float] = Field(min_length=1)
+    policies: list[str] = Field(min_length=1)
+
+
+class SimConfig(_Strict):
+    name: str
+    seed: int = 0
+    duration_s: float = Field(60.0, gt=0, description="arrivals are generated over this")
+    drain_s: float = Field(90.0, ge=0, description="simulate at most this long after the "
+                           "arrival window; requests unfinished by then count as missed")
+    policy: str = "dedicated"
+    models: list[ModelSpec] = []
+    model_set: ModelSetSpec | None = None
+    cluster: ClusterSpec
+    server: ServerSpec = ServerSpec()
+    weaving: WeavingSpec = WeavingSpec()
+    splitwise: SplitwiseSpec = SplitwiseSpec()
+    muxserve: MuxServeSpec = MuxServeSpec()
+    slo: SloSpec = SloSpec()
+    placement: PlacementSpec | None = None
+    sweep: SweepSpec | None = None
+    plan_candidates: int = Field(3, gt=0, description="planner: plans simulated in full")
+
+    @model_validator(mode="after")
+    def _check(self) -> SimConfig:
+        if self.model_set is not None:
+            if self.models:
+                raise ValueError("give either `models` or `model_set`, not both")
+            self.models = self.model_set.expand()
+        if not self.models:
+            raise ValueError("no models: add a `models:` list or a `model_set:`")
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be unique, got {names}")
+        for policy in [self.policy] + (self.sweep.policies if self.sweep else []):
+            if policy not in POLICY_NAMES:
+                raise ValueError(f"unknown policy {policy!r}; use one of {POLICY_NAMES}")
+        if self.sweep and self.sweep.model not in names:
+            raise ValueError(f"sweep.model {self.sweep.model!r} is not one of {names}")
+        if self.placement:
+            _check_placement(self.placement, names, self.cluster.num_gpus)
+        return self
+
+    def model(self, name: str) -> ModelSpec:
+        return next(m for m in self.models if m.name == name)
+
+
+def _check_placement(placement: PlacementSpec, names: list[str], num_gpus: int) -> None:
+    if len(placement.gpus) > num_gpus:
+        raise ValueError(f"placement uses {len(placement.gpus)} GPUs but the cluster has "
+                         f"{num_gpus}; raise cluster.num_gpus or remove GPUs")
+    for i, gpu in enumerate(placement.gpus):
+        unknown = set(gpu.models) - set(names)
+        if unknown:
+            raise ValueError(f"placement.gpus[{i}] names unknown models {sorted(unknown)}")
+    for pair in placement.pairs:
+        if max(pair.hot_gpu, pair.cold_gpu) >= len(placement.gpus) or \
+                pair.hot_gpu == pair.cold_gpu:
+            raise ValueError(f"weaving pair {pair} must name two different GPUs of the "
+                             f"placement (0..{len(placement.gpus) - 1})")
+
+
+def load_config(path: str | Path) -> SimConfig:
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"config file {path} does not exist; see weaver/sim/configs/ for "
+                         "examples")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a mapping at top level (name:, cluster:, ...)")
+    try:
+        return SimConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(f"{path} is not a valid simulation config:\n{exc}") from exc
+
+
+def packaged_configs() -> dict[str, Path]:
+    folder = Path(__file__).parent / "configs"
+    return {p.stem: p for p in sorted(folder.glob("*.yaml"))}

@@ -1,0 +1,81 @@
+"""A placement plan: which models each GPU serves, its Splitwise role, and weaving pairs.
+
+Policies read a plan; the planner writes one; configs may give one explicitly."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from weaver.sim.config import PlacementSpec, SimConfig
+
+
+@dataclass
+class GpuPlan:
+    models: list[str]
+    role: str = "both"  # Splitwise pool: "prompt", "token" or "both"
+
+
+@dataclass
+class WeavePair:
+    hot_gpu: int
+    cold_gpu: int
+    offload_ratio: float
+
+
+@dataclass
+class Plan:
+    gpus: list[GpuPlan]
+    pairs: list[WeavePair] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Plan:
+        return cls([GpuPlan(**g) for g in data["gpus"]],
+                   [WeavePair(**p) for p in data.get("pairs", [])])
+
+    def gpus_of(self, model: str) -> list[int]:
+        return [i for i, g in enumerate(self.gpus) if model in g.models]
+
+
+def plan_from_spec(spec: PlacementSpec, default_ratio: float) -> Plan:
+    gpus = [GpuPlan(list(g.models), g.role) for g in spec.gpus]
+    pairs = [WeavePair(p.hot_gpu, p.cold_gpu,
+                       default_ratio if p.offload_ratio is None else p.offload_ratio)
+             for p in spec.pairs]
+    return Plan(gpus, pairs)
+
+
+def default_plan(config: SimConfig) -> Plan:
+    """The config's placement, or a simple one: models in decreasing rate take GPUs
+    round-robin (so with more GPUs than models the popular ones get the extra replicas;
+    with fewer, several models share a GPU). Weaving pairs the hottest GPUs with the
+    coldest ones."""
+    if config.placement is not None:
+        return plan_from_spec(config.placement, config.weaving.offload_ratio)
+    models = sorted(config.models, key=lambda m: -m.rate)
+    num_gpus = config.cluster.num_gpus
+    gpus = [GpuPlan([]) for _ in range(num_gpus)]
+    for i in range(max(num_gpus, len(models))):
+        model = models[i % len(models)].name
+        if model not in gpus[i % num_gpus].models:
+            gpus[i % num_gpus].models.append(model)
+    return Plan(gpus, hot_cold_pairs(config, gpus, config.weaving.offload_ratio))
+
+
+def hot_cold_pairs(config: SimConfig, gpus: list[GpuPlan], ratio: float) -> list[WeavePair]:
+    """Pair the GPU with the highest per-replica load with the one with the lowest, and so
+    on inwards, while the hot side's load exceeds the cold side's."""
+    def load(i: int) -> float:
+        return sum(config.model(m).rate / len([g for g in gpus if m in g.models])
+                   for m in gpus[i].models)
+
+    order = sorted(range(len(gpus)), key=lambda i: (-load(i), i))
+    pairs = []
+    for k in range(len(order) // 2):
+        hot, cold = order[k], order[-1 - k]
+        if load(hot) <= load(cold):
+            break
+        pairs.append(WeavePair(hot, cold, ratio))
+    return pairs

@@ -1,0 +1,207 @@
+"""Placement planner: MuxServe's enumeration + greedy (§4.2) extended with weaving.
+
+1. A throughput estimator gives each model's capacity on one GPU under the TPOT SLO (the
+   best batch size whose decode step fits the SLO and whose KV fits in memory).
+2. Enumeration: for each threshold of "small" demand, models needing less than that share
+   of a GPU are packed together (first-fit decreasing on demand), the rest get replicas,
+   and spare GPUs go greedily to the model with the highest demand per replica.
+3. The best candidates by estimate are simulated under `muxserve`; the best plan then
+   tries weaving (hot GPUs paired with the least loaded ones) with several offload
+   policies and ratios.
+The plan with the highest simulated goodput wins (ties: higher token throughput); a woven
+plan must beat the plain one by more than 1 %. The dedicated placement (GPUs dealt
+round-robin by rate) is simulated as the baseline.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+from weaver.sim.cluster import Cluster
+from weaver.sim.config import ModelSpec, SimConfig
+from weaver.sim.engine import Engine
+from weaver.sim.plan import GpuPlan, Plan, default_plan, hot_cold_pairs
+from weaver.sim.runner import simulate
+
+logger = logging.getLogger(__name__)
+
+SMALL_DEMAND_THRESHOLDS = (0.0, 0.25, 0.5, 0.9)
+# (offload policy, offload ratio) pairs tried on the best placement.
+WEAVING_CHOICES = (("fixed", 0.25), ("fixed", 0.5), ("overflow", 0.5))
+MIN_WEAVING_GAIN = 0.01  # a woven plan must beat the plain one by this share
+MAX_PACKED_DEMAND = 0.9  # leave headroom on shared GPUs: queueing grows near saturation
+MIN_KV_SHARE = 0.2  # a shared GPU keeps at least this share of its memory for KV
+
+
+def estimate_capacity(cluster: Cluster, spec: ModelSpec) -> float:
+    """Requests per second one GPU sustains for this model under the TPOT SLO."""
+    perf = cluster.perf(spec.name)
+    kv_tokens = cluster.kv_capacity_bytes([spec.name]) / perf.shape.kv_bytes_per_token
+    tpot_s = cluster.config.slo.tpot_ms / 1000
+    budget = cluster.config.server.max_num_batched_tokens
+    prefill_per_token = perf.prefill_time(budget) / budget
+    mean_context = spec.input.mean + spec.output.mean / 2
+    best = 0.0
+    for b in range(1, cluster.config.server.max_num_seqs + 1):
+        context = b * mean_context
+        step = perf.decode_time(b, int(context))
+        if context > kv_tokens or step > tpot_s:
+            break
+        per_request = spec.output.mean * step / b + spec.input.mean * prefill_per_token
+        best = max(best, 1.0 / per_request)
+    return best
+
+
+@dataclass
+class Candidate:
+    plan: Plan
+    policy: str
+    estimate_rps: float
+    label: str
+    result: dict | None = field(default=None, repr=False)
+    offload_policy: str | None = None
+
+    @property
+    def score(self) -> tuple[float, float]:
+        """Simulated goodput, ties broken by token throughput."""
+        if not self.result:
+            return (-1.0, -1.0)
+        total = self.result["summary"]["_all"]
+        return (round(total["goodput_rps"], 6), total["output_tokens_per_s"])
+
+
+def place(cluster: Cluster, capacities: dict[str, float], threshold: float) -> Plan | None:
+    """Pack models below `threshold` GPUs of demand; give the rest replicas greedily."""
+    config = cluster.config
+    demand = {m.name: m.rate / max(capacities[m.name], 1e-9) for m in config.models}
+    small = sorted((n for n, d in demand.items() if d < threshold), key=lambda n: -demand[n])
+    bins: list[list[str]] = []
+    loads: list[float] = []
+    for name in small:  # first-fit decreasing
+        fit = next((i for i, load in enumerate(loads)
+                    if load + demand[name] <= MAX_PACKED_DEMAND
+                    and _fits(cluster, bins[i] + [name])), None)
+        if fit is None:
+            bins.append([name])
+            loads.append(demand[name])
+        else:
+            bins[fit].append(name)
+            loads[fit] += demand[name]
+    large = [n for n in demand if n not in small]
+    if len(bins) + len(large) > config.cluster.num_gpus:
+        return None
+    gpus = [GpuPlan(b) for b in bins] + [GpuPlan([n]) for n in large]
+    # Greedy: each spare GPU becomes one more dedicated replica of the model with the
+    # highest demand per GPU it holds (a packed model holds a share of its GPU).
+    held = {n: 0.0 for n in demand}
+    for gpu in gpus:
+        for n in gpu.models:
+            held[n] += 1.0 / len(gpu.models)
+    for _ in range(config.cluster.num_gpus - len(gpus)):
+        name = max(demand, key=lambda n: (demand[n] / held[n], n))
+        gpus.append(GpuPlan([name]))
+        held[name] += 1.0
+    return Plan(gpus)
+
+
+def _fits(cluster: Cluster, models: list[str]) -> bool:
+    """Whether one more model may join a shared GPU: the weights of all of them must
+    leave at least MIN_KV_SHARE of the device for KV (MuxServe packs by memory too)."""
+    try:
+        kv = cluster.kv_capacity_bytes(models)
+    except ValueError:
+        return False
+    return kv >= MIN_KV_SHARE * cluster.device.memory_bytes
+
+
+def estimate_plan(config: SimConfig, plan: Plan, capacities: dict[str, float]) -> float:
+    """Estimated served rate: each model gets min(rate, capacity of its GPU shares)."""
+    total = 0.0
+    for m in config.models:
+        gpus = plan.gpus_of(m.name)
+        share = sum(1.0 / len(plan.gpus[i].models) for i in gpus)
+        total += min(m.rate, share * capacities[m.name])
+    return total
+
+
+def plan_cluster(config: SimConfig, progress: bool = False) -> dict:
+    """Choose a placement (and weaving pairs) for the config's models and cluster."""
+    cluster = Cluster(config, Engine())
+    capacities = {m.name: estimate_capacity(cluster, m) for m in config.models}
+    candidates: dict[str, Candidate] = {}
+    for threshold in SMALL_DEMAND_THRESHOLDS:
+        plan = place(cluster, capacities, threshold)
+        if plan is not None:
+            key = str(plan.to_dict())
+            candidates.setdefault(key, Candidate(plan, "muxserve", estimate_plan(
+                config, plan, capacities), f"muxserve(threshold={threshold})"))
+    if not candidates:
+        raise ValueError(f"{len(config.models)} models do not fit on "
+                         f"{config.cluster.num_gpus} GPUs even when packed; add GPUs")
+    ranked = sorted(candidates.values(), key=lambda c: -c.estimate_rps)
+    simulated = ranked[:config.plan_candidates]
+    for cand in simulated:
+        cand.result = simulate(config, cand.policy, cand.plan, progress=progress,
+                               keep_requests=False)
+    best = max(simulated, key=lambda c: c.score)
+    for offload_policy, ratio in WEAVING_CHOICES:
+        pairs = hot_cold_pairs(config, best.plan.gpus, ratio)
+        if not pairs:
+            break
+        woven = Candidate(Plan(best.plan.gpus, pairs), "weaver", best.estimate_rps,
+                          f"{best.label}+weaving({offload_policy}, ratio={ratio})")
+        weaving = config.weaving.model_copy(update={"offload_policy": offload_policy})
+        woven.result = simulate(config.model_copy(update={"weaving": weaving}), "weaver",
+                                woven.plan, progress=progress, keep_requests=False)
+        woven.offload_policy = offload_policy
+        simulated.append(woven)
+    chosen = best
+    for cand in simulated:
+        if cand.policy == "weaver" and _clearly_better(cand, chosen):
+            chosen = cand
+    baseline = _baseline(config, progress)
+    return {
+        "config": config.name,
+        "capacities_rps": capacities,
+        "chosen": _describe(chosen),
+        "baseline": baseline,
+        "candidates": [_describe(c) for c in simulated],
+        "goodput_gain": _ratio(chosen.score[0], baseline["summary"]["_all"]["goodput_rps"]),
+        "token_throughput_gain": _ratio(chosen.score[1],
+                                        baseline["summary"]["_all"]["output_tokens_per_s"]),
+    }
+
+
+def _clearly_better(cand: Candidate, than: Candidate) -> bool:
+    """Weaving adds moving parts: take it only for a gain above simulation noise."""
+    (good, tokens), (good_ref, tokens_ref) = cand.score, than.score
+    if good > good_ref * (1 + MIN_WEAVING_GAIN):
+        return True
+    return good >= good_ref * (1 - MIN_WEAVING_GAIN) and \
+        tokens > tokens_ref * (1 + MIN_WEAVING_GAIN)
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else math.inf
+
+
+def _baseline(config: SimConfig, progress: bool) -> dict:
+    """Dedicated placement with GPUs dealt round-robin by rate (mux_temporal when there
+    are fewer GPUs than models)."""
+    plain = config.model_copy(update={"placement": None})
+    plan = default_plan(plain)
+    plan.pairs = []
+    policy = "dedicated" if all(len(g.models) == 1 for g in plan.gpus) else "mux_temporal"
+    result = simulate(plain, policy, plan, progress=progress, keep_requests=False)
+    return {"label": f"{policy}(round-robin)", "policy": policy, "plan": plan.to_dict(),
+            "summary": result["summary"], "sim": result["sim"]}
+
+
+def _describe(cand: Candidate) -> dict:
+    return {"label": cand.label, "policy": cand.policy, "plan": cand.plan.to_dict(),
+            "offload_policy": cand.offload_policy,
+            "estimate_rps": cand.estimate_rps, "summary": cand.result["summary"],
+            "sim": cand.result["sim"]}
+

@@ -1,0 +1,55 @@
+"""Weaver: a hot GPU places a share of its sequences' KV and decode attention on a cold GPU.
+
+For each (hot GPU, cold GPU) pair of the plan, the cold GPU lends `region_fraction` of its
+KV memory as a remote pool; the hot scheduler admits against local and remote capacity,
+so its batches grow: with `offload_policy: fixed`, remote first until `offload_ratio` of
+its running sequences are remote; with `overflow`, remote only once local KV is full (so
+weaving costs only the cold side's polling while local memory suffices).
+
+Costs, from `OffloadCostModel`: per layer the hot step waits for q/kv transfer, the poll
+wait on the cold side and the remote attention, minus the local attention it overlaps
+with; the cold GPU's steps stretch by the share of time it spends on that attention plus a
+per-step polling cost (Weaver §3, §5)."""
+
+from __future__ import annotations
+
+from weaver.sim.instance import BlockPool, SeqSet
+from weaver.sim.perf_model import OffloadCostModel, PollWaitFn, mg1_poll_wait
+from weaver.sim.policies.muxserve import MuxServePolicy
+
+
+class WeaverPolicy(MuxServePolicy):
+    """MuxServe's placement and scheduling where GPUs are shared, plus weaving pairs."""
+
+    name = "weaver"
+    poll_wait_fn: PollWaitFn = staticmethod(mg1_poll_wait)
+
+    def build(self) -> None:
+        super().build()
+        for pair in self.plan.pairs:
+            self._weave(pair.hot_gpu, pair.cold_gpu, pair.offload_ratio)
+
+    def _weave(self, hot_gpu: int, cold_gpu: int, ratio: float) -> None:
+        spec = self.cluster.config.weaving
+        hot, cold = self.instances[hot_gpu], self.instances[cold_gpu]
+        cold_pool = next(iter(cold.servers.values())).local.pool
+        lent = cold_pool.capacity_bytes * spec.region_fraction
+        if lent <= 0 or ratio <= 0:
+            return
+        cold_pool.capacity_bytes -= lent
+        region = BlockPool(lent / len(hot.servers))
+        for server in hot.servers.values():
+            if server.remote is not None:
+                raise ValueError(f"GPU {hot_gpu} is the hot side of two weaving pairs; "
+                                 "give each hot GPU one cold GPU")
+            server.remote = SeqSet(region, server.cfg.block_size, server.local.block_bytes)
+            server.offload_ratio = ratio
+            server.offload_policy = spec.offload_policy
+            # Same device type everywhere, so the hot model's attention costs the same on
+            # the cold GPU; a heterogeneous cluster would pass the cold device's profile.
+            server.offload = OffloadCostModel(server.perf, server.perf,
+                                              self.cluster.link(server.name),
+                                              self.poll_wait_fn)
+            server.remote_instance = cold
+        cold.poll_overhead_s = spec.poll_overhead_us * 1e-6
+        cold.idle_poll_interval_s = spec.idle_poll_interval_us * 1e-6

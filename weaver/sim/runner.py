@@ -1,0 +1,152 @@
+"""Run one simulation, or a rate sweep, and return results as JSON-able dicts."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator
+
+from weaver.sim.cluster import Cluster
+from weaver.sim.config import SimConfig
+from weaver.sim.engine import Engine, Event
+from weaver.sim.instance import SimRequest
+from weaver.sim.metrics import Slo, request_record, summarize
+from weaver.sim.plan import Plan, default_plan
+from weaver.sim.policies import get_policy
+from weaver.sim.workload import merge_by_arrival, poisson_requests
+from weaver.workloads.types import TraceRequest
+
+logger = logging.getLogger(__name__)
+
+
+def generate_requests(config: SimConfig) -> list[TraceRequest]:
+    """Poisson arrivals per model, seeded from the config seed and the model's index."""
+    streams = [
+        poisson_requests(m.name, m.rate, config.duration_s, m.input.mean, m.output.mean,
+                         sigma=m.input.sigma, seed=config.seed * 1000 + i,
+                         max_input=m.input.max, max_output=m.output.max)
+        for i, m in enumerate(config.models)
+    ]
+    return list(merge_by_arrival(*streams))
+
+
+def slo_of(config: SimConfig) -> Slo:
+    return Slo(ttft_s=config.slo.ttft_s, tpot_s=config.slo.tpot_ms / 1000)
+
+
+def simulate(config: SimConfig, policy: str | None = None, plan: Plan | None = None,
+             requests: Iterable[TraceRequest] | None = None, progress: bool = False,
+             keep_requests: bool = True) -> dict:
+    """Simulate `requests` (default: the config's Poisson workload) under one policy."""
+    policy_name = policy or config.policy
+    plan = plan or default_plan(config)
+    engine = Engine()
+    cluster = Cluster(config, engine)
+    pol = get_policy(policy_name)(cluster, plan)
+    generated = requests is None
+    requests = list(generate_requests(config) if generated else requests)
+    _check_models(config, requests)
+    sim_requests = [SimRequest(r) for r in requests]
+    engine.push(_arrivals(engine, pol, iter(sim_requests)))
+    wall = time.perf_counter()
+    horizon = config.duration_s + config.drain_s
+    _run(engine, horizon, progress, f"{config.name}/{policy_name}")
+    wall = time.perf_counter() - wall
+    records = [request_record(r) for r in sim_requests]
+    submitted = Counter(r.model for r in requests)
+    result = {
+        "config": config.name, "policy": policy_name, "seed": config.seed,
+        "plan": plan.to_dict(),
+        "rates": {m.name: m.rate for m in config.models},
+        "slo": {"ttft_s": config.slo.ttft_s, "tpot_ms": config.slo.tpot_ms},
+        "summary": summarize(records, slo_of(config),
+                             {m.name: submitted.get(m.name, 0) for m in config.models},
+                             window=(0.0, config.duration_s) if generated else None),
+        "sim": {"num_events": engine.num_processed, "end_s": engine.now,
+                "horizon_s": horizon, "wall_s": wall,
+                "num_unfinished": sum(r.finish_s is None and not r.is_rejected
+                                      for r in sim_requests)},
+    }
+    if keep_requests:
+        result["requests"] = records
+    logger.info("%s/%s: %d events in %.1f s wall", config.name, policy_name,
+                engine.num_processed, wall)
+    return result
+
+
+def _check_models(config: SimConfig, requests: list[TraceRequest]) -> None:
+    known = {m.name for m in config.models}
+    unknown = {r.model for r in requests} - known
+    if unknown:
+        raise ValueError(f"requests name models {sorted(unknown)} that the config lacks; "
+                         f"add them to `models:` (known: {sorted(known)})")
+
+
+def _arrivals(engine: Engine, policy, requests: Iterator[SimRequest]) -> list[Event]:
+    """One pending arrival at a time: each arrival schedules the next."""
+    req = next(requests, None)
+    if req is None:
+        return []
+
+    def arrive(now: float) -> list[Event]:
+        return policy.route(req, now) + _arrivals(engine, policy, requests)
+
+    return [engine.event(req.trace.arrival_s, "arrival", arrive)]
+
+
+def _run(engine: Engine, horizon: float, progress: bool, label: str) -> None:
+    if not progress:
+        engine.run(until=horizon)
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=round(horizon, 1), desc=label, unit="sim-s", leave=False) as bar:
+        def tick(ev: Event) -> None:
+            if engine.num_processed % 2000 == 0:
+                bar.update(round(ev.time, 1) - bar.n)
+
+        engine.run(until=horizon, on_event=tick)
+
+
+def meets_slo(summary: dict, slo: Slo, quantile: str = "p90") -> bool:
+    """A model meets the SLO at this load when it completed every request and its
+    p90 TTFT and p90 TPOT are within the SLO."""
+    if summary["num_completed"] < summary["num_submitted"]:
+        return False
+    ttft, tpot = summary["ttft_s"][quantile], summary["tpot_s"][quantile]
+    return ttft is not None and ttft <= slo.ttft_s and (tpot is None or tpot <= slo.tpot_s)
+
+
+def rate_sweep(config: SimConfig, progress: bool = False) -> dict:
+    """For each policy, simulate each rate of the swept model. Its max rate under the SLO
+    is the highest swept rate where it meets the SLO (the paper's "max throughput"); the
+    measured throughput there (completions over the span to the last one) is reported
+    too."""
+    if config.sweep is None:
+        raise ValueError(f"config {config.name} has no `sweep:` section")
+    sweep = config.sweep
+    slo = slo_of(config)
+    points = []
+    grid = [(policy, rate) for policy in sweep.policies for rate in sweep.rates]
+    if progress:
+        from tqdm import tqdm
+
+        grid = tqdm(grid, desc=f"sweep {config.name}", unit="run")
+    for policy, rate in grid:
+        models = [m.model_copy(update={"rate": rate}) if m.name == sweep.model else m
+                  for m in config.models]
+        cfg = config.model_copy(update={"models": models})
+        res = simulate(cfg, policy=policy, keep_requests=False)
+        points.append({"policy": policy, "rate": rate, "summary": res["summary"],
+                       "sim": res["sim"],
+                       "meets_slo": meets_slo(res["summary"][sweep.model], slo)})
+    best, best_rate = {}, {}
+    for policy in sweep.policies:
+        ok = [p for p in points if p["policy"] == policy and p["meets_slo"]]
+        best_rate[policy] = max((p["rate"] for p in ok), default=0.0)
+        best[policy] = max((p["summary"][sweep.model]["throughput_rps"] for p in ok),
+                           default=0.0)
+    return {"config": config.name, "model": sweep.model, "slo": config.slo.model_dump(),
+            "duration_s": config.duration_s, "seed": config.seed, "points": points,
+            "max_rate_rps": best_rate, "max_throughput_rps": best}

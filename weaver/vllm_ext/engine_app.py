@@ -1,0 +1,169 @@
+"""One vLLM engine and its own OpenAI app, built with vLLM 0.32's launcher functions.
+
+This is the only place the gateway touches vLLM's serving internals (vllm-notes §6):
+`make_arg_parser` → `build_async_engine_client` → `build_app` + `init_app_state`. The
+gateway in `weaver.server` then routes requests to the app of the model they name, so the
+OpenAI protocol itself is vLLM's own code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from weaver.config.deployment import ModelSpec, Role
+from weaver.vllm_ext.engine_stats import EngineStatsRecorder, attach_stats_recorder
+from weaver.weaving.plan import block_size_of
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+    from vllm.engine.protocol import EngineClient
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+
+@dataclass
+class EngineHandle:
+    """A running engine, the vLLM app serving it, and its processes."""
+
+    spec: ModelSpec
+    client: EngineClient
+    app: FastAPI
+    max_model_len: int
+    model_path: Path
+    process_ids: list[int] = field(default_factory=list)
+    stats: EngineStatsRecorder | None = None
+
+    @property
+    def is_dead(self) -> bool:
+        return bool(self.client.errored)
+
+    def scheduler_stats(self) -> dict[str, float]:
+        return self.stats.snapshot() if self.stats is not None else {}
+
+    async def check_health(self) -> None:
+        await self.client.check_health()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "role": self.spec.role.value,
+            "device": self.spec.device,
+            "model_path": str(self.model_path),
+            "max_model_len": self.max_model_len,
+            "engine_pids": self.process_ids,
+        }
+
+
+HOT_SCHEDULER = "weaver.vllm_ext.hot_scheduler.WeaverHotScheduler"
+WORKER_EXTENSION = "weaver.vllm_ext.worker_ext.WeaverWorkerExtension"
+
+
+def engine_cli_args(
+    spec: ModelSpec, model_path: Path, additional_config: dict | None = None
+) -> list[str]:
+    """The `vllm serve` arguments equivalent to one model of the deployment."""
+    args = [
+        "--model", str(model_path),
+        "--served-model-name", spec.name,
+        "--max-model-len", str(spec.max_model_len),
+        "--dtype", spec.dtype,
+        "--max-num-seqs", str(spec.max_num_seqs),
+        "--kv-cache-memory-bytes", str(int(spec.kv_cache_gib * GiB)),
+        # torch.compile costs minutes on this machine and hides Weaver's hooks (vllm-notes §4).
+        "--enforce-eager",
+        "--disable-uvicorn-access-log",
+    ]
+    if spec.block_size is not None:
+        args += ["--block-size", str(spec.block_size)]
+    if spec.role is not Role.DEDICATED:
+        args += ["--worker-extension-cls", WORKER_EXTENSION]
+    if spec.role is Role.HOT:
+        # Remote requests get no prefix-cache hits (their blocks live in another pool),
+        # and the remote pool's block size must be the one the plan was computed with.
+        args += ["--scheduler-cls", HOT_SCHEDULER, "--no-enable-prefix-caching",
+                 "--block-size", str(block_size_of(spec))]
+    if additional_config:
+        args += ["--additional-config", json.dumps(additional_config)]
+    if spec.num_gpu_blocks_override is not None:
+        args += ["--num-gpu-blocks-override", str(spec.num_gpu_blocks_override)]
+    return args
+
+
+def parse_engine_args(
+    spec: ModelSpec, model_path: Path, additional_config: dict | None = None
+) -> Any:
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog=f"weaver engine {spec.name}"))
+    args = parser.parse_args(engine_cli_args(spec, model_path, additional_config))
+    for name, value in spec.extra_engine_args.items():
+        if not hasattr(args, name):
+            raise ValueError(
+                f"model {spec.name!r}: extra_engine_args has {name!r}, which is not a vLLM "
+                "engine argument (use the Python name, e.g. enable_prefix_caching)"
+            )
+        setattr(args, name, value)
+    validate_parsed_serve_args(args)
+    return args
+
+
+@contextlib.contextmanager
+def _engine_environment(spec: ModelSpec):
+    """Environment that the engine's processes (spawned while this is active) inherit."""
+    env = {"VLLM_CPU_OMP_THREADS_BIND": spec.cpu_cores} if spec.cpu_cores else {}
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _engine_process_ids(client: Any) -> list[int]:
+    # AsyncLLM → AsyncMPClient → resources.engine_manager (CoreEngineProcManager).
+    core = getattr(client, "engine_core", None)
+    manager = getattr(getattr(core, "resources", None), "engine_manager", None)
+    return [p.pid for p in getattr(manager, "processes", []) if p.pid is not None]
+
+
+async def open_engine(
+    spec: ModelSpec,
+    model_path: Path,
+    stack: contextlib.AsyncExitStack,
+    additional_config: dict | None = None,
+) -> EngineHandle:
+    """Start the engine for `spec`; it is shut down when `stack` closes."""
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+    from vllm.entrypoints.launchers.app import build_app
+
+    args = parse_engine_args(spec, model_path, additional_config)
+    logger.info("starting engine %s from %s", spec.name, model_path)
+    with _engine_environment(spec):
+        client = await stack.enter_async_context(build_async_engine_client(args))
+    supported_tasks = await client.get_supported_tasks()
+    app = build_app(args, supported_tasks, client.model_config)
+    await init_app_state(client, app.state, args, supported_tasks)
+    handle = EngineHandle(
+        spec=spec,
+        client=client,
+        app=app,
+        max_model_len=client.model_config.max_model_len,
+        model_path=model_path,
+        process_ids=_engine_process_ids(client),
+        stats=attach_stats_recorder(client),
+    )
+    logger.info("engine %s ready (engine processes %s)", spec.name, handle.process_ids)
+    return handle

@@ -1,0 +1,222 @@
+"""The hot engine's attention: vLLM's CPU_ATTN, split by where each sequence's KV lives.
+
+`WeaverCPUAttentionBackend` replaces CPU_ATTN in every engine (the plugin registers it),
+and behaves exactly like it until a hot worker attaches a `HotWeavingRuntime`. Then, per
+layer and step (Weaver §3, architecture part 5):
+
+- new K/V of remote sequences are written into the remote pool (slots at or above
+  `num_local_blocks * block_size` belong to it), the rest into vLLM's own cache;
+- remote *decode* rows are published to the cold side first, local rows and remote
+  *prefill* rows (which need the prompt's K/V just written to the shared pool, chunked
+  prefill included) run here meanwhile, then the cold side's output is merged back in
+  batch order;
+- if the cold side times out or is gone, the pair turns degraded and the remote rows are
+  computed here from the shared pool: logged once, counted every time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm import _custom_ops as ops
+from vllm import envs
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+
+from weaver.offload.channel import OffloadError, OffloadSender
+from weaver.weaving.plan import PairPlan
+
+if TYPE_CHECKING:
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class HotWeavingStats:
+    num_offloaded_tasks: int = 0  # decode-attention tasks the cold side served
+    num_offloaded_rows: int = 0  # sequence-layer rows inside them
+    num_fallback_tasks: int = 0  # tasks computed here because the cold side failed
+    num_remote_prefill_rows: int = 0
+    num_remote_sequences: int = 0  # remote sequences seen starting their prefill
+    wait_seconds: list[float] = field(default_factory=list)  # drained by the metrics scrape
+
+
+class HotWeavingRuntime:
+    """Per hot worker: the attached region and the pair's health."""
+
+    def __init__(self, plan: PairPlan, sender: OffloadSender) -> None:
+        self.plan = plan
+        self.sender = sender
+        self.stats = HotWeavingStats()
+        self.degraded_reason: str | None = None
+        self._lock = threading.Lock()
+
+    def mark_degraded(self, reason: str) -> None:
+        if self.degraded_reason is None:
+            self.degraded_reason = reason
+            logger.error(
+                "weaving %s -> %s degraded (%s): remote sequences' attention is now computed "
+                "on the hot side from the shared pool", self.plan.hot, self.plan.cold, reason)
+
+    def drain_stats(self) -> dict[str, Any]:
+        with self._lock:
+            waits, self.stats.wait_seconds = self.stats.wait_seconds, []
+        return {
+            "hot": self.plan.hot, "cold": self.plan.cold,
+            "offloaded_tasks": self.stats.num_offloaded_tasks,
+            "offloaded_rows": self.stats.num_offloaded_rows,
+            "fallback_tasks": self.stats.num_fallback_tasks,
+            "remote_prefill_rows": self.stats.num_remote_prefill_rows,
+            "remote_sequences": self.stats.num_remote_sequences,
+            "degraded_reason": self.degraded_reason,
+            "wait_seconds": waits,
+        }
+
+
+@dataclass
+class _Rows:
+    """A subset of the batch's requests and the token rows they own."""
+
+    requests: torch.Tensor  # int64 request indices
+    tokens: torch.Tensor  # int64 token indices into query/output
+    query_start_loc: torch.Tensor  # int32, rebased to the subset
+    seq_lens: torch.Tensor  # int32
+
+
+def _select(md: CPUAttentionMetadata, requests: torch.Tensor) -> _Rows:
+    starts = md.query_start_loc[requests].to(torch.int64)
+    ends = md.query_start_loc[requests + 1].to(torch.int64)
+    lengths = ends - starts
+    tokens = torch.cat([torch.arange(s, e) for s, e in zip(starts.tolist(), ends.tolist(),
+                                                           strict=True)])
+    query_start_loc = torch.zeros(len(requests) + 1, dtype=torch.int32)
+    torch.cumsum(lengths, 0, out=query_start_loc[1:])
+    return _Rows(requests, tokens, query_start_loc, md.seq_lens[requests].to(torch.int32))
+
+
+class WeaverCPUAttentionImpl(CPUAttentionBackendImpl):
+    # Set by the worker extension when a hot worker attaches its region.
+    weaving_runtime: HotWeavingRuntime | None = None
+    weaver_layer_index: int = -1
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        runtime = self.weaving_runtime
+        if runtime is None:
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        num_blocks, _, block_size, _ = kv_cache.shape
+        boundary = num_blocks * block_size
+        num_slots = slot_mapping.shape[0]
+        is_remote = slot_mapping >= boundary
+        if not bool(is_remote.any()):
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        key, value = key[:num_slots], value[:num_slots]
+        is_local = ~is_remote
+        if bool(is_local.any()):
+            super().do_kv_cache_update(layer, key[is_local], value[is_local], kv_cache,
+                                       slot_mapping[is_local])
+        remote_pool = runtime.sender.kv_layer(self.weaver_layer_index)
+        super().do_kv_cache_update(layer, key[is_remote], value[is_remote], remote_pool,
+                                   slot_mapping[is_remote] - boundary)
+        return None
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        runtime = self.weaving_runtime
+        md = attn_metadata
+        if runtime is None or md is None:
+            return super().forward(layer, query, key, value, kv_cache, md, output,
+                                   output_scale, output_block_scale)
+        num_local_blocks = kv_cache.shape[0]
+        num_reqs = md.seq_lens.shape[0]
+        is_remote = md.block_table[:num_reqs, 0] >= num_local_blocks
+        if not bool(is_remote.any()):
+            return super().forward(layer, query, key, value, kv_cache, md, output,
+                                   output_scale, output_block_scale)
+        query_lens = md.query_start_loc[1 : num_reqs + 1] - md.query_start_loc[:num_reqs]
+        is_decode = query_lens == 1
+        if self.weaver_layer_index == 0:  # count each new remote sequence once per step
+            is_new = md.seq_lens[:num_reqs] == query_lens
+            runtime.stats.num_remote_sequences += int((is_remote & is_new).sum())
+        remote_decode = torch.nonzero(is_remote & is_decode).flatten()
+        remote_prefill = torch.nonzero(is_remote & ~is_decode).flatten()
+        local = torch.nonzero(~is_remote).flatten()
+        remote_pool = runtime.sender.kv_layer(self.weaver_layer_index)
+
+        ticket, decode_rows = None, None
+        if remote_decode.numel() and runtime.degraded_reason is None:
+            decode_rows = _select(md, remote_decode)
+            ticket = self._submit(runtime, query, md, decode_rows, num_local_blocks)
+        if local.numel():
+            self._attend(layer, query, output, kv_cache, md, _select(md, local), 0)
+        if remote_prefill.numel():
+            runtime.stats.num_remote_prefill_rows += int(remote_prefill.numel())
+            self._attend(layer, query, output, remote_pool, md, _select(md, remote_prefill),
+                         num_local_blocks)
+        if remote_decode.numel():
+            decode_rows = decode_rows or _select(md, remote_decode)
+            if ticket is None or not self._collect(runtime, ticket, output, decode_rows):
+                runtime.stats.num_fallback_tasks += 1
+                self._attend(layer, query, output, remote_pool, md, decode_rows,
+                             num_local_blocks)
+        return output
+
+    def _submit(self, runtime, query, md, rows: _Rows, num_local_blocks: int):
+        block_table = (md.block_table[rows.requests] - num_local_blocks).clamp_(min=0)
+        try:
+            return runtime.sender.submit(
+                self.weaver_layer_index, query[rows.tokens], rows.seq_lens, block_table,
+                scale=self.scale, sliding_window=self.sliding_window,
+                softcap=float(self.logits_soft_cap))
+        except OffloadError as exc:
+            runtime.mark_degraded(f"submit failed: {exc}")
+            return None
+
+    def _collect(self, runtime, ticket, output, rows: _Rows) -> bool:
+        try:
+            result = runtime.sender.wait_with_timing(ticket, runtime.plan.timeout_s)
+        except OffloadError as exc:
+            runtime.mark_degraded(f"wait failed: {exc}")
+            return False
+        output[rows.tokens] = result.output  # both [rows, num_heads, head_size]
+        runtime.stats.num_offloaded_tasks += 1
+        runtime.stats.num_offloaded_rows += len(rows.tokens)
+        runtime.stats.wait_seconds.append(result.wait_s)
+        return True
+
+    def _attend(self, layer, query, output, kv_layer, md, rows: _Rows, block_offset: int):
+        """vLLM's CPU attention kernel over a subset of the batch (as cpu_attn.py's
+        builder and forward would run it for a batch of just these requests)."""
+        block_table = md.block_table[rows.requests]
+        if block_offset:
+            block_table = (block_table - block_offset).clamp_(min=0)
+        scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(rows.requests), num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_size, seq_lens=rows.seq_lens,
+            dtype=query.dtype, query_start_loc=rows.query_start_loc, causal=md.causal,
+            sliding_window_size=self.sliding_window, isa=layer.isa,
+            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype=self.kv_cache_dtype)
+        num_blocks, num_kv_heads, block_size, _ = kv_layer.shape
+        key_cache, value_cache = kv_layer.view(
+            num_blocks, num_kv_heads, block_size * 2, -1).chunk(2, dim=2)
+        sub_out = torch.empty_like(output[rows.tokens])
+        ops.cpu_attention_with_kv_cache(
+            query=query[rows.tokens], key_cache=key_cache, value_cache=value_cache,
+            output=sub_out, query_start_loc=rows.query_start_loc, seq_lens=rows.seq_lens,
+            scale=self.scale, causal=md.causal, alibi_slopes=self.alibi_slopes,
+            sliding_window=self.sliding_window, block_table=block_table,
+            softcap=self.logits_soft_cap, scheduler_metadata=scheduler_metadata,
+            s_aux=self.sinks, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
+            kv_cache_dtype=self.kv_cache_dtype)
+        output[rows.tokens] = sub_out
+
+
+class WeaverCPUAttentionBackend(CPUAttentionBackend):
+    @staticmethod
+    def get_impl_cls() -> type[WeaverCPUAttentionImpl]:
+        return WeaverCPUAttentionImpl
+
+

@@ -1,0 +1,149 @@
+"""The hot engine's scheduler: a second block pool for blocks that live on the cold side.
+
+Composed, not copied (vllm-notes §3): after vLLM's `Scheduler.__init__`, the KV-cache
+manager is wrapped by `RoutingKVCacheManager`, which owns two `KVCacheManager`s. The
+remote one is built over `num_local + num_remote` blocks with ids `1..num_local-1`
+pinned, so it hands out exactly `[num_local, num_local + num_remote)`. Those ids travel
+unchanged to the worker, whose attention wrapper recognises a remote request by its
+first block id (>= num_local), so no side channel is needed. Admission sees both pools,
+which is where the hot model's larger batches come from.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from weaver.vllm_ext.additional_config import hot_plan
+from weaver.weaving.placement import Placement, RatioPlacement
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class RoutingKVCacheManager:
+    """Duck-types `KVCacheManager`: per-request calls go to the pool that holds the
+    request; everything pool-wide (stats, prefix cache, events) is the local pool's."""
+
+    def __init__(self, local: KVCacheManager, remote: KVCacheManager, num_local_blocks: int,
+                 placement: RatioPlacement) -> None:
+        self.local = local
+        self.remote = remote
+        self.num_local_blocks = num_local_blocks
+        self.placement = placement
+        self.placed: dict[str, Placement] = {}
+        self.num_placed_remote = 0  # requests ever placed remotely (a Prometheus counter)
+        self.peak_running_remote = 0
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for attributes not defined here: pool-wide state of the local pool.
+        return getattr(self.local, name)
+
+    def _pool(self, request_id: str) -> KVCacheManager:
+        return self.remote if self.placed.get(request_id) is Placement.REMOTE else self.local
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, *args, **kwargs):
+        placed = self.placed.get(request.request_id)
+        if placed is not None:
+            return self._pool(request.request_id).allocate_slots(
+                request, num_new_tokens, *args, **kwargs)
+        # A new (or preempted and re-admitted) request: decide where its KV lives.
+        preferred = self.placement.preferred()
+        order = [preferred]
+        if self.placement.may_spill:
+            order.append(Placement.LOCAL if preferred is Placement.REMOTE else Placement.REMOTE)
+        for choice in order:
+            pool = self.remote if choice is Placement.REMOTE else self.local
+            if choice is Placement.REMOTE and kwargs.get("new_computed_blocks") is not None:
+                # Prefix-cache hits are local blocks; a remote request starts from none.
+                kwargs = {**kwargs, "new_computed_blocks": None, "num_new_computed_tokens": 0}
+            blocks = pool.allocate_slots(request, num_new_tokens, *args, **kwargs)
+            if blocks is not None:
+                self.placement.commit()
+                self.placed[request.request_id] = choice
+                if choice is Placement.REMOTE:
+                    self.num_placed_remote += 1
+                    self.peak_running_remote = max(self.peak_running_remote,
+                                                   self.num_running_remote)
+                return blocks
+        return None
+
+    @property
+    def num_running_remote(self) -> int:
+        return sum(1 for p in self.placed.values() if p is Placement.REMOTE)
+
+    def free(self, request: Request) -> None:
+        self._pool(request.request_id).free(request)
+        self.placed.pop(request.request_id, None)
+
+    def pop_blocks_for_free(self, request: Request):
+        blocks = self._pool(request.request_id).pop_blocks_for_free(request)
+        self.placed.pop(request.request_id, None)
+        return blocks
+
+    def get_blocks(self, request_id: str):
+        return self._pool(request_id).get_blocks(request_id)
+
+    def get_block_ids(self, request_id: str):
+        return self._pool(request_id).get_block_ids(request_id)
+
+    def get_block_ids_for_computed_tokens(self, request_id: str, *args, **kwargs):
+        return self._pool(request_id).get_block_ids_for_computed_tokens(
+            request_id, *args, **kwargs)
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        self._pool(request.request_id).cache_blocks(request, num_computed_tokens)
+
+    def remove_skipped_blocks(self, request_id: str, *args, **kwargs) -> None:
+        self._pool(request_id).remove_skipped_blocks(request_id, *args, **kwargs)
+
+    def record_blocks_for_zeroing(self, request_id: str, *args, **kwargs) -> None:
+        self._pool(request_id).record_blocks_for_zeroing(request_id, *args, **kwargs)
+
+    def get_num_common_prefix_blocks(self, running_request_id: str):
+        return self._pool(running_request_id).get_num_common_prefix_blocks(running_request_id)
+
+    def new_step_starts(self) -> None:
+        self.local.new_step_starts()
+        self.remote.new_step_starts()
+
+    def take_new_block_ids(self) -> list[int]:
+        return self.local.take_new_block_ids() + self.remote.take_new_block_ids()
+
+
+class WeaverHotScheduler(Scheduler):
+    """vLLM's scheduler with a remote block pool when the engine is a weaving hot model;
+    exactly vLLM's scheduler otherwise."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        plan = hot_plan(self.vllm_config)
+        if plan is None:
+            return
+        local = self.kv_cache_manager
+        num_local = local.block_pool.num_gpu_blocks
+        remote_config = copy.deepcopy(self.kv_cache_config)
+        remote_config.num_blocks = num_local + plan.num_remote_blocks
+        remote = KVCacheManager(
+            kv_cache_config=remote_config,
+            max_model_len=self.max_model_len,
+            max_in_flight_tokens=self.vllm_config.max_in_flight_tokens,
+            enable_caching=False,
+            scheduler_block_size=self.block_size,
+            hash_block_size=self.hash_block_size,
+        )
+        # Block 0 is the pool's null block; pin 1..num_local-1 so that the remote pool
+        # hands out only ids above the local range.
+        remote.block_pool.get_new_blocks(num_local - 1)
+        self.kv_cache_manager = RoutingKVCacheManager(
+            local, remote, num_local, RatioPlacement(plan.offload_ratio))
+        logger.info(
+            "weaving %s -> %s: %d local + %d remote KV blocks, offload ratio %.2f",
+            plan.hot, plan.cold, num_local, plan.num_remote_blocks, plan.offload_ratio,
+        )

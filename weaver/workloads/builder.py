@@ -1,0 +1,203 @@
+"""Turn a trace and a `WorkloadSpec` into the `TraceRequest`s a benchmark sends.
+
+The one place where the workload's seed is used: every random draw (which trace rows,
+which arrival gaps, which model a replayed row goes to) comes from generators spawned from
+`WorkloadSpec.seed`, so one spec always yields the same requests.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+
+from weaver.workloads.arrivals import gamma_arrivals, poisson_arrivals, trace_arrivals, trace_rate
+from weaver.workloads.filters import apply_filter, default_filter_name, get_filter
+from weaver.workloads.lengths import scale_lengths
+from weaver.workloads.popularity import power_law_rates, split_count
+from weaver.workloads.traces import TraceRow, load_trace
+from weaver.workloads.types import TraceRequest
+
+logger = logging.getLogger(__name__)
+
+
+class ArrivalKind(str, Enum):
+    POISSON = "poisson"
+    GAMMA = "gamma"
+    TRACE = "trace"
+
+
+@dataclass(frozen=True)
+class ModelLoad:
+    """One model of the workload; `rate` in req/s, or None to take a share of the total."""
+
+    name: str
+    rate: float | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> ModelLoad:
+        """`NAME` or `NAME=RATE` (the CLI's --model value)."""
+        name, sep, rate_text = text.partition("=")
+        if not name.strip():
+            raise ValueError(f"--model {text!r}: empty model name; use NAME or NAME=RATE")
+        if not sep:
+            return cls(name.strip())
+        try:
+            rate = float(rate_text)
+        except ValueError:
+            raise ValueError(f"--model {text!r}: rate {rate_text!r} is not a number") from None
+        if not rate > 0:
+            raise ValueError(f"--model {text!r}: the rate must be > 0 req/s")
+        return cls(name.strip(), rate)
+
+
+@dataclass
+class WorkloadSpec:
+    models: list[ModelLoad]
+    trace: str = "azure-conv"  # azure-conv | azure-code | burstgpt:PATH
+    rate: float | None = None  # total req/s over all models (None: per-model rates/trace)
+    arrival: ArrivalKind = ArrivalKind.POISSON
+    burstiness: float = 1.0  # gamma shape; 1.0 = Poisson
+    num_requests: int = 100
+    length_scale: float = 1.0
+    max_model_len: int | None = None
+    power_law_alpha: float = 0.0  # MuxServe popularity; 0 = even split of `rate`
+    time_scale: float | None = None  # trace arrivals only; None: from `rate` or 1.0
+    filter_name: str | None = None  # None: the paper's filter for this trace
+    seed: int = 0
+    traces_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            self.arrival = ArrivalKind(self.arrival)
+        except ValueError:
+            choices = [kind.value for kind in ArrivalKind]
+            raise ValueError(f"unknown arrival {self.arrival!r}; choose one of {choices}") from None
+        if not self.models:
+            raise ValueError("a workload needs at least one model (--model NAME[=RATE])")
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names repeat in {names}; give each model once")
+        if self.num_requests < 1:
+            raise ValueError(f"--num-requests must be >= 1, got {self.num_requests}")
+        if self.rate is not None and not self.rate > 0:
+            raise ValueError(f"--rate must be > 0 req/s, got {self.rate}")
+
+
+def model_rates(spec: WorkloadSpec) -> list[float] | None:
+    """Per-model rates: given per model, or `rate` split by the power law. None only for
+    trace arrivals with no rate anywhere (replay at the trace's speed, even model split)."""
+    given = [m.rate for m in spec.models if m.rate is not None]
+    if len(given) == len(spec.models):
+        if spec.rate is not None:
+            raise ValueError("give either per-model rates (--model NAME=RATE) or --rate, not both")
+        return given
+    if given:
+        raise ValueError("give a rate for every model (NAME=RATE) or for none of them (--rate)")
+    if spec.rate is None:
+        if spec.arrival is ArrivalKind.TRACE:
+            return None
+        raise ValueError("--rate is required with poisson or gamma arrivals")
+    return power_law_rates(len(spec.models), spec.rate, spec.power_law_alpha)
+
+
+def load_rows(spec: WorkloadSpec) -> list[TraceRow]:
+    rows = load_trace(spec.trace, spec.traces_dir)
+    row_filter = get_filter(spec.filter_name or default_filter_name(spec.trace))
+    kept = apply_filter(rows, row_filter)
+    if not kept:
+        raise ValueError(f"no row of {spec.trace} passes the filter; try --filter none")
+    logger.info("trace %s: %d of %d rows pass the filter", spec.trace, len(kept), len(rows))
+    return kept
+
+
+def build_workload(
+    spec: WorkloadSpec, rows: Sequence[TraceRow] | None = None
+) -> list[TraceRequest]:
+    """The workload's requests sorted by arrival, `request_id` = position."""
+    rows = list(rows) if rows is not None else load_rows(spec)
+    if not rows:
+        raise ValueError("the trace has no rows to sample from")
+    rates = model_rates(spec)
+    seeds = np.random.SeedSequence(spec.seed).spawn(len(spec.models) + 1)
+    if spec.arrival is ArrivalKind.TRACE:
+        drafts = _replay_trace(spec, rows, rates, np.random.default_rng(seeds[-1]))
+    else:
+        assert rates is not None  # model_rates raises for poisson/gamma without a rate
+        drafts = []
+        counts = split_count(spec.num_requests, rates)
+        for model, rate, count, seed in zip(spec.models, rates, counts, seeds, strict=False):
+            rng = np.random.default_rng(seed)
+            drafts += _sample_model(spec, model.name, rate, count, rows, rng)
+    drafts.sort(key=lambda d: d[0])  # stable: ties keep model order
+    requests = []
+    for request_id, (arrival_s, row, model) in enumerate(drafts):
+        num_in, num_out = scale_lengths(
+            row.input_tokens, row.output_tokens, spec.length_scale, spec.max_model_len
+        )
+        requests.append(TraceRequest(arrival_s, num_in, num_out, model, request_id))
+    return requests
+
+
+def _sample_model(
+    spec: WorkloadSpec,
+    model: str,
+    rate: float,
+    count: int,
+    rows: Sequence[TraceRow],
+    rng: np.random.Generator,
+) -> list[tuple[float, TraceRow, str]]:
+    # Without replacement while the trace has enough rows (vLLM's samplers do the same).
+    index = rng.choice(len(rows), size=count, replace=count > len(rows))
+    if spec.arrival is ArrivalKind.GAMMA:
+        times = gamma_arrivals(count, rate, spec.burstiness, rng)
+    else:
+        times = poisson_arrivals(count, rate, rng)
+    return [(t, rows[int(i)], model) for t, i in zip(times, index, strict=True)]
+
+
+def _replay_trace(
+    spec: WorkloadSpec,
+    rows: Sequence[TraceRow],
+    rates: list[float] | None,
+    rng: np.random.Generator,
+) -> list[tuple[float, TraceRow, str]]:
+    # The first N rows keep the trace's burst structure; a random subset would thin it.
+    window = list(rows[: spec.num_requests])
+    if len(window) < spec.num_requests:
+        logger.warning(
+            "trace has %d rows after filtering; replaying all of them, not %d",
+            len(window),
+            spec.num_requests,
+        )
+    stamps = [row.timestamp_s for row in window]
+    if spec.time_scale is not None:
+        scale = spec.time_scale
+    elif rates is not None and len(window) > 1:
+        scale = trace_rate(stamps) / sum(rates)  # stretch the trace to the requested rate
+    else:
+        scale = 1.0
+    weights = np.asarray(rates if rates is not None else [1.0] * len(spec.models), dtype=float)
+    picks = rng.choice(len(spec.models), size=len(window), p=weights / weights.sum())
+    times = trace_arrivals(stamps, scale)
+    return [
+        (t, row, spec.models[int(m)].name) for t, row, m in zip(times, window, picks, strict=True)
+    ]
+
+
+def describe_workload(requests: Sequence[TraceRequest]) -> dict[str, dict[str, float]]:
+    """Per-model count, mean lengths and offered rate (for logs and results)."""
+    out: dict[str, dict[str, float]] = {}
+    span = max((r.arrival_s for r in requests), default=0.0)
+    for model in sorted({r.model for r in requests}):
+        mine = [r for r in requests if r.model == model]
+        out[model] = {
+            "num_requests": len(mine),
+            "mean_input_tokens": float(np.mean([r.input_tokens for r in mine])),
+            "mean_output_tokens": float(np.mean([r.output_tokens for r in mine])),
+            "offered_rate": len(mine) / span if span > 0 else float("nan"),
+        }
+    return out
