@@ -41,10 +41,16 @@ def test_list_shows_status(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert _run(["models", "list", "--models-dir", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == f"models directory: {tmp_path}"
-    status = {line.split()[0]: line.split()[1] for line in lines[1:]}
-    assert status["smollm2-135m-instruct"] == "not"  # "not prepared"
-    assert status["tiny-llama-b"] == "foreign"
-    assert status["my-llama"] == "prepared"
+    by_name = {line.split()[0]: line for line in lines[1:]}
+    assert list(by_name)[:4] == [
+        "smollm2-135m-instruct",
+        "tiny-llama-a",
+        "tiny-llama-b",
+        "tiny-llama-c",
+    ]
+    assert " not prepared " in by_name["smollm2-135m-instruct"]
+    assert by_name["tiny-llama-b"].split()[1] == "foreign"
+    assert by_name["my-llama"].split()[1:3] == ["prepared", "custom"]
 
 
 def test_list_reads_models_dir_from_env(

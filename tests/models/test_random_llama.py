@@ -96,6 +96,11 @@ def test_loads_in_transformers_and_generates(tiny_dirs: dict[str, Path], name: s
     assert len(new_tokens) == 12  # eos is unlikely from random weights, so nothing stops early
     assert len(set(new_tokens)) >= 2, f"degenerate greedy output: {new_tokens}"
     assert tokenizer.decode(new_tokens).strip()
+    # Attention must matter: dropping the first prompt tokens changes what follows (a model
+    # whose output ignores the context would hide attention bugs in offload tests).
+    with torch.no_grad():
+        shorter = model.generate(inputs["input_ids"][:, 3:], max_new_tokens=12, do_sample=False)
+    assert shorter[0, inputs["input_ids"].shape[1] - 3 :].tolist() != new_tokens
 
 
 def test_same_seed_same_weights_other_seed_other_weights(smollm2_dir: Path, tmp_path: Path) -> None:
@@ -214,3 +219,35 @@ def test_missing_tokenizer_is_a_clear_error(tmp_path: Path, needs_builders: None
     out_dir.mkdir()
     with pytest.raises(ValueError, match="holds no tokenizer"):
         build_random_llama(SMALL, tmp_path / "empty", out_dir, show_progress=False)
+
+
+def test_concurrent_prepares_build_once(monkeypatch: pytest.MonkeyPatch, models_dir: Path) -> None:
+    import threading
+
+    from weaver.models import registry
+
+    real_build = registry._build
+    built: list[str] = []
+
+    def counting_build(*args, **kwargs) -> None:
+        built.append(threading.current_thread().name)
+        real_build(*args, **kwargs)
+
+    monkeypatch.setattr(registry, "_build", counting_build)
+    paths: list[Path] = []
+
+    def prepare() -> None:
+        paths.append(
+            prepare_random_llama(
+                SMALL, name="raced-llama", models_dir=models_dir, show_progress=False
+            )
+        )
+
+    threads = [threading.Thread(target=prepare, name=f"preparer-{i}") for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(built) == 1
+    assert paths == [models_dir / "raced-llama"] * 2
+    assert resolve_model("raced-llama", models_dir) == models_dir / "raced-llama"

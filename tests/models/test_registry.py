@@ -94,6 +94,21 @@ def test_resolve_directory(tmp_path: Path) -> None:
     assert resolve_model(str(model_dir), tmp_path / "cache") == model_dir
 
 
+def test_resolve_returns_absolute_paths(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.chdir(tmp_path)
+    _fake_finished(tmp_path / "cache", "tiny-llama-a", get_preset("tiny-llama-a").identity())
+    assert resolve_model("tiny-llama-a", Path("cache")) == tmp_path / "cache" / "tiny-llama-a"
+    assert resolve_model("./cache/tiny-llama-a", Path("elsewhere")) == (
+        tmp_path / "cache" / "tiny-llama-a"
+    )
+
+
+@pytest.mark.parametrize("name", ["", "  "])
+def test_resolve_empty_name(name: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="model name is empty"):
+        resolve_model(name, tmp_path)
+
+
 def test_resolve_ignores_unfinished_cache_dirs(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from weaver.models import smollm2
+from weaver.models import smollm2, store
 from weaver.models.registry import (
     SMOLLM2_NAME,
     ModelStatus,
@@ -105,4 +105,4 @@ def test_interrupted_build_leaves_no_model(
 
 def test_check_rejects_a_wrong_config(smollm2_dir: Path) -> None:
     with pytest.raises(RuntimeError, match="num_hidden_layers"):
-        smollm2.check_saved_llama(smollm2_dir, {"num_hidden_layers": 31})
+        store.check_saved_llama(smollm2_dir, {"num_hidden_layers": 31})

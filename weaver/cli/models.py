@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from weaver.models.shapes import DEFAULT_INIT_STD, DEFAULT_MAX_POSITION_EMBEDDINGS
+
 _MODELS_DIR_HELP = (
     "where prepared models live (default: $WEAVER_MODELS_DIR, else "
     "$XDG_CACHE_HOME/weaver/models, i.e. ~/.cache/weaver/models)"
@@ -95,11 +97,14 @@ def _add_prepare_random(
     ):
         shape.add_argument(flag, type=int, required=True, help=help_text)
     shape.add_argument(
-        "--max-position-embeddings", type=int, default=4096, help="(default: %(default)s)"
+        "--max-position-embeddings",
+        type=int,
+        default=DEFAULT_MAX_POSITION_EMBEDDINGS,
+        help="(default: %(default)s)",
     )
     shape.add_argument("--seed", type=int, default=0, help="weight seed (default: %(default)s)")
     shape.add_argument(
-        "--init-std", type=float, default=0.02, help="weight std (default: %(default)s)"
+        "--init-std", type=float, default=DEFAULT_INIT_STD, help="weight std (default: %(default)s)"
     )
     parser.add_argument(
         "--name",

@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from weaver.models.shapes import LlamaShape
-from weaver.models.smollm2 import check_saved_llama
-from weaver.models.store import Step, offline_hub, run_steps
+from weaver.models.store import Step, check_saved_llama, run_build
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -69,8 +68,7 @@ class RandomLlamaBuilder:
         ]
 
     def build(self, show_progress: bool = True) -> None:
-        with offline_hub():
-            run_steps(self.steps(), desc=self.name, show_progress=show_progress)
+        run_build(self.steps(), desc=self.name, show_progress=show_progress)
 
     def copy_tokenizer(self) -> None:
         missing = [n for n in _REQUIRED_TOKENIZER_FILES if not (self.tokenizer_dir / n).is_file()]

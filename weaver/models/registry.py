@@ -172,22 +172,25 @@ def model_status(name: str, models_dir: Path | None = None) -> ModelStatus:
 def resolve_model(name_or_path: str, models_dir: Path | None = None) -> Path:
     """The directory of a prepared model name, or `name_or_path` itself if it is a model dir.
 
-    Raises ValueError saying what to run when the name is known but not prepared, and
-    listing the known names otherwise.
+    The path returned is absolute, so that engines started in other working directories
+    find it too. Raises ValueError saying what to run when the name is known but not
+    prepared, and listing the known names otherwise.
     """
+    if not name_or_path.strip():
+        raise ValueError("the model name is empty: give a name from `weaver models list` or a path")
     models_dir = models_dir or default_models_dir()
     is_plain_name = "/" not in name_or_path and os.sep not in name_or_path
-    if is_plain_name and name_or_path not in ("", ".", ".."):
+    if is_plain_name and name_or_path not in (".", ".."):
         cached = models_dir / name_or_path
         if read_marker(cached) is not None:
-            return cached
+            return cached.absolute()
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(
                 f"{path} is a directory but not a Hugging Face model (it has no config.json)"
             )
-        return path
+        return path.absolute()
     if name_or_path in known_model_names():
         raise ValueError(
             f"model {name_or_path!r} is not prepared in {models_dir}: "

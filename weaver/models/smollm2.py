@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from weaver.models.store import Step, offline_hub, run_steps
+from weaver.models.store import Step, check_saved_llama, run_build
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -94,34 +94,6 @@ def recipe_identity() -> dict[str, Any]:
     }
 
 
-def check_saved_llama(out_dir: Path, expected_config: dict[str, Any]) -> None:
-    """Fail unless `out_dir` holds an fp32, unquantized Llama with the expected config."""
-    from safetensors import safe_open
-
-    config = json.loads((out_dir / "config.json").read_text())
-    mismatched = {
-        key: (config.get(key), value)
-        for key, value in expected_config.items()
-        if config.get(key) != value
-    }
-    if mismatched:
-        raise RuntimeError(f"saved config.json differs (got, expected): {mismatched}")
-    if "quantization_config" in config:
-        raise RuntimeError("saved config.json still carries a quantization_config")
-    weight_files = sorted(out_dir.glob("*.safetensors"))
-    if not weight_files:
-        raise RuntimeError(f"no safetensors file was written to {out_dir}")
-    for weight_file in weight_files:
-        with safe_open(str(weight_file), framework="numpy") as handle:
-            for key in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                dtype = handle.get_slice(key).get_dtype()
-                if dtype != "F32":
-                    raise RuntimeError(f"{weight_file.name}: tensor {key} is {dtype}, not F32")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if not (out_dir / name).is_file():
-            raise RuntimeError(f"{name} was not written to {out_dir}")
-
-
 class SmolLM2Builder:
     """Builds the fp32 directory step by step; each step is one method (tests patch them)."""
 
@@ -143,8 +115,7 @@ class SmolLM2Builder:
         ]
 
     def build(self, show_progress: bool = True) -> None:
-        with offline_hub():
-            run_steps(self.steps(), desc="smollm2-135m-instruct", show_progress=show_progress)
+        run_build(self.steps(), desc="smollm2-135m-instruct", show_progress=show_progress)
 
     def locate_gguf(self) -> None:
         self.gguf_path = find_gguf()
@@ -199,8 +170,12 @@ class SmolLM2Builder:
 
     def check_files(self) -> None:
         check_saved_llama(self.out_dir, EXPECTED_CONFIG)
-        if self.tokenizer is not None and not self.tokenizer.chat_template:
-            raise RuntimeError("the GGUF tokenizer carries no chat template")
+        # transformers 5 writes the template to its own file; older ones into the config.
+        tokenizer_config = json.loads((self.out_dir / "tokenizer_config.json").read_text())
+        if not (self.out_dir / "chat_template.jinja").is_file() and not tokenizer_config.get(
+            "chat_template"
+        ):
+            raise RuntimeError("no chat template was saved (vLLM's chat endpoint needs it)")
 
 
 def build_smollm2(out_dir: Path, show_progress: bool = True) -> None:

@@ -1,4 +1,4 @@
-"""The models cache on disk: finished markers, atomic builds, and the step runner.
+"""The models cache on disk: finished markers, atomic builds, the step runner, the final check.
 
 A model directory is final only once it holds a marker file, and it only ever appears under
 its final name by one `os.rename` of a fully written temporary directory next to it, so a
@@ -115,6 +115,12 @@ def _swap_in(new_dir: Path, final_dir: Path, prefix: str) -> None:
         shutil.rmtree(old_dir.parent, ignore_errors=True)
 
 
+def run_build(steps: Sequence[Step], desc: str, show_progress: bool = True) -> None:
+    """Run a model build's steps offline, with its progress bars on or off."""
+    with offline_hub(), transformers_progress(show_progress):
+        run_steps(steps, desc, show_progress)
+
+
 def run_steps(steps: Sequence[Step], desc: str, show_progress: bool = True) -> None:
     """Run named build steps in order under one progress bar."""
     from tqdm.auto import tqdm
@@ -145,3 +151,48 @@ def offline_hub() -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+@contextlib.contextmanager
+def transformers_progress(is_enabled: bool) -> Iterator[None]:
+    """Switch transformers' own progress bars (loading, writing shards) off while building
+    when ours are off. Its GGUF reader draws a plain tqdm bar that this cannot reach."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if was_enabled and not is_enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled and not is_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def check_saved_llama(out_dir: Path, expected_config: dict[str, Any]) -> None:
+    """Fail unless `out_dir` holds an fp32, unquantized model with the expected config values
+    and a tokenizer: the last build step, before a directory may become final."""
+    from safetensors import safe_open
+
+    config = json.loads((out_dir / "config.json").read_text())
+    mismatched = {
+        key: (config.get(key), value)
+        for key, value in expected_config.items()
+        if config.get(key) != value
+    }
+    if mismatched:
+        raise RuntimeError(f"saved config.json differs (got, expected): {mismatched}")
+    if "quantization_config" in config:
+        raise RuntimeError("saved config.json still carries a quantization_config")
+    weight_files = sorted(out_dir.glob("*.safetensors"))
+    if not weight_files:
+        raise RuntimeError(f"no safetensors file was written to {out_dir}")
+    for weight_file in weight_files:
+        with safe_open(str(weight_file), framework="numpy") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open handles are not iterable
+                dtype = handle.get_slice(key).get_dtype()
+                if dtype != "F32":
+                    raise RuntimeError(f"{weight_file.name}: tensor {key} is {dtype}, not F32")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if not (out_dir / name).is_file():
+            raise RuntimeError(f"{name} was not written to {out_dir}")
