@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from weaver.config.deployment import parse_deployment
+from weaver.weaving.placement import Placement, RatioPlacement
+from weaver.weaving.plan import PairPlan, plan_pairs
+
+
+def placements(ratio: float, n: int) -> str:
+    policy = RatioPlacement(ratio)
+    out = []
+    for _ in range(n):
+        out.append(policy.preferred().value)
+        policy.commit()
+    return "".join(out)
+
+
+@pytest.mark.parametrize(
+    ("ratio", "expected"),
+    [(0.0, "LLLLLL"), (1.0, "RRRRRR"), (0.5, "LRLRLR"), (2 / 3, "LRRLRR"), (0.25, "LLLRLL")],
+)
+def test_ratio_placement_spreads_remote_requests_evenly(ratio, expected):
+    assert placements(ratio, 6) == expected
+
+
+def test_preferred_does_not_advance_until_commit():
+    policy = RatioPlacement(0.5)
+    assert policy.preferred() is Placement.LOCAL
+    assert policy.preferred() is Placement.LOCAL
+    policy.commit()
+    assert policy.preferred() is Placement.REMOTE
+
+
+def test_spill_only_strictly_between_extremes():
+    assert RatioPlacement(0.5).may_spill
+    assert not RatioPlacement(1.0).may_spill and not RatioPlacement(0.0).may_spill
+    with pytest.raises(ValueError, match="offload_ratio"):
+        RatioPlacement(1.5)
+
+
+def write_model(tmp_path, name, layers, heads, kv_heads, hidden):
+    folder = tmp_path / name
+    folder.mkdir()
+    folder.joinpath("config.json").write_text(json.dumps({
+        "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "hidden_size": hidden}))
+    return folder
+
+
+def deployment(lend_gib: float, colds: list[str] | None = None):
+    return parse_deployment({
+        "models": [
+            {"name": "h", "model": "x", "role": "hot", "block_size": 32, "max_model_len": 512},
+            {"name": "c", "model": "y", "role": "cold", "lend_kv_gib": lend_gib},
+            {"name": "d", "model": "y", "role": "cold", "lend_kv_gib": lend_gib},
+        ],
+        "weaving": [{"hot": "h", "cold": colds or ["c"], "offload_ratio": 0.5}],
+    })
+
+
+def test_plan_sizes_the_remote_pool_from_the_lent_memory(tmp_path):
+    dirs = {"h": write_model(tmp_path, "h", 30, 9, 3, 576), "c": tmp_path, "d": tmp_path}
+    (plan,) = plan_pairs(deployment(0.25), dirs, "pfx")
+    # SmolLM2's block: 30 layers × 3 kv heads × 32 tokens × (K, V) × 64 × 4 bytes.
+    assert plan.num_remote_blocks == (1 << 28) // (30 * 3 * 32 * 2 * 64 * 4) == 182
+    assert (plan.shape.num_q_heads, plan.shape.head_size, plan.max_blocks_per_seq) == (9, 64, 16)
+    assert plan.region_name.startswith("pfx-h-c-")
+    assert PairPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    assert plan.layout().total_bytes >= plan.num_remote_blocks * 30 * 3 * 32 * 2 * 64 * 4
+
+
+def test_plan_refuses_a_region_smaller_than_one_sequence(tmp_path):
+    dirs = {"h": write_model(tmp_path, "h", 30, 9, 3, 576)}
+    with pytest.raises(ValueError, match="raise lend_kv_gib"):
+        plan_pairs(deployment(0.01), dirs, "pfx")
+
+
+def test_plan_says_one_cold_per_hot_for_now(tmp_path):
+    dirs = {"h": write_model(tmp_path, "h", 30, 9, 3, 576)}
+    with pytest.raises(ValueError, match="one cold model per hot model"):
+        plan_pairs(deployment(0.25, ["c", "d"]), dirs, "pfx")
