@@ -169,15 +169,7 @@ class _RegionViews:
     @classmethod
     def over(cls, transport: RegionTransport) -> _RegionViews:
         layout: RegionLayout = transport.layout
-        buf = transport.buffer
-
-        def words(offset: int, count: int, dtype: type = np.int64) -> np.ndarray:
-            return np.frombuffer(buf, dtype=dtype, count=count, offset=offset)
-
-        def tensor(offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            count = int(np.prod(shape))
-            return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset).view(shape)
-
+        words, tensor = transport.words, transport.tensor
         dtype = TORCH_DTYPES[layout.shape.dtype]
         max_seqs = layout.max_seqs_per_task
         return cls(
@@ -236,6 +228,11 @@ class OffloadSender:
         self._layout.kv_layer_offset(layer)  # range check
         return self._views.kv_layers[layer]
 
+    def peer_heartbeat_age_s(self) -> float:
+        """Seconds since the cold side's idle poller last ticked (time.monotonic is
+        CLOCK_MONOTONIC, one clock for every process of a Linux host)."""
+        return time.monotonic() - float(self._views.heartbeat[0])
+
     def can_submit(self) -> bool:
         """False while an earlier task (e.g. one that timed out) is still being served."""
         v = self._views
@@ -259,6 +256,8 @@ class OffloadSender:
         the pool (n <= max_blocks_per_seq). The new token's K/V must already be in the pool.
         """
         v = self._views
+        if v is None:
+            raise ValueError("this OffloadSender is closed; attach a new one")
         self._validate(layer, q, seq_lens, block_table)
         if not self._is_peer_open():
             raise OffloadTimeout(
@@ -468,8 +467,9 @@ class OffloadReceiver:
 
         Called between every cold operator, so the idle case is one int64 load and compare.
         """
-        if int(self._views.task_seq[0]) <= self._done_seq:
-            return False
+        views = self._views
+        if views is None or int(views.task_seq[0]) <= self._done_seq:
+            return False  # closed, or nothing pending
         if not self._lock.acquire(blocking=False):
             return False
         try:

@@ -28,6 +28,9 @@ import stat
 import struct
 import time
 
+import numpy as np
+import torch
+
 from weaver.offload.layout import (
     HEADER_BYTES,
     OWNER_PID_OFFSET,
@@ -258,6 +261,24 @@ class ShmRegion:
         if self._is_closed:
             raise ValueError(f"offload region {self._name!r} is closed")
         return self._buffer
+
+    def words(self, offset: int, count: int, dtype: type = np.int64) -> np.ndarray:
+        self._check_range(offset, count * np.dtype(dtype).itemsize)
+        return np.frombuffer(self.buffer, dtype=dtype, count=count, offset=offset)
+
+    def tensor(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        count = 1
+        for dim in shape:
+            count *= dim
+        self._check_range(offset, count * dtype.itemsize)
+        return torch.frombuffer(self.buffer, dtype=dtype, count=count, offset=offset).view(shape)
+
+    def _check_range(self, offset: int, num_bytes: int) -> None:
+        if offset < 0 or offset + num_bytes > self._layout.total_bytes:
+            raise ValueError(
+                f"view [{offset}, {offset + num_bytes}) outside region of "
+                f"{self._layout.total_bytes} bytes"
+            )
 
     @property
     def task_wakeup(self) -> FifoWakeup:

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
+import torch
+
 from weaver.offload.layout import RegionLayout
 
 
@@ -38,9 +41,12 @@ class RegionTransport(Protocol):
     @property
     def layout(self) -> RegionLayout: ...
 
-    @property
-    def buffer(self) -> memoryview:
-        """The whole region, writable, layout.total_bytes long."""
+    def words(self, offset: int, count: int, dtype: type = np.int64) -> np.ndarray:
+        """Host-visible 8-byte words (counters, status, metadata) at a byte offset."""
+        ...
+
+    def tensor(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor view (no copy) of the region at a byte offset: staging, KV pool."""
         ...
 
     @property
