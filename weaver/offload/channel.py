@@ -12,12 +12,15 @@ Protocol (sequence numbers are int64, start at 0, and never wrap: OverflowError 
        then ring the done doorbell.
   hot  ``wait``: once ``done_seq >= seq`` the output staging holds the result.
 
-Memory ordering. The counters are aligned 8-byte words, so each load/store of one is
-single-copy atomic on x86-64 and AArch64. On x86 (TSO) stores are not reordered with
-older stores and loads not with older loads, so "data, then counter" on one side and
-"counter, then data" on the other is release/acquire for free. Every store here is a
-separate C call (numpy item store, torch copy_), so neither CPython nor the C compiler
-can move one past another. The doorbell write is a syscall, a full barrier anyway.
+Memory ordering. The counters are 8-byte aligned words accessed through memoryview
+items (CPython packs them with a fixed-size 8-byte memcpy, i.e. one mov), so each load or
+store is single-copy atomic on x86-64 and AArch64. On x86 (TSO) stores are not reordered
+with older stores and loads not with older loads, so "data, then counter" on one side
+and "counter, then data" on the other is release/acquire for free. Every store here is
+a separate C call (memoryview item store, torch copy_), so neither CPython nor the C
+compiler can move one past another; torch's own worker threads finish (an OpenMP join,
+itself a barrier) before copy_ or the kernel returns. The doorbell write is a syscall,
+a full barrier anyway.
 A weaker-ordered CPU (AArch64, POWER) would need a release fence (``dmb ish``/``stlr``)
 before the counter store and an acquire fence (``ldar``/``dmb ishld``) after the counter
 load; Python has no portable fence, so a port must add a tiny C helper for it.
@@ -32,7 +35,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from weaver.offload.layout import (
@@ -152,14 +154,14 @@ class ReceiverStats:
 class _RegionViews:
     """Typed views over the region's bytes; no copies."""
 
-    task_seq: np.ndarray
-    done_seq: np.ndarray
-    done_result: np.ndarray
-    status: np.ndarray
-    owner_pid: np.ndarray
-    heartbeat: np.ndarray
-    meta_ints: np.ndarray
-    meta_floats: np.ndarray
+    task_seq: memoryview  # int64 words ("q") and float64 words ("d")
+    done_seq: memoryview
+    done_result: memoryview
+    status: memoryview
+    owner_pid: memoryview
+    heartbeat: memoryview
+    meta_ints: memoryview
+    meta_floats: memoryview
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     q: torch.Tensor
@@ -178,9 +180,9 @@ class _RegionViews:
             done_result=words(DONE_RESULT_OFFSET, 1),
             status=words(STATUS_OFFSET, 1),
             owner_pid=words(OWNER_PID_OFFSET, 1),
-            heartbeat=words(HEARTBEAT_OFFSET, 1, np.float64),
+            heartbeat=words(HEARTBEAT_OFFSET, 1, "d"),
             meta_ints=words(layout.meta_offset, META_NUM_INT_WORDS),
-            meta_floats=words(layout.meta_floats_offset, META_NUM_FLOAT_WORDS, np.float64),
+            meta_floats=words(layout.meta_floats_offset, META_NUM_FLOAT_WORDS, "d"),
             seq_lens=tensor(layout.seq_lens_offset, (max_seqs,), torch.int32),
             block_table=tensor(
                 layout.block_table_offset, (max_seqs, layout.max_blocks_per_seq), torch.int32
@@ -279,11 +281,11 @@ class OffloadSender:
         v.block_table[:num_seqs, :num_blocks].copy_(block_table)
         if num_blocks < self._layout.max_blocks_per_seq:
             v.block_table[:num_seqs, num_blocks:].zero_()
-        v.meta_ints[META_LAYER] = layer
-        v.meta_ints[META_NUM_SEQS] = num_seqs
-        v.meta_ints[META_SLIDING_WINDOW] = sliding_window
-        v.meta_floats[META_SCALE] = scale
-        v.meta_floats[META_SOFTCAP] = softcap
+        v.meta_ints[META_LAYER] = int(layer)
+        v.meta_ints[META_NUM_SEQS] = int(num_seqs)
+        v.meta_ints[META_SLIDING_WINDOW] = int(sliding_window)
+        v.meta_floats[META_SCALE] = float(scale)
+        v.meta_floats[META_SOFTCAP] = float(softcap)
         v.meta_ints[META_TASK_SEQ] = seq
         v.task_seq[0] = seq  # publish: the LAST store (see module docstring)
         self._transport.task_wakeup.notify()
@@ -302,7 +304,7 @@ class OffloadSender:
         deadline = start + timeout_s
         spin_until = start + self._spin_s
         num_sleeps = 0
-        while int(v.done_seq[0]) < ticket.seq:
+        while v.done_seq[0] < ticket.seq:
             now = time.monotonic()
             if now < spin_until:
                 continue
@@ -468,7 +470,7 @@ class OffloadReceiver:
         Called between every cold operator, so the idle case is one int64 load and compare.
         """
         views = self._views
-        if views is None or int(views.task_seq[0]) <= self._done_seq:
+        if views is None or views.task_seq[0] <= self._done_seq:
             return False  # closed, or nothing pending
         if not self._lock.acquire(blocking=False):
             return False

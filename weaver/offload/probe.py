@@ -12,6 +12,7 @@ import multiprocessing as mp
 import multiprocessing.synchronize as mp_sync
 import os
 import platform
+import queue
 import statistics
 import time
 import uuid
@@ -65,6 +66,20 @@ def _cold_main(config: ProbeConfig, name: str, results: mp.Queue, stop: mp_sync.
         receiver.close()
 
 
+def _get_from(cold: mp.Process, results: mp.Queue, timeout_s: float) -> dict:
+    """Next message of the cold process; RuntimeError at once if it died instead."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return results.get(timeout=0.2)
+        except queue.Empty:
+            if not cold.is_alive():
+                raise RuntimeError(
+                    f"probe cold process exited with code {cold.exitcode}; see its error above"
+                ) from None
+    raise RuntimeError(f"probe cold process sent nothing in {timeout_s:.0f}s")
+
+
 def _percentiles(samples_us: list[float]) -> dict[str, float]:
     ordered = sorted(samples_us)
 
@@ -92,7 +107,7 @@ def run_probe(config: ProbeConfig, *, show_progress: bool = True) -> dict:
     cold = ctx.Process(target=_cold_main, args=(config, name, results, stop), daemon=True)
     cold.start()
     try:
-        cold_info = results.get(timeout=300)
+        cold_info = _get_from(cold, results, timeout_s=300)
         sender = OffloadSender(ShmRegion.attach(layout, name, shm_dir=config.shm_dir, wait_s=60))
         gen = torch.Generator().manual_seed(config.seed)
         dtype = sender.kv_layer(0).dtype
@@ -116,7 +131,7 @@ def run_probe(config: ProbeConfig, *, show_progress: bool = True) -> dict:
                 num_spin_hits += result.num_sleeps == 0
         sender.close()
         stop.set()
-        receiver_info = results.get(timeout=60)
+        receiver_info = _get_from(cold, results, timeout_s=60)
     finally:
         stop.set()
         cold.join(timeout=60)

@@ -26,7 +26,6 @@ import stat
 import struct
 import time
 
-import numpy as np
 import torch
 
 from weaver.offload.layout import (
@@ -236,9 +235,13 @@ class ShmRegion:
             raise ValueError(f"offload region {self._name!r} is closed")
         return self._buffer
 
-    def words(self, offset: int, count: int, dtype: type = np.int64) -> np.ndarray:
-        self._check_range(offset, count * np.dtype(dtype).itemsize)
-        return np.frombuffer(self.buffer, dtype=dtype, count=count, offset=offset)
+    def words(self, offset: int, count: int, fmt: str = "q") -> memoryview:
+        if fmt not in ("q", "d") or offset % 8:
+            raise ValueError(
+                f"words need fmt 'q' or 'd' and an 8-byte aligned offset, got {fmt!r} at {offset}"
+            )
+        self._check_range(offset, 8 * count)
+        return self.buffer[offset : offset + 8 * count].cast(fmt)
 
     def tensor(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         count = 1

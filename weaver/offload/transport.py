@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from weaver.offload.layout import RegionLayout
@@ -41,8 +40,10 @@ class RegionTransport(Protocol):
     @property
     def layout(self) -> RegionLayout: ...
 
-    def words(self, offset: int, count: int, dtype: type = np.int64) -> np.ndarray:
-        """Host-visible 8-byte words (counters, status, metadata) at a byte offset."""
+    def words(self, offset: int, count: int, fmt: str = "q") -> memoryview:
+        """Host-visible 8-byte words at a byte offset: "q" int64 (counters, status,
+        metadata) or "d" float64. A memoryview item load/store is one aligned 8-byte
+        access and about 3x cheaper than a numpy scalar, which matters at poll points."""
         ...
 
     def tensor(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
