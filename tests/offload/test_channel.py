@@ -113,8 +113,11 @@ def test_poll_points_and_idle_thread_serve_each_task_once(shm_name):
         fill_pool(sender, gen)
 
         def model_thread():
+            # A cold engine polls between operators whose kernels release the GIL;
+            # sleep(0) stands in for that, or this thread would hog the GIL.
             while not stop.is_set():
                 recv.poll()
+                time.sleep(0)
 
         poller = threading.Thread(target=model_thread)
         poller.start()

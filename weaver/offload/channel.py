@@ -475,12 +475,9 @@ class OffloadReceiver:
         if not self._lock.acquire(blocking=False):
             return False
         try:
-            served = self._serve_pending_locked()
+            return self._serve_pending_locked(by_idle_poller=False)
         finally:
             self._lock.release()
-        if served:
-            self.stats.num_served_at_poll_points += 1
-        return served
 
     def start_idle_poller(self) -> None:
         if self._thread is not None:
@@ -527,11 +524,9 @@ class OffloadReceiver:
             if not self.has_pending():
                 continue
             with self._lock:
-                served = self._serve_pending_locked()
-            if served:
-                self.stats.num_served_by_idle_poller += 1
+                self._serve_pending_locked(by_idle_poller=True)
 
-    def _serve_pending_locked(self) -> bool:
+    def _serve_pending_locked(self, *, by_idle_poller: bool) -> bool:
         v = self._views
         seq = int(v.task_seq[0])  # acquire side: read the counter before the data
         if seq <= self._done_seq:
@@ -546,12 +541,17 @@ class OffloadReceiver:
             logger.exception("offload task %d on %s failed", seq, self._transport.name)
             result = TaskResult.FAILED
             self.stats.num_failed += 1
+        # Counters first, so a hot side that sees the completion also sees them counted.
+        self.stats.num_served += 1
+        if by_idle_poller:
+            self.stats.num_served_by_idle_poller += 1
+        else:
+            self.stats.num_served_at_poll_points += 1
+        self.stats.total_busy_s += time.monotonic() - start
         v.done_result[0] = int(result)
         v.done_seq[0] = seq  # publish completion: the LAST store
         self._done_seq = seq
         self._transport.done_wakeup.notify()
-        self.stats.num_served += 1
-        self.stats.total_busy_s += time.monotonic() - start
         return True
 
     def _read_task(self, seq: int) -> OffloadTask:

@@ -61,6 +61,7 @@ def _cold_main(config: ProbeConfig, name: str, results: mp.Queue, stop: mp_sync.
         receiver.start_idle_poller()
         results.put({"idle_poll_ns": idle_poll_ns})
         stop.wait()
+        receiver.stop()  # join the idle thread so its counters are final
         results.put({"receiver_stats": asdict(receiver.stats)})
     finally:
         receiver.close()
