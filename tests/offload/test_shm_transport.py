@@ -148,6 +148,7 @@ def test_attacher_process_exit_leaves_region_in_place(shm_name):
             "shape = HotAttentionShape(2, 4, 2, 32, 32, 'float32')\n"
             "layout = RegionLayout(shape, 8, 4, 4)\n"
             f"region = ShmRegion.attach(layout, {shm_name!r})\n"
+            "assert 'torch' not in sys.modules\n"  # attaching alone stays light
             "region.buffer[0:0]\n"  # exit without close()
         )
         subprocess.run([sys.executable, "-c", code], check=True)

@@ -71,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"round trip over {config.num_tasks} tasks ({config.executor} executor): "
         f"p50 {rt['p50']:.1f} us, p90 {rt['p90']:.1f} us, p99 {rt['p99']:.1f} us, "
-        f"max {rt['max']:.1f} us; answered while spinning "
+        f"max {rt['max']:.1f} us; submit p50 {results['submit_us']['p50']:.1f} us; "
+        "answered while spinning "
         f"{results['fraction_answered_while_spinning']:.0%}; idle poll "
         f"{results['idle_poll_ns']:.0f} ns; wrote {args.output}"
     )

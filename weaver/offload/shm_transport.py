@@ -25,8 +25,7 @@ import select
 import stat
 import struct
 import time
-
-import torch
+from typing import TYPE_CHECKING
 
 from weaver.offload.layout import (
     HEADER_BYTES,
@@ -44,6 +43,9 @@ from weaver.offload.naming import (
     region_paths,
     validate_region_name,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -244,6 +246,8 @@ class ShmRegion:
         return self.buffer[offset : offset + 8 * count].cast(fmt)
 
     def tensor(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        import torch  # only here: naming, creating and attaching work without torch
+
         count = 1
         for dim in shape:
             count *= dim
