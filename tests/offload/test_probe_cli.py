@@ -25,6 +25,15 @@ def test_help_explains_every_flag(capsys):
     assert "round trip" in text
 
 
+def test_bad_shape_is_reported_without_a_traceback(tmp_path, capsys):
+    args = build_parser().parse_args(
+        ["offload-probe", "--num-q-heads=10", "--num-kv-heads=4", f"--output={tmp_path}/x.json"]
+    )
+    assert args.handler(args) == 2
+    assert "multiple of num_kv_heads" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
+
+
 def test_bad_config_is_a_value_error():
     with pytest.raises(ValueError, match="executor must be one of"):
         ProbeConfig(executor="gpu")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from dataclasses import fields
 
 _DESCRIPTION = (
@@ -51,6 +52,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         kwargs = dict(default=f.default, help=helps[f.name])
         if f.name == "executor":
             kwargs["choices"] = EXECUTORS
+        if f.name == "dtype":
+            kwargs["choices"] = ("float32", "float16", "bfloat16")
         parser.add_argument(flag, type=type(f.default), **kwargs)
     parser.add_argument("--output", required=True, help="JSON file to write the results to")
     parser.add_argument("--plot", default=None, help="PNG to draw from the saved JSON")
@@ -62,7 +65,12 @@ def run(args: argparse.Namespace) -> int:
     from weaver.offload.probe import run_probe
     from weaver.offload.probe_config import ProbeConfig
 
-    config = ProbeConfig(**{f.name: getattr(args, f.name) for f in fields(ProbeConfig)})
+    try:
+        config = ProbeConfig(**{f.name: getattr(args, f.name) for f in fields(ProbeConfig)})
+        config.layout  # noqa: B018  # validates the shape before a process is started
+    except ValueError as err:
+        print(f"weaver offload-probe: error: {err}", file=sys.stderr)
+        return 2
     results = run_probe(config, show_progress=not args.no_progress)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:
