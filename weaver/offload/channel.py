@@ -399,22 +399,34 @@ class OffloadSender:
                 f"block_table has {num_blocks} columns > max_blocks_per_seq "
                 f"{lay.max_blocks_per_seq}"
             )
-        # Bounds are checked here because the cold kernel trusts them: a bad id would
-        # read outside the pool in the cold process. numpy, not torch: ~10x less overhead
-        # on these tiny arrays, and this runs once per layer per step.
-        lens = seq_lens.cpu().numpy()
-        min_len, max_len = int(lens.min()), int(lens.max())
-        if min_len < 1 or max_len > num_blocks * shape.block_size:
-            raise ValueError(
-                f"seq_lens must be in [1, {num_blocks * shape.block_size}] for a block table "
-                f"of {num_blocks} blocks of {shape.block_size}; got [{min_len}, {max_len}]"
-            )
-        used = _used_block_ids(lens, block_table.cpu().numpy(), shape.block_size)
-        if used.size and (int(used.min()) < 0 or int(used.max()) >= lay.num_remote_blocks):
-            raise ValueError(
-                f"block ids must be in [0, {lay.num_remote_blocks}) (local to the remote pool: "
-                "subtract the first remote block id)"
-            )
+        error = check_task_bounds(lay, seq_lens.cpu().numpy(), block_table.cpu().numpy())
+        if error:
+            raise ValueError(error)
+
+
+def check_task_bounds(layout: RegionLayout, seq_lens: np.ndarray, block_table: np.ndarray) -> str:
+    """Why a task would read outside the KV pool ("" if it would not).
+
+    vLLM's kernel trusts seq_lens and block ids, so both sides check: the hot side to
+    give its caller a ValueError, the cold side so that a buggy or stale hot process
+    cannot make the cold engine read outside its pool. numpy, not torch: ~10x less
+    overhead on these tiny arrays, and this runs once per layer per step.
+    """
+    block_size = layout.shape.block_size
+    num_blocks = block_table.shape[1]
+    min_len, max_len = int(seq_lens.min()), int(seq_lens.max())
+    if min_len < 1 or max_len > num_blocks * block_size:
+        return (
+            f"seq_lens must be in [1, {num_blocks * block_size}] for a block table "
+            f"of {num_blocks} blocks of {block_size}; got [{min_len}, {max_len}]"
+        )
+    used = _used_block_ids(seq_lens, block_table, block_size)
+    if used.size and (int(used.min()) < 0 or int(used.max()) >= layout.num_remote_blocks):
+        return (
+            f"block ids must be in [0, {layout.num_remote_blocks}) (local to the remote pool: "
+            "subtract the first remote block id)"
+        )
+    return ""
 
 
 def _used_block_ids(seq_lens: np.ndarray, block_table: np.ndarray, block_size: int) -> np.ndarray:
@@ -567,6 +579,11 @@ class OffloadReceiver:
         num_seqs = int(v.meta_ints[META_NUM_SEQS])
         if not 0 <= layer < lay.shape.num_layers or not 1 <= num_seqs <= lay.max_seqs_per_task:
             raise OffloadError(f"task {seq}: bad layer {layer} or num_seqs {num_seqs}")
+        error = check_task_bounds(
+            lay, v.seq_lens[:num_seqs].numpy(), v.block_table[:num_seqs].numpy()
+        )
+        if error:
+            raise OffloadError(f"task {seq} rejected: {error}")
         return OffloadTask(
             seq=seq,
             layer=layer,
