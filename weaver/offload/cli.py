@@ -13,8 +13,9 @@ from dataclasses import fields
 
 _DESCRIPTION = (
     "Start a cold process that owns a shared-memory offload region and serves tasks from "
-    "its idle poller; submit decode-attention tasks from this (hot) process and record the "
-    "round trip of each (submit -> output visible), plus the cost of one idle poll point. "
+    "its idle poller; submit decode-attention tasks from this (hot) process and record, per "
+    "task, the time inside submit() and the round trip (publish -> output visible), plus "
+    "the cost of one idle poll point. "
     "With --executor noop the numbers are the channel alone (copies, counters, doorbells); "
     "vllm adds vLLM's CPU attention kernel, reference the pure-torch oracle. Results are "
     "written as JSON; --plot draws a histogram from that JSON file."
@@ -80,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
         f"round trip over {config.num_tasks} tasks ({config.executor} executor): "
         f"p50 {rt['p50']:.1f} us, p90 {rt['p90']:.1f} us, p99 {rt['p99']:.1f} us, "
         f"max {rt['max']:.1f} us; submit p50 {results['submit_us']['p50']:.1f} us; "
+        f"submit+round trip p50 {results['total_us']['p50']:.1f} us, "
+        f"p99 {results['total_us']['p99']:.1f} us; "
         "answered while spinning "
         f"{results['fraction_answered_while_spinning']:.0%}; idle poll "
         f"{results['idle_poll_ns']:.0f} ns; wrote {args.output}"

@@ -121,6 +121,7 @@ def run_probe(config: ProbeConfig, *, show_progress: bool = True) -> dict:
         )
         round_trips_us: list[float] = []
         submits_us: list[float] = []  # validation + q/metadata copies + publish + doorbell
+        totals_us: list[float] = []  # submit() called -> output visible
         num_spin_hits = 0
         total = config.num_warmup_tasks + config.num_tasks
         for i in tqdm(range(total), desc="offload tasks", disable=not show_progress):
@@ -132,6 +133,7 @@ def run_probe(config: ProbeConfig, *, show_progress: bool = True) -> dict:
             result = sender.wait_with_timing(ticket, timeout_s=60)
             if i >= config.num_warmup_tasks:
                 submits_us.append(submit_s * 1e6)
+                totals_us.append((submit_s + result.round_trip_s) * 1e6)
                 round_trips_us.append(result.round_trip_s * 1e6)
                 num_spin_hits += result.num_sleeps == 0
         sender.close()
@@ -156,6 +158,7 @@ def run_probe(config: ProbeConfig, *, show_progress: bool = True) -> dict:
         "round_trip_us": _percentiles(round_trips_us),
         "round_trip_samples_us": round_trips_us,
         "submit_us": _percentiles(submits_us),
+        "total_us": _percentiles(totals_us),
         "fraction_answered_while_spinning": num_spin_hits / len(round_trips_us),
         "idle_poll_ns": cold_info["idle_poll_ns"],
         **receiver_info,
