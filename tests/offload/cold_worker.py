@@ -9,6 +9,7 @@ once the region exists and the receiver is alive; reads commands from stdin:
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from weaver.offload.channel import OffloadReceiver, OffloadTask
@@ -25,6 +26,10 @@ def _reference_executor(task: OffloadTask) -> None:
 
 
 def main() -> int:
+    # Protocol lines go to the real stdout; anything a library prints (vLLM logs to
+    # stdout by default) is sent to stderr so it cannot be mistaken for one.
+    protocol = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
     spec = json.loads(sys.argv[1])
     lay = spec["layout"]
     layout = RegionLayout(
@@ -43,13 +48,13 @@ def main() -> int:
     receiver = OffloadReceiver(region, executor)
     if spec["poller"]:
         receiver.start_idle_poller()
-    print("READY", flush=True)
+    print("READY", file=protocol)
     for line in sys.stdin:
         if line.strip() == "close":
             break
     served = receiver.stats.num_served
     receiver.close()
-    print(f"CLOSED served={served}", flush=True)
+    print(f"CLOSED served={served}", file=protocol)
     return 0
 
 

@@ -113,8 +113,11 @@ def test_poll_points_and_idle_thread_serve_each_task_once(shm_name):
         fill_pool(sender, gen)
 
         def model_thread():
+            # A cold engine polls between operators whose kernels release the GIL;
+            # sleep(0) stands in for that, or this thread would hog the GIL.
             while not stop.is_set():
                 recv.poll()
+                time.sleep(0)
 
         poller = threading.Thread(target=model_thread)
         poller.start()
@@ -216,6 +219,25 @@ def test_executor_failure_is_reported_and_channel_survives(shm_name):
         ticket, expected = submit_random(sender, 0, 2, gen)
         torch.testing.assert_close(sender.wait(ticket, timeout_s=10), expected)
         assert recv.stats.num_failed == 1 and sender.stats.num_failed == 1
+
+
+def test_cold_side_rejects_out_of_pool_metadata(shm_name):
+    # A buggy hot process bypassing submit()'s checks must not make the cold kernel
+    # read outside the pool: the task fails, the cold side survives.
+    calls = []
+    with channel_pair(shm_name, lambda task: calls.append(task.seq), poller=False) as (
+        sender,
+        recv,
+        owner,
+    ):
+        table = torch.tensor([[0, 1, 2]], dtype=torch.int32)
+        ticket = sender.submit(0, torch.zeros(1, 4, 32), torch.tensor([70]), table, scale=SCALE)
+        # corrupt the staged block id of block 2 after validation, as a stray write would
+        struct.pack_into("<i", owner.buffer, LAYOUT.block_table_offset + 8, 1000)
+        assert recv.poll()
+        with pytest.raises(OffloadTaskFailed):
+            sender.wait(ticket, timeout_s=1)
+        assert calls == [] and recv.stats.num_failed == 1
 
 
 def test_sequence_number_refuses_to_wrap(shm_name):

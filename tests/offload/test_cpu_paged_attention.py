@@ -168,18 +168,20 @@ def test_executor_rejects_shapes_cpu_attn_cannot_run(cpm, shape, match):
 
 def test_write_kv_to_pool_rejects_bad_input(cpm):
     pool = torch.zeros(2, 2, 32, 64)
+    kv = torch.zeros(3, 2, 32)
     with pytest.raises(ValueError, match="must both be"):
         cpm.write_kv_to_pool(
             pool, torch.zeros(3, 1, 32), torch.zeros(3, 1, 32), torch.arange(3), isa="vec"
         )
     with pytest.raises(ValueError, match="dtype"):
-        cpm.write_kv_to_pool(
-            pool,
-            torch.zeros(3, 2, 32).bfloat16(),
-            torch.zeros(3, 2, 32).bfloat16(),
-            torch.arange(3),
-            isa="vec",
-        )
+        cpm.write_kv_to_pool(pool, kv.bfloat16(), kv.bfloat16(), torch.arange(3), isa="vec")
+    with pytest.raises(ValueError, match="slots must be in"):
+        cpm.write_kv_to_pool(pool, kv, kv, torch.tensor([0, 1, 64]), isa="vec")
+    with pytest.raises(ValueError, match="slot_mapping must be"):
+        cpm.write_kv_to_pool(pool, kv, kv, torch.arange(2), isa="vec")
+    # -1 is vLLM's padding slot: skipped, nothing written
+    cpm.write_kv_to_pool(pool, kv + 1, kv + 1, torch.tensor([-1, 0, 63]), isa="vec")
+    assert int((pool != 0).sum()) == 2 * 2 * 2 * 32
 
 
 def test_vllm_kernel_signatures_have_not_drifted(cpm):

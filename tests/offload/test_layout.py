@@ -122,11 +122,23 @@ def test_region_name_is_sanitised_and_unique():
 def test_offload_package_imports_without_vllm():
     code = (
         "import sys\n"
-        "import weaver.offload.layout, weaver.offload.channel\n"
+        "import weaver.offload.layout, weaver.offload.channel, weaver.offload.naming\n"
         "import weaver.offload.shm_transport, weaver.offload.reference_attention\n"
+        "import weaver.offload.transport, weaver.offload.probe, weaver.offload.cli\n"
         "import torch\n"
         "assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules), 'vllm'\n"
         "assert 'cupy' not in sys.modules\n"
         "assert not torch.cuda.is_initialized()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_cli_and_naming_import_without_torch():
+    # `weaver --help` imports every CLI module; region names are computed by config code.
+    code = (
+        "import sys\n"
+        "import weaver.offload.cli, weaver.offload.naming, weaver.offload.layout\n"
+        "import weaver.offload.probe_config\n"
+        "assert 'torch' not in sys.modules and 'numpy' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

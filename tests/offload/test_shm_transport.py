@@ -136,3 +136,21 @@ def test_is_process_alive():
 
 def test_dev_shm_default():
     assert DEFAULT_SHM_DIR == "/dev/shm" and os.path.isdir(DEFAULT_SHM_DIR)
+
+
+def test_attacher_process_exit_leaves_region_in_place(shm_name):
+    # The resource_tracker trap: an attaching process must never unlink at exit.
+    with ShmRegion.create(LAYOUT, shm_name) as owner:
+        code = (
+            "import sys\n"
+            "from weaver.offload.layout import HotAttentionShape, RegionLayout\n"
+            "from weaver.offload.shm_transport import ShmRegion\n"
+            "shape = HotAttentionShape(2, 4, 2, 32, 32, 'float32')\n"
+            "layout = RegionLayout(shape, 8, 4, 4)\n"
+            f"region = ShmRegion.attach(layout, {shm_name!r})\n"
+            "assert 'torch' not in sys.modules\n"  # attaching alone stays light
+            "region.buffer[0:0]\n"  # exit without close()
+        )
+        subprocess.run([sys.executable, "-c", code], check=True)
+        assert all(os.path.exists(p) for p in region_paths(shm_name))
+        assert bytes(owner.buffer[: len(REGION_MAGIC)]) == REGION_MAGIC

@@ -12,12 +12,15 @@ Protocol (sequence numbers are int64, start at 0, and never wrap: OverflowError 
        then ring the done doorbell.
   hot  ``wait``: once ``done_seq >= seq`` the output staging holds the result.
 
-Memory ordering. The counters are aligned 8-byte words, so each load/store of one is
-single-copy atomic on x86-64 and AArch64. On x86 (TSO) stores are not reordered with
-older stores and loads not with older loads, so "data, then counter" on one side and
-"counter, then data" on the other is release/acquire for free. Every store here is a
-separate C call (numpy item store, torch copy_), so neither CPython nor the C compiler
-can move one past another. The doorbell write is a syscall, a full barrier anyway.
+Memory ordering. The counters are 8-byte aligned words accessed through memoryview
+items (CPython packs them with a fixed-size 8-byte memcpy, i.e. one mov), so each load or
+store is single-copy atomic on x86-64 and AArch64. On x86 (TSO) stores are not reordered
+with older stores and loads not with older loads, so "data, then counter" on one side
+and "counter, then data" on the other is release/acquire for free. Every store here is
+a separate C call (memoryview item store, torch copy_), so neither CPython nor the C
+compiler can move one past another; torch's own worker threads finish (an OpenMP join,
+itself a barrier) before copy_ or the kernel returns. The doorbell write is a syscall,
+a full barrier anyway.
 A weaker-ordered CPU (AArch64, POWER) would need a release fence (``dmb ish``/``stlr``)
 before the counter store and an acquire fence (``ldar``/``dmb ishld``) after the counter
 load; Python has no portable fence, so a port must add a tiny C helper for it.
@@ -152,14 +155,14 @@ class ReceiverStats:
 class _RegionViews:
     """Typed views over the region's bytes; no copies."""
 
-    task_seq: np.ndarray
-    done_seq: np.ndarray
-    done_result: np.ndarray
-    status: np.ndarray
-    owner_pid: np.ndarray
-    heartbeat: np.ndarray
-    meta_ints: np.ndarray
-    meta_floats: np.ndarray
+    task_seq: memoryview  # int64 words ("q") and float64 words ("d")
+    done_seq: memoryview
+    done_result: memoryview
+    status: memoryview
+    owner_pid: memoryview
+    heartbeat: memoryview
+    meta_ints: memoryview
+    meta_floats: memoryview
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     q: torch.Tensor
@@ -169,15 +172,7 @@ class _RegionViews:
     @classmethod
     def over(cls, transport: RegionTransport) -> _RegionViews:
         layout: RegionLayout = transport.layout
-        buf = transport.buffer
-
-        def words(offset: int, count: int, dtype: type = np.int64) -> np.ndarray:
-            return np.frombuffer(buf, dtype=dtype, count=count, offset=offset)
-
-        def tensor(offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            count = int(np.prod(shape))
-            return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset).view(shape)
-
+        words, tensor = transport.words, transport.tensor
         dtype = TORCH_DTYPES[layout.shape.dtype]
         max_seqs = layout.max_seqs_per_task
         return cls(
@@ -186,9 +181,9 @@ class _RegionViews:
             done_result=words(DONE_RESULT_OFFSET, 1),
             status=words(STATUS_OFFSET, 1),
             owner_pid=words(OWNER_PID_OFFSET, 1),
-            heartbeat=words(HEARTBEAT_OFFSET, 1, np.float64),
+            heartbeat=words(HEARTBEAT_OFFSET, 1, "d"),
             meta_ints=words(layout.meta_offset, META_NUM_INT_WORDS),
-            meta_floats=words(layout.meta_floats_offset, META_NUM_FLOAT_WORDS, np.float64),
+            meta_floats=words(layout.meta_floats_offset, META_NUM_FLOAT_WORDS, "d"),
             seq_lens=tensor(layout.seq_lens_offset, (max_seqs,), torch.int32),
             block_table=tensor(
                 layout.block_table_offset, (max_seqs, layout.max_blocks_per_seq), torch.int32
@@ -236,6 +231,11 @@ class OffloadSender:
         self._layout.kv_layer_offset(layer)  # range check
         return self._views.kv_layers[layer]
 
+    def peer_heartbeat_age_s(self) -> float:
+        """Seconds since the cold side's idle poller last ticked (time.monotonic is
+        CLOCK_MONOTONIC, one clock for every process of a Linux host)."""
+        return time.monotonic() - float(self._views.heartbeat[0])
+
     def can_submit(self) -> bool:
         """False while an earlier task (e.g. one that timed out) is still being served."""
         v = self._views
@@ -259,6 +259,8 @@ class OffloadSender:
         the pool (n <= max_blocks_per_seq). The new token's K/V must already be in the pool.
         """
         v = self._views
+        if v is None:
+            raise ValueError("this OffloadSender is closed; attach a new one")
         self._validate(layer, q, seq_lens, block_table)
         if not self._is_peer_open():
             raise OffloadTimeout(
@@ -280,11 +282,11 @@ class OffloadSender:
         v.block_table[:num_seqs, :num_blocks].copy_(block_table)
         if num_blocks < self._layout.max_blocks_per_seq:
             v.block_table[:num_seqs, num_blocks:].zero_()
-        v.meta_ints[META_LAYER] = layer
-        v.meta_ints[META_NUM_SEQS] = num_seqs
-        v.meta_ints[META_SLIDING_WINDOW] = sliding_window
-        v.meta_floats[META_SCALE] = scale
-        v.meta_floats[META_SOFTCAP] = softcap
+        v.meta_ints[META_LAYER] = int(layer)
+        v.meta_ints[META_NUM_SEQS] = int(num_seqs)
+        v.meta_ints[META_SLIDING_WINDOW] = int(sliding_window)
+        v.meta_floats[META_SCALE] = float(scale)
+        v.meta_floats[META_SOFTCAP] = float(softcap)
         v.meta_ints[META_TASK_SEQ] = seq
         v.task_seq[0] = seq  # publish: the LAST store (see module docstring)
         self._transport.task_wakeup.notify()
@@ -303,7 +305,7 @@ class OffloadSender:
         deadline = start + timeout_s
         spin_until = start + self._spin_s
         num_sleeps = 0
-        while int(v.done_seq[0]) < ticket.seq:
+        while v.done_seq[0] < ticket.seq:
             now = time.monotonic()
             if now < spin_until:
                 continue
@@ -319,7 +321,9 @@ class OffloadSender:
             num_sleeps += 1
         done = int(v.done_seq[0])
         if done != ticket.seq:
-            raise OffloadError(f"protocol error: done_seq {done} passed ticket {ticket.seq}")
+            raise OffloadError(
+                f"ticket {ticket.seq} is stale: task {done} has since reused the staging area"
+            )
         end = time.monotonic()
         self.stats.total_wait_s += end - start
         if int(v.done_result[0]) != TaskResult.OK:
@@ -395,28 +399,40 @@ class OffloadSender:
                 f"block_table has {num_blocks} columns > max_blocks_per_seq "
                 f"{lay.max_blocks_per_seq}"
             )
-        # Bounds are checked here because the cold kernel trusts them: a bad id would
-        # read outside the pool in the cold process.
-        min_len, max_len = int(seq_lens.min()), int(seq_lens.max())
-        if min_len < 1 or max_len > num_blocks * shape.block_size:
-            raise ValueError(
-                f"seq_lens must be in [1, {num_blocks * shape.block_size}] for a block table "
-                f"of {num_blocks} blocks of {shape.block_size}; got [{min_len}, {max_len}]"
-            )
-        used = _used_block_ids(seq_lens, block_table, shape.block_size)
-        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= lay.num_remote_blocks):
-            raise ValueError(
-                f"block ids must be in [0, {lay.num_remote_blocks}) (local to the remote pool: "
-                "subtract the first remote block id)"
-            )
+        error = check_task_bounds(lay, seq_lens.cpu().numpy(), block_table.cpu().numpy())
+        if error:
+            raise ValueError(error)
 
 
-def _used_block_ids(
-    seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int
-) -> torch.Tensor:
-    num_used = (seq_lens.to(torch.int64) + block_size - 1) // block_size
-    columns = torch.arange(block_table.shape[1])
-    return block_table[columns[None, :] < num_used[:, None]]
+def check_task_bounds(layout: RegionLayout, seq_lens: np.ndarray, block_table: np.ndarray) -> str:
+    """Why a task would read outside the KV pool ("" if it would not).
+
+    vLLM's kernel trusts seq_lens and block ids, so both sides check: the hot side to
+    give its caller a ValueError, the cold side so that a buggy or stale hot process
+    cannot make the cold engine read outside its pool. numpy, not torch: ~10x less
+    overhead on these tiny arrays, and this runs once per layer per step.
+    """
+    block_size = layout.shape.block_size
+    num_blocks = block_table.shape[1]
+    min_len, max_len = int(seq_lens.min()), int(seq_lens.max())
+    if min_len < 1 or max_len > num_blocks * block_size:
+        return (
+            f"seq_lens must be in [1, {num_blocks * block_size}] for a block table "
+            f"of {num_blocks} blocks of {block_size}; got [{min_len}, {max_len}]"
+        )
+    used = _used_block_ids(seq_lens, block_table, block_size)
+    if used.size and (int(used.min()) < 0 or int(used.max()) >= layout.num_remote_blocks):
+        return (
+            f"block ids must be in [0, {layout.num_remote_blocks}) (local to the remote pool: "
+            "subtract the first remote block id)"
+        )
+    return ""
+
+
+def _used_block_ids(seq_lens: np.ndarray, block_table: np.ndarray, block_size: int) -> np.ndarray:
+    """Block ids a sequence actually reads; later columns are padding, as in vLLM."""
+    num_used = (seq_lens.astype(np.int64) + block_size - 1) // block_size
+    return block_table[np.arange(block_table.shape[1])[None, :] < num_used[:, None]]
 
 
 class OffloadReceiver:
@@ -468,17 +484,15 @@ class OffloadReceiver:
 
         Called between every cold operator, so the idle case is one int64 load and compare.
         """
-        if int(self._views.task_seq[0]) <= self._done_seq:
-            return False
+        views = self._views
+        if views is None or views.task_seq[0] <= self._done_seq:
+            return False  # closed, or nothing pending
         if not self._lock.acquire(blocking=False):
             return False
         try:
-            served = self._serve_pending_locked()
+            return self._serve_pending_locked(by_idle_poller=False)
         finally:
             self._lock.release()
-        if served:
-            self.stats.num_served_at_poll_points += 1
-        return served
 
     def start_idle_poller(self) -> None:
         if self._thread is not None:
@@ -525,11 +539,9 @@ class OffloadReceiver:
             if not self.has_pending():
                 continue
             with self._lock:
-                served = self._serve_pending_locked()
-            if served:
-                self.stats.num_served_by_idle_poller += 1
+                self._serve_pending_locked(by_idle_poller=True)
 
-    def _serve_pending_locked(self) -> bool:
+    def _serve_pending_locked(self, *, by_idle_poller: bool) -> bool:
         v = self._views
         seq = int(v.task_seq[0])  # acquire side: read the counter before the data
         if seq <= self._done_seq:
@@ -544,12 +556,17 @@ class OffloadReceiver:
             logger.exception("offload task %d on %s failed", seq, self._transport.name)
             result = TaskResult.FAILED
             self.stats.num_failed += 1
+        # Counters first, so a hot side that sees the completion also sees them counted.
+        self.stats.num_served += 1
+        if by_idle_poller:
+            self.stats.num_served_by_idle_poller += 1
+        else:
+            self.stats.num_served_at_poll_points += 1
+        self.stats.total_busy_s += time.monotonic() - start
         v.done_result[0] = int(result)
         v.done_seq[0] = seq  # publish completion: the LAST store
         self._done_seq = seq
         self._transport.done_wakeup.notify()
-        self.stats.num_served += 1
-        self.stats.total_busy_s += time.monotonic() - start
         return True
 
     def _read_task(self, seq: int) -> OffloadTask:
@@ -562,6 +579,11 @@ class OffloadReceiver:
         num_seqs = int(v.meta_ints[META_NUM_SEQS])
         if not 0 <= layer < lay.shape.num_layers or not 1 <= num_seqs <= lay.max_seqs_per_task:
             raise OffloadError(f"task {seq}: bad layer {layer} or num_seqs {num_seqs}")
+        error = check_task_bounds(
+            lay, v.seq_lens[:num_seqs].numpy(), v.block_table[:num_seqs].numpy()
+        )
+        if error:
+            raise OffloadError(f"task {seq} rejected: {error}")
         return OffloadTask(
             seq=seq,
             layer=layer,

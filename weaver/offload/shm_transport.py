@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import hashlib
 import logging
 import mmap
 import os
-import re
 import select
 import stat
 import struct
 import time
+from typing import TYPE_CHECKING
 
 from weaver.offload.layout import (
     HEADER_BYTES,
@@ -36,40 +35,19 @@ from weaver.offload.layout import (
     RegionLayout,
     RegionStatus,
 )
+from weaver.offload.naming import (
+    DEFAULT_SHM_DIR,
+    DONE_FIFO_SUFFIX,
+    TASK_FIFO_SUFFIX,
+    region_name,
+    region_paths,
+    validate_region_name,
+)
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_SHM_DIR = "/dev/shm"
-_MAX_NAME_CHARS = 200  # NAME_MAX is 255; leave room for the FIFO suffixes
-_UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9_.-]+")
-_TASK_FIFO_SUFFIX = ".task"
-_DONE_FIFO_SUFFIX = ".done"
-
-
-def region_name(prefix: str, hot_model: str, cold_model: str) -> str:
-    """A file-safe region name from configuration: ``<prefix>-<hot>-<cold>-<hash8>``.
-
-    Model names like ``meta-llama/Llama-3-8B`` are sanitised; the hash of the raw names
-    keeps two pairs apart when sanitising makes them look the same.
-    """
-    for label, value in (("prefix", prefix), ("hot_model", hot_model), ("cold_model", cold_model)):
-        if not value or not value.strip():
-            raise ValueError(f"region_name: {label} must be a non-empty string")
-    digest = hashlib.sha256(f"{prefix}\0{hot_model}\0{cold_model}".encode()).hexdigest()[:8]
-    parts = [
-        _UNSAFE_CHARS.sub("_", part).strip("._") or "x" for part in (prefix, hot_model, cold_model)
-    ]
-    name = "-".join(parts)[: _MAX_NAME_CHARS - 9]
-    return f"{name}-{digest}"
-
-
-def _validate_name(name: str) -> None:
-    is_unsafe = _UNSAFE_CHARS.search(name) or name.startswith(".")
-    if not name or is_unsafe or len(name) > _MAX_NAME_CHARS:
-        raise ValueError(
-            f"invalid shared-memory region name {name!r}: use region_name(prefix, hot, cold) "
-            f"or at most {_MAX_NAME_CHARS} characters from [A-Za-z0-9_.-]"
-        )
 
 
 def is_process_alive(pid: int) -> bool:
@@ -143,8 +121,8 @@ class ShmRegion:
         self._mmap = mmap.mmap(fd, layout.total_bytes)
         os.close(fd)  # the mapping keeps the memory; the descriptor is not needed
         self._buffer = memoryview(self._mmap)
-        self._task_wakeup = FifoWakeup(path + _TASK_FIFO_SUFFIX)
-        self._done_wakeup = FifoWakeup(path + _DONE_FIFO_SUFFIX)
+        self._task_wakeup = FifoWakeup(path + TASK_FIFO_SUFFIX)
+        self._done_wakeup = FifoWakeup(path + DONE_FIFO_SUFFIX)
         self._is_closed = False
         if is_owner:
             atexit.register(self.close)
@@ -153,7 +131,7 @@ class ShmRegion:
     @classmethod
     def create(cls, layout: RegionLayout, name: str, shm_dir: str = DEFAULT_SHM_DIR) -> ShmRegion:
         """Create and own the region (cold side). A stale region of a dead owner is reclaimed."""
-        _validate_name(name)
+        validate_region_name(name)
         if not os.path.isdir(shm_dir):
             raise ValueError(f"shared-memory directory {shm_dir!r} does not exist; pass shm_dir")
         path = os.path.join(shm_dir, name)
@@ -163,7 +141,7 @@ class ShmRegion:
             # tmpfs pages are zero and materialise on first touch, so an untouched
             # KV pool costs no memory yet.
             os.ftruncate(fd, layout.total_bytes)
-            for suffix in (_TASK_FIFO_SUFFIX, _DONE_FIFO_SUFFIX):
+            for suffix in (TASK_FIFO_SUFFIX, DONE_FIFO_SUFFIX):
                 os.mkfifo(path + suffix, 0o600)
             region = cls(layout, name, path, fd, is_owner=True)
         except BaseException:
@@ -191,7 +169,7 @@ class ShmRegion:
 
         wait_s: how long to wait for the owner to create it (startup ordering).
         """
-        _validate_name(name)
+        validate_region_name(name)
         path = os.path.join(shm_dir, name)
         deadline = time.monotonic() + wait_s
         while True:
@@ -259,6 +237,30 @@ class ShmRegion:
             raise ValueError(f"offload region {self._name!r} is closed")
         return self._buffer
 
+    def words(self, offset: int, count: int, fmt: str = "q") -> memoryview:
+        if fmt not in ("q", "d") or offset % 8:
+            raise ValueError(
+                f"words need fmt 'q' or 'd' and an 8-byte aligned offset, got {fmt!r} at {offset}"
+            )
+        self._check_range(offset, 8 * count)
+        return self.buffer[offset : offset + 8 * count].cast(fmt)
+
+    def tensor(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        import torch  # only here: naming, creating and attaching work without torch
+
+        count = 1
+        for dim in shape:
+            count *= dim
+        self._check_range(offset, count * dtype.itemsize)
+        return torch.frombuffer(self.buffer, dtype=dtype, count=count, offset=offset).view(shape)
+
+    def _check_range(self, offset: int, num_bytes: int) -> None:
+        if offset < 0 or offset + num_bytes > self._layout.total_bytes:
+            raise ValueError(
+                f"view [{offset}, {offset + num_bytes}) outside region of "
+                f"{self._layout.total_bytes} bytes"
+            )
+
     @property
     def task_wakeup(self) -> FifoWakeup:
         return self._task_wakeup
@@ -299,14 +301,8 @@ class _NotReady(Exception):
     pass
 
 
-def region_paths(name: str, shm_dir: str = DEFAULT_SHM_DIR) -> list[str]:
-    """Every filesystem entry a region of this name uses (for cleanup checks)."""
-    path = os.path.join(shm_dir, name)
-    return [path, path + _TASK_FIFO_SUFFIX, path + _DONE_FIFO_SUFFIX]
-
-
 def _remove_names(path: str) -> None:
-    for entry in (path, path + _TASK_FIFO_SUFFIX, path + _DONE_FIFO_SUFFIX):
+    for entry in (path, path + TASK_FIFO_SUFFIX, path + DONE_FIFO_SUFFIX):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(entry)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
+
 from weaver.offload.layout import RegionLayout
 
 
@@ -38,9 +40,14 @@ class RegionTransport(Protocol):
     @property
     def layout(self) -> RegionLayout: ...
 
-    @property
-    def buffer(self) -> memoryview:
-        """The whole region, writable, layout.total_bytes long."""
+    def words(self, offset: int, count: int, fmt: str = "q") -> memoryview:
+        """Host-visible 8-byte words at a byte offset: "q" int64 (counters, status,
+        metadata) or "d" float64. A memoryview item load/store is one aligned 8-byte
+        access and about 3x cheaper than a numpy scalar, which matters at poll points."""
+        ...
+
+    def tensor(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor view (no copy) of the region at a byte offset: staging, KV pool."""
         ...
 
     @property

@@ -74,8 +74,8 @@ def write_kv_to_pool(
 ) -> None:
     """Store new key/value [T, num_kv_heads, head_size] at slots (block*block_size+offset).
 
-    kv_layer is one layer of the remote pool; slot ids are local to it. int64 slots, as
-    vLLM's slot_mapping.
+    kv_layer is one layer of the remote pool; slot ids are local to it; -1 marks a
+    padding token that is skipped, as in vLLM's slot_mapping.
     """
     if key.shape != value.shape or key.dim() != 3 or key.shape[1] != kv_layer.shape[1]:
         raise ValueError(
@@ -84,6 +84,14 @@ def write_kv_to_pool(
         )
     if key.dtype != kv_layer.dtype or value.dtype != kv_layer.dtype:
         raise ValueError(f"key/value dtype must match the pool's {kv_layer.dtype}")
+    if slot_mapping.shape != (key.shape[0],):
+        raise ValueError(f"slot_mapping must be [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
+    num_slots = kv_layer.shape[0] * kv_layer.shape[2]
+    # The kernel trusts the slots: one out of range would write past this layer's pool.
+    if key.shape[0] and (int(slot_mapping.min()) < -1 or int(slot_mapping.max()) >= num_slots):
+        raise ValueError(
+            f"slots must be in [0, {num_slots}) (or -1 for padding), local to the remote pool"
+        )
     key_cache, value_cache = _key_value_caches(kv_layer)
     ops.cpu_attn_reshape_and_cache(
         key, value, key_cache, value_cache, slot_mapping.to(torch.int64), isa
