@@ -8,7 +8,6 @@ caller's stream order and can be captured into a CUDA graph.
 
 from __future__ import annotations
 
-from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,17 +28,6 @@ DTYPE_SUFFIX: dict[torch.dtype, str] = {
     torch.float16: "f16",
     torch.bfloat16: "bf16",
 }
-
-
-class WaitStatus(IntEnum):
-    """What weaver_wait_done wrote (csrc/offload_region.cuh WaitStatus)."""
-
-    PENDING = 0  # the wait kernel has not run yet
-    OK = 1
-    FAILED = 2  # the cold side ran the task and flagged it (bad block id or metadata)
-    TIMEOUT = 3
-    CLOSED = 4  # the cold side is closing or closed
-    PROTOCOL_ERROR = 5  # done_seq passed the awaited seq
 
 
 def validate_attention_inputs(

@@ -25,8 +25,7 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from weaver.offload.cuda.kernels import WaitStatus
-from weaver.offload.cuda.region_desc import check_kernel_shape, region_descriptor
+from weaver.offload.cuda.region_desc import WaitStatus, check_kernel_shape, region_descriptor
 from weaver.offload.layout import (
     DONE_SEQ_OFFSET,
     HEADER_BYTES,

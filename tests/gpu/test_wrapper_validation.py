@@ -1,0 +1,89 @@
+"""The kernel wrappers reject bad inputs before anything touches a device (CPU/meta)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weaver.offload.cuda import kernels
+
+
+def _inputs(device: str = "cpu", **changes: object) -> dict[str, torch.Tensor]:
+    t = {
+        "q": torch.empty(3, 8, 64, dtype=torch.float16, device=device),
+        "kv_layer": torch.empty(10, 2, 16, 128, dtype=torch.float16, device=device),
+        "seq_lens": torch.empty(3, dtype=torch.int32, device=device),
+        "block_table": torch.empty(3, 4, dtype=torch.int32, device=device),
+    }
+    t.update(changes)  # type: ignore[arg-type]
+    return t
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"q": torch.empty(3, 8, 64, dtype=torch.float64)}, "unsupported"),
+        ({"q": torch.empty(3, 512, dtype=torch.float16)}, r"q must be \[num_seqs"),
+        ({"kv_layer": torch.empty(10, 2, 16, 64, dtype=torch.float16)}, "2\\*head_size"),
+        ({"kv_layer": torch.empty(10, 2, 16, 128, dtype=torch.bfloat16)}, "dtype"),
+        (
+            {"kv_layer": torch.empty(10, 3, 16, 128, dtype=torch.float16)},
+            "multiple of num_kv_heads",
+        ),
+        ({"kv_layer": torch.empty(10, 2, 24, 128, dtype=torch.float16)}, "multiple of 16"),
+        (
+            {
+                "q": torch.empty(3, 8, 320, dtype=torch.float16),
+                "kv_layer": torch.empty(10, 2, 16, 640, dtype=torch.float16),
+            },
+            "head_size 320",
+        ),
+        ({"seq_lens": torch.empty(3, dtype=torch.int64)}, "seq_lens must be int32"),
+        ({"seq_lens": torch.empty(4, dtype=torch.int32)}, "seq_lens must be int32"),
+        ({"block_table": torch.empty(2, 4, dtype=torch.int32)}, "block_table must be int32"),
+        ({"block_table": torch.empty(3, 8, dtype=torch.int32)[:, ::2]}, "contiguous"),
+    ],
+)
+def test_attention_inputs_are_checked(changes: dict[str, torch.Tensor], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        kernels.validate_attention_inputs(**_inputs(**changes))
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_well_shaped_non_cuda_tensors_are_refused(device: str) -> None:
+    with pytest.raises(ValueError, match="CUDA device"):
+        kernels.validate_attention_inputs(**_inputs(device))
+    with pytest.raises(ValueError, match="CUDA device"):
+        # the library is never touched: validation fails first
+        kernels.paged_decode_attention(None, scale=1.0, **_inputs(device))  # type: ignore[arg-type]
+
+
+def test_out_must_match_q() -> None:
+    with pytest.raises(ValueError, match="out must match q"):
+        kernels.validate_attention_inputs(
+            **_inputs(), out=torch.empty(3, 8, 32, dtype=torch.float16)
+        )
+
+
+def test_transport_kernels_check_their_arguments() -> None:
+    region = torch.empty(4096, dtype=torch.uint8)
+    desc = torch.empty(20, dtype=torch.int64)
+    with pytest.raises(ValueError, match="desc must be on a CUDA device"):
+        kernels.publish(None, region, desc, seq=1, layer=0, num_seqs=1, scale=1.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="flat uint8"):
+        kernels.publish(None, region.view(torch.int64), desc, seq=1, layer=0, num_seqs=1, scale=1.0)  # type: ignore[arg-type]
+    meta_desc = torch.empty(20, dtype=torch.int64, device="meta")
+    with pytest.raises(ValueError, match="desc must be on a CUDA device"):
+        kernels.wait_done(
+            None, region, meta_desc, torch.empty(2, dtype=torch.int32), seq=1, timeout_s=1
+        )  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="desc must be int64"):
+        kernels.poll_and_attend(
+            None,  # type: ignore[arg-type]
+            torch.float16,
+            region,
+            desc.float(),
+            torch.empty(4, dtype=torch.int64),
+            torch.empty(1, dtype=torch.int32),
+            num_blocks=1,
+        )
