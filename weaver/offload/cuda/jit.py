@@ -5,20 +5,24 @@ sha256 of the source with its ``#include "..."`` files inlined, the flags and th
 compiler's version string, so editing a header or upgrading the toolkit recompiles. The
 cubin lands in ``$WEAVER_KERNEL_CACHE`` (default ``~/.cache/weaver/kernels``).
 
-Compilers: NVRTC through CuPy's binding (preferred: no toolkit needed at run time) or
-the ``nvcc`` binary (used when CuPy is absent, e.g. by the CPU tests that compile-check
-the kernels). Loading and launching go through CuPy (``RawModule``); ``load_cubin`` is the
-only function that needs a GPU. This module imports without CUDA, CuPy or torch.
+Compilers: NVRTC through ctypes (preferred: only the libnvrtc shared library is needed,
+no toolkit and no GPU) or the ``nvcc`` binary (when no libnvrtc is found). Loading and
+launching go through CuPy (``RawModule``); ``load_cubin`` is the only function that needs
+a GPU. This module imports without CUDA, CuPy or torch. (torch's ``load_inline`` is not
+used: it needs a host compiler and a C++ launcher per kernel, and NVRTC needs neither.)
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
 import logging
 import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 CACHE_DIR_ENV = "WEAVER_KERNEL_CACHE"
 CSRC_DIR_ENV = "WEAVER_CSRC_DIR"
+NVRTC_LIB_ENV = "WEAVER_NVRTC_LIB"
 DEFAULT_CACHE_DIR = Path("~/.cache/weaver/kernels")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 _PRAGMA_ONCE = re.compile(r"^\s*#\s*pragma\s+once\s*$", re.MULTILINE)
@@ -135,38 +140,86 @@ class NvccCompiler:
 
 
 class NvrtcCompiler:
-    """NVRTC through CuPy's thin binding (``cupy_backends.cuda.libs.nvrtc``)."""
+    """NVRTC through ctypes (libnvrtc from $WEAVER_NVRTC_LIB, the nvidia-cuda-nvrtc wheel,
+    $CUDA_HOME or the system): no CuPy and no GPU needed to compile."""
 
     name = "nvrtc"
 
-    def __init__(self) -> None:
-        try:
-            from cupy_backends.cuda.libs import nvrtc
-        except ImportError as exc:
+    def __init__(self, library_path: str | None = None) -> None:
+        path = library_path or find_nvrtc()
+        if path is None:
             raise ValueError(
-                "NVRTC needs CuPy (pip install cupy-cuda13x, matching the CUDA driver)"
-            ) from exc
-        self._nvrtc = nvrtc
+                "libnvrtc not found: pip install nvidia-cuda-nvrtc (matching the driver's CUDA "
+                f"major), or set ${NVRTC_LIB_ENV} to the library's path"
+            )
+        # libnvrtc dlopens its builtins library by soname at compile time; a wheel's lib
+        # folder is not on the loader path, so load it first (dlopen then finds it loaded).
+        for builtins in sorted(Path(path).parent.glob("libnvrtc-builtins.so.*")):
+            if "alt" not in builtins.name:
+                ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+        self._lib = ctypes.CDLL(path)
+        self._lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        self.path = path
+
+    def _check(self, status: int, what: str) -> None:
+        if status != 0:
+            message = self._lib.nvrtcGetErrorString(status).decode()
+            raise RuntimeError(f"{what} failed: {message}")
 
     def version(self) -> str:
-        major, minor = self._nvrtc.getVersion()
-        return f"nvrtc {major}.{minor}"
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        self._check(
+            self._lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion"
+        )
+        return f"nvrtc {major.value}.{minor.value}"
 
     def compile(self, source: str, flags: Sequence[str], file_name: str) -> bytes:
-        nvrtc = self._nvrtc
-        program = nvrtc.createProgram(source, file_name, (), ())
+        lib = self._lib
+        program = ctypes.c_void_p()
+        self._check(
+            lib.nvrtcCreateProgram(
+                ctypes.byref(program), source.encode(), file_name.encode(), 0, None, None
+            ),
+            "nvrtcCreateProgram",
+        )
         try:
-            try:
-                nvrtc.compileProgram(program, list(flags))
-            except nvrtc.NVRTCError as exc:
-                log = nvrtc.getProgramLog(program)
-                raise RuntimeError(f"NVRTC failed on {file_name}: {exc}\n{log}") from exc
-            log = nvrtc.getProgramLog(program).strip()
-            if log:
-                logger.warning("NVRTC log for %s:\n%s", file_name, log)
-            return nvrtc.getCUBIN(program)
+            options = (ctypes.c_char_p * len(flags))(*(f.encode() for f in flags))
+            status = lib.nvrtcCompileProgram(program, len(flags), options)
+            log = self._read(program, lib.nvrtcGetProgramLogSize, lib.nvrtcGetProgramLog)
+            log_text = log.rstrip(b"\0").decode(errors="replace").strip()
+            if status != 0:
+                raise RuntimeError(f"NVRTC failed on {file_name}:\n{log_text}")
+            if log_text:
+                logger.warning("NVRTC log for %s:\n%s", file_name, log_text)
+            return self._read(program, lib.nvrtcGetCUBINSize, lib.nvrtcGetCUBIN)
         finally:
-            nvrtc.destroyProgram(program)
+            lib.nvrtcDestroyProgram(ctypes.byref(program))
+
+    def _read(self, program: ctypes.c_void_p, size_fn: Any, read_fn: Any) -> bytes:
+        size = ctypes.c_size_t()
+        self._check(size_fn(program, ctypes.byref(size)), size_fn.__name__)
+        buffer = ctypes.create_string_buffer(size.value)
+        self._check(read_fn(program, buffer), read_fn.__name__)
+        return buffer.raw
+
+
+def find_nvrtc() -> str | None:
+    """Path of libnvrtc, or None: $WEAVER_NVRTC_LIB, the nvidia-cuda-nvrtc wheel (CUDA 13
+    then 12 layouts), $CUDA_HOME/lib64, then the dynamic loader's search path."""
+    configured = os.environ.get(NVRTC_LIB_ENV)
+    if configured:
+        return configured
+    candidates: list[Path] = []
+    for entry in sys.path:
+        for sub in ("nvidia/cu13/lib", "nvidia/cuda_nvrtc/lib"):
+            candidates.extend(sorted((Path(entry) / sub).glob("libnvrtc.so.*")))
+    for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if home:
+            candidates.extend(sorted((Path(home) / "lib64").glob("libnvrtc.so*")))
+    for candidate in candidates:
+        if candidate.is_file() and "alt" not in candidate.name and "builtins" not in candidate.name:
+            return str(candidate)
+    return ctypes.util.find_library("nvrtc")
 
 
 def select_compiler(preference: str = "auto") -> Compiler:
