@@ -57,7 +57,7 @@ __device__ u32 finish_item(u64* word, u32 tag) {
   }
 }
 
-template <class Dt>
+template <class Dt, int kElems>
 __device__ void poll_and_attend(unsigned char* region, const i64* desc, u64* scratch,
                                 const int* stop_flag, u64 max_spin_ns) {
   __shared__ AttnShared shared;
@@ -67,22 +67,29 @@ __device__ void poll_and_attend(unsigned char* region, const i64* desc, u64* scr
   i64* done_seq = region_ptr<i64>(region, desc, kDescDoneSeq);
   const u64 start = max_spin_ns > 0 ? globaltimer_ns() : 0;
   while (true) {
+    // Thread 0 decides for the whole block (a per-thread read of the stop flag or the
+    // clock could split the block at the barriers below): -1 return, 0 idle, else serve.
     if (threadIdx.x == 0) {
       const i64 task = ld_acquire_sys(task_seq);
       const i64 done = ld_relaxed_sys(done_seq);
-      pending_seq = task > done ? task : 0;
+      i64 decision = task > done ? task : 0;
+      if (decision == 0) {
+        const bool is_stopped = max_spin_ns == 0 ||
+                                *reinterpret_cast<const volatile int*>(stop_flag) != 0 ||
+                                globaltimer_ns() - start > max_spin_ns;
+        if (is_stopped) {
+          decision = -1;
+        } else {
+          backoff_ns(100);
+        }
+      }
+      pending_seq = decision;
     }
     __syncthreads();
     const i64 seq = pending_seq;
     __syncthreads();  // pending_seq is rewritten on the next round
-    if (seq == 0) {
-      // The common case after every cold operator: nothing pending, return at once.
-      if (max_spin_ns == 0) return;
-      if (*reinterpret_cast<const volatile int*>(stop_flag) != 0) return;
-      if (globaltimer_ns() - start > max_spin_ns) return;
-      if (threadIdx.x == 0) backoff_ns(100);
-      continue;
-    }
+    if (seq < 0) return;  // the common case after every cold operator: nothing pending
+    if (seq == 0) continue;
     const i64* meta = region_ptr<const i64>(region, desc, kDescMetaInts);
     const double* meta_floats = region_ptr<const double>(region, desc, kDescMetaFloats);
     const i64 layer = meta[kMetaLayer];
@@ -116,7 +123,7 @@ __device__ void poll_and_attend(unsigned char* region, const i64* desc, u64* scr
       __syncthreads();
       if (item < 0) break;
       bool is_ok = is_valid;
-      if (is_valid) is_ok = attend_item<Dt>(p, item, shared);  // ends with __syncthreads
+      if (is_valid) is_ok = attend_item<Dt, kElems>(p, item, shared);  // ends with __syncthreads
       if (threadIdx.x == 0) {
         if (!is_ok) atomicExch(&scratch[kScratchFailedSeq], static_cast<u64>(seq));
         // Our output stores (made visible to thread 0 by the barrier in attend_item) must
@@ -134,18 +141,22 @@ __device__ void poll_and_attend(unsigned char* region, const i64* desc, u64* scr
       }
     }
     if (max_spin_ns == 0) return;  // served what we could; the next poll serves the rest
+    if (threadIdx.x == 0) backoff_ns(100);  // all claimed: others are finishing the task
   }
 }
 
 }  // namespace weaver
 
-#define WEAVER_POLL_KERNEL(NAME, DT)                                                      \
+#define WEAVER_POLL_KERNEL(NAME, DT, ELEMS)                                                      \
   extern "C" __global__ void __launch_bounds__(weaver::kThreads)                          \
       NAME(unsigned char* region, const long long* desc, unsigned long long* scratch,     \
            const int* stop_flag, unsigned long long max_spin_ns) {                        \
-    weaver::poll_and_attend<DT>(region, desc, scratch, stop_flag, max_spin_ns);           \
+    weaver::poll_and_attend<DT, ELEMS>(region, desc, scratch, stop_flag, max_spin_ns);           \
   }
 
-WEAVER_POLL_KERNEL(weaver_poll_and_attend_f32, weaver::F32)
-WEAVER_POLL_KERNEL(weaver_poll_and_attend_f16, weaver::F16)
-WEAVER_POLL_KERNEL(weaver_poll_and_attend_bf16, weaver::BF16)
+WEAVER_POLL_KERNEL(weaver_poll_and_attend_f32_h128, weaver::F32, 4)
+WEAVER_POLL_KERNEL(weaver_poll_and_attend_f16_h128, weaver::F16, 4)
+WEAVER_POLL_KERNEL(weaver_poll_and_attend_bf16_h128, weaver::BF16, 4)
+WEAVER_POLL_KERNEL(weaver_poll_and_attend_f32_h256, weaver::F32, 8)
+WEAVER_POLL_KERNEL(weaver_poll_and_attend_f16_h256, weaver::F16, 8)
+WEAVER_POLL_KERNEL(weaver_poll_and_attend_bf16_h256, weaver::BF16, 8)

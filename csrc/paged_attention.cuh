@@ -10,7 +10,7 @@
 // keeps the region's layout.)
 //
 // Work split: one thread block per (sequence, query head) work item; the block's warps
-// take tokens round-robin, each warp keeps an online-softmax state (running max, running
+// take groups of kTokensPerIter tokens round-robin, each warp keeps an online-softmax state (running max, running
 // sum, accumulator; Milakov & Gimelshein 2018, as in FlashAttention), and the warps'
 // states are merged through shared memory at the end. GQA: query head h reads KV head
 // h / (num_q_heads / num_kv_heads), as vLLM does.
@@ -23,7 +23,7 @@ namespace weaver {
 constexpr int kNumWarps = 4;
 constexpr int kThreads = kNumWarps * 32;
 constexpr int kMaxHeadSize = 256;
-constexpr int kElemsPerLane = kMaxHeadSize / 32;
+constexpr int kTokensPerIter = 4;
 // -inf without math.h (NVRTC has no INFINITY macro)
 #define kNegInf __int_as_float(0xff800000)
 
@@ -54,7 +54,9 @@ struct AttnShared {
 // Computes one (seq, q head) item with the whole block. Returns false (and writes zeros)
 // when the item reads a block id outside the pool, so a corrupt task cannot read outside
 // the pool. Every thread of the block must call it (it synchronises).
-template <class Dt>
+// kElems: head elements per lane (head_size <= 32 * kElems); 4 for head sizes up to 128
+// keeps the register arrays half the size of the 256 variant.
+template <class Dt, int kElems>
 __device__ bool attend_item(const AttnParams& p, int item, AttnShared& shared) {
   typedef typename Dt::T T;
   const int lane = threadIdx.x & 31;
@@ -69,10 +71,10 @@ __device__ bool attend_item(const AttnParams& p, int item, AttnShared& shared) {
                         : 0;
 
   const T* q_ptr = static_cast<const T*>(p.q) + (static_cast<i64>(seq) * p.num_q_heads + q_head) * head_size;
-  float q[kElemsPerLane];
-  float acc[kElemsPerLane];
+  float q[kElems];
+  float acc[kElems];
 #pragma unroll
-  for (int i = 0; i < kElemsPerLane; ++i) {
+  for (int i = 0; i < kElems; ++i) {
     const int d = lane + 32 * i;
     q[i] = d < head_size ? Dt::load(q_ptr[d]) : 0.0f;
     acc[i] = 0.0f;
@@ -83,35 +85,58 @@ __device__ bool attend_item(const AttnParams& p, int item, AttnShared& shared) {
   const i64 page_elems = 2LL * p.block_size * head_size;
   const int* table = p.block_table + static_cast<i64>(seq) * p.block_table_stride;
 
-  for (int t = first + warp; t < seq_len; t += kNumWarps) {
-    const int block = table[t / p.block_size];
-    if (block < 0 || block >= p.num_blocks) {
-      is_ok = false;
-      break;
-    }
-    const int offset = t - (t / p.block_size) * p.block_size;
-    const T* page = static_cast<const T*>(p.kv) + (static_cast<i64>(block) * p.num_kv_heads + kv_head) * page_elems;
-    const T* k_ptr = page + static_cast<i64>(offset) * head_size;
-    const T* v_ptr = k_ptr + static_cast<i64>(p.block_size) * head_size;
-    float partial = 0.0f;
+  // Each warp takes kTokensPerIter consecutive tokens per iteration and issues all their
+  // K and V loads before using any: several independent loads in flight per lane hide
+  // memory latency (HOPPER.md "several independent loads in flight before the first use").
+  for (int t0 = first + warp * kTokensPerIter; t0 < seq_len; t0 += kNumWarps * kTokensPerIter) {
+    float k[kTokensPerIter][kElems];
+    float v[kTokensPerIter][kElems];
+    bool is_valid[kTokensPerIter];
 #pragma unroll
-    for (int i = 0; i < kElemsPerLane; ++i) {
-      const int d = lane + 32 * i;
-      if (d < head_size) partial += q[i] * Dt::load(k_ptr[d]);
-    }
-    float score = warp_sum(partial) * p.scale;
-    if (p.softcap > 0.0f) score = tanhf(score / p.softcap) * p.softcap;
-    const float new_max = fmaxf(running_max, score);
-    const float correction = __expf(running_max - new_max);  // 0 on the first token
-    const float weight = __expf(score - new_max);
-    running_sum = running_sum * correction + weight;
+    for (int j = 0; j < kTokensPerIter; ++j) {
+      const int t = t0 + j;
+      const int block = t < seq_len ? table[t / p.block_size] : 0;
+      const bool is_in_pool = block >= 0 && block < p.num_blocks;  // same for every lane
+      is_ok = is_ok && is_in_pool;
+      is_valid[j] = t < seq_len && is_in_pool;
+      const int offset = t - (t / p.block_size) * p.block_size;
+      const T* k_ptr = static_cast<const T*>(p.kv) +
+                       (static_cast<i64>(block) * p.num_kv_heads + kv_head) * page_elems +
+                       static_cast<i64>(offset) * head_size;
+      const T* v_ptr = k_ptr + static_cast<i64>(p.block_size) * head_size;
 #pragma unroll
-    for (int i = 0; i < kElemsPerLane; ++i) {
-      const int d = lane + 32 * i;
-      const float v = d < head_size ? Dt::load(v_ptr[d]) : 0.0f;
-      acc[i] = acc[i] * correction + weight * v;
+      for (int i = 0; i < kElems; ++i) {
+        const int d = lane + 32 * i;
+        const bool is_loaded = is_valid[j] && d < head_size;
+        k[j][i] = is_loaded ? Dt::load(k_ptr[d]) : 0.0f;
+        v[j][i] = is_loaded ? Dt::load(v_ptr[d]) : 0.0f;
+      }
+    }
+    float score[kTokensPerIter];
+    float new_max = running_max;
+#pragma unroll
+    for (int j = 0; j < kTokensPerIter; ++j) {
+      float partial = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kElems; ++i) partial += q[i] * k[j][i];
+      score[j] = warp_sum(partial) * p.scale;
+      if (p.softcap > 0.0f) score[j] = tanhf(score[j] / p.softcap) * p.softcap;
+      if (is_valid[j]) new_max = fmaxf(new_max, score[j]);
+    }
+    if (new_max == kNegInf) break;  // only out-of-pool tokens: nothing to add
+    const float correction = __expf(running_max - new_max);  // 0 on the first tokens
+    running_sum *= correction;
+#pragma unroll
+    for (int i = 0; i < kElems; ++i) acc[i] *= correction;
+#pragma unroll
+    for (int j = 0; j < kTokensPerIter; ++j) {
+      const float weight = is_valid[j] ? __expf(score[j] - new_max) : 0.0f;
+      running_sum += weight;
+#pragma unroll
+      for (int i = 0; i < kElems; ++i) acc[i] += weight * v[j][i];
     }
     running_max = new_max;
+    if (!is_ok) break;
   }
 
   if (lane == 0) {
@@ -119,7 +144,7 @@ __device__ bool attend_item(const AttnParams& p, int item, AttnShared& shared) {
     shared.sum[warp] = running_sum;
   }
 #pragma unroll
-  for (int i = 0; i < kElemsPerLane; ++i) {
+  for (int i = 0; i < kElems; ++i) {
     const int d = lane + 32 * i;
     if (d < head_size) shared.acc[warp][d] = acc[i];
   }

@@ -93,3 +93,25 @@ def test_descriptor_values_follow_the_layout() -> None:
 def test_kernel_shape_limits_are_explained(overrides: dict[str, int], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         check_kernel_shape(_layout(**overrides))
+
+
+def test_every_kernel_the_wrappers_launch_is_defined() -> None:
+    import torch
+
+    from weaver.offload.cuda import kernels
+
+    sources = {
+        name: (jit.csrc_dir() / name).read_text()
+        for name in (kernels.ATTENTION_FILE, kernels.HOT_FILE, kernels.COLD_FILE)
+    }
+    for dtype in kernels.DTYPE_SUFFIX:
+        for head_size in (64, 256):
+            for base, file_name in (
+                ("weaver_paged_attention", kernels.ATTENTION_FILE),
+                ("weaver_poll_and_attend", kernels.COLD_FILE),
+            ):
+                name = kernels.kernel_name(base, dtype, head_size)
+                assert re.search(rf"\b{name}\b", sources[file_name]), name
+    for name in ("weaver_publish", "weaver_wait_done"):
+        assert f'extern "C" __global__ void {name}(' in sources[kernels.HOT_FILE]
+    assert torch.float64 not in kernels.DTYPE_SUFFIX

@@ -85,5 +85,13 @@ def test_transport_kernels_check_their_arguments() -> None:
             desc.float(),
             torch.empty(4, dtype=torch.int64),
             torch.empty(1, dtype=torch.int32),
+            head_size=64,
             num_blocks=1,
         )
+
+
+def test_kernel_variant_follows_dtype_and_head_size() -> None:
+    assert kernels.kernel_name("k", torch.bfloat16, 128) == "k_bf16_h128"
+    assert kernels.kernel_name("k", torch.float32, 129) == "k_f32_h256"
+    with pytest.raises(ValueError, match="head_size 257"):
+        kernels.kernel_name("k", torch.float16, 257)

@@ -113,7 +113,9 @@ def paged_decode_attention(
     out = torch.empty_like(q) if out is None else out
     num_items = q.shape[0] * q.shape[1]
     grid = num_items if num_blocks is None else max(1, min(num_blocks, num_items))
-    fn = library.function(ATTENTION_FILE, f"weaver_paged_attention_{DTYPE_SUFFIX[q.dtype]}")
+    fn = library.function(
+        ATTENTION_FILE, kernel_name("weaver_paged_attention", q.dtype, q.shape[2])
+    )
     args = (
         _ptr(q), _ptr(kv_layer), _ptr(seq_lens), _ptr(block_table), _ptr(out),
         np.int32(q.shape[0]), np.int32(q.shape[1]), np.int32(kv_layer.shape[1]),
@@ -186,6 +188,7 @@ def poll_and_attend(
     scratch: torch.Tensor,
     stop_flag: torch.Tensor,
     *,
+    head_size: int,
     num_blocks: int,
     max_spin_s: float = 0.0,
 ) -> None:
@@ -200,7 +203,7 @@ def poll_and_attend(
         raise ValueError("stop_flag must be an int32 tensor on the region's device")
     if num_blocks < 1 or max_spin_s < 0:
         raise ValueError("num_blocks must be >= 1 and max_spin_s >= 0")
-    fn = library.function(COLD_FILE, f"weaver_poll_and_attend_{DTYPE_SUFFIX[dtype]}")
+    fn = library.function(COLD_FILE, kernel_name("weaver_poll_and_attend", dtype, head_size))
     args = (
         _ptr(region),
         _ptr(desc),
@@ -209,6 +212,14 @@ def poll_and_attend(
         np.uint64(int(max_spin_s * 1e9)),
     )
     launch(fn, num_blocks, NUM_THREADS, args, region.device)
+
+
+def kernel_name(base: str, dtype: torch.dtype, head_size: int) -> str:
+    """The instantiation for dtype and head size: the _h128 variants keep half the
+    registers of the _h256 ones (csrc/paged_attention.cuh kElems)."""
+    if not 1 <= head_size <= MAX_HEAD_SIZE:
+        raise ValueError(f"head_size {head_size} outside [1, {MAX_HEAD_SIZE}]")
+    return f"{base}_{DTYPE_SUFFIX[dtype]}_{'h128' if head_size <= 128 else 'h256'}"
 
 
 # --- helpers --------------------------------------------------------------------------

@@ -348,6 +348,7 @@ class CudaOffloadReceiver:
         self._scratch = torch.zeros(4, dtype=torch.int64, device=self.device)
         self._stop_flag = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._dtype = getattr(torch, region.layout.shape.dtype)
+        self._head_size = region.layout.shape.head_size
         region.word(OWNER_PID_OFFSET).fill_(os.getpid())
         region.word(STATUS_OFFSET).fill_(int(RegionStatus.ALIVE))
         torch.cuda.synchronize(self.device)
@@ -359,13 +360,13 @@ class CudaOffloadReceiver:
     def kv_layer(self, layer: int) -> torch.Tensor:
         return self._region.kv_layer(layer)
 
-    def poll(self) -> None:
+    def poll(self, num_blocks: int | None = None) -> None:
         """Enqueue one poll on the current stream (after a cold operator)."""
         from weaver.offload.cuda import kernels
 
         kernels.poll_and_attend(
             self._library, self._dtype, self._region.tensor, self._desc, self._scratch,
-            self._stop_flag, num_blocks=self.num_blocks,
+            self._stop_flag, head_size=self._head_size, num_blocks=num_blocks or self.num_blocks,
         )  # fmt: skip
 
     def spin(self, max_spin_s: float, *, num_blocks: int | None = None) -> None:
@@ -376,7 +377,8 @@ class CudaOffloadReceiver:
             raise ValueError(f"max_spin_s must be > 0, got {max_spin_s}")
         kernels.poll_and_attend(
             self._library, self._dtype, self._region.tensor, self._desc, self._scratch,
-            self._stop_flag, num_blocks=num_blocks or self.num_blocks, max_spin_s=max_spin_s,
+            self._stop_flag, head_size=self._head_size, num_blocks=num_blocks or self.num_blocks,
+            max_spin_s=max_spin_s,
         )  # fmt: skip
 
     def request_stop(self, stream: torch.cuda.Stream) -> None:
