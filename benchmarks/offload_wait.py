@@ -284,6 +284,11 @@ class ColdModel:
         logits = self._linear(x, self.lm_head, poll, is_split)
         self.logits.copy_(logits)
 
+    def num_poll_points(self, is_split: bool) -> int:
+        """Polls per step: QKV, attention, O, gate/up, down per layer, then the LM head."""
+        per_gemm = self.split_chunks if is_split else 1
+        return self.shape.num_layers * (3 + 2 * per_gemm) + per_gemm
+
     def _linear(self, x: Any, w: Any, poll: Callable[[], None], is_split: bool) -> Any:
         """x @ w, or chunked along w's output (parameter) dimension with a poll per chunk;
         the concatenated chunks equal the whole product (architecture.md part 7)."""
@@ -471,6 +476,15 @@ def run(args: argparse.Namespace) -> Path:
 
     results: dict[str, Any] = {}
     baseline_quiet = no_traffic(steps["baseline"])
+    base_ms = float(np.median(baseline_quiet))
+    # Idle cost of one poll vs its grid: small grids are cheaper to launch, big ones serve
+    # a task faster. Each point is the no-traffic overhead of polling after every operator.
+    sweep: dict[str, float] = {}
+    for grid in sorted({1, 8, 32, props.multi_processor_count}):
+        step = make_step(model, lambda g=grid: receiver.poll(num_blocks=g), False, cfg.use_graphs)
+        sweep[str(grid)] = float(np.median(no_traffic(step))) / base_ms - 1.0
+        del step
+    print(f"no-traffic poll overhead by poll grid size: {sweep}", flush=True)
     plan = {
         "a_cpu_launched": ("baseline", "cpu"),
         "b_poll_kernel": ("poll", "kernel"),
@@ -521,6 +535,9 @@ def run(args: argparse.Namespace) -> Path:
         config=asdict(cfg),
         cold_shape=asdict(shape),
         baseline_no_traffic_step_ms=baseline_quiet,
+        poll_grid_sweep_overhead=sweep,
+        poll_points_per_step={"unsplit": model.num_poll_points(False),
+                              "split": model.num_poll_points(True)},
         receivers=results,
         time_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         notes="waits are device %globaltimer stamps (publish kernel -> wait kernel exit)",

@@ -103,3 +103,23 @@ def test_split_linear_equals_the_whole_product(bench) -> None:
     split = model._linear(x, w, lambda: polls.append(1), True)
     whole = model._linear(x, w, lambda: None, False)
     assert torch.allclose(split, whole, atol=1e-5) and len(polls) == 3
+
+
+def test_poll_point_count_matches_the_step(bench) -> None:
+    """num_poll_points (reported in the JSON) counts the polls step() really makes."""
+    shape = bench.ColdShape(num_layers=2, hidden=8, intermediate=12, num_q_heads=2,
+                            num_kv_heads=1, head_size=4, vocab=10)  # fmt: skip
+    model = object.__new__(bench.ColdModel)
+    model.shape, model.split_chunks = shape, 3
+    model._kernels = type("K", (), {"paged_decode_attention": staticmethod(lambda *a, **k: None)})
+    model._library = None
+    model.w_qkv = torch.randn(8, (2 + 2) * 4)
+    model.w_o, model.w_gate_up = torch.randn(8, 8), torch.randn(8, 24)
+    model.w_down, model.lm_head = torch.randn(12, 8), torch.randn(8, 10)
+    model.kv_pool = model.seq_lens = model.block_table = None
+    model.x0, model.attn_out = torch.randn(3, 8), torch.randn(3, 2, 4)
+    model.logits = torch.empty(3, 10)
+    for is_split in (False, True):
+        polls: list[int] = []
+        model.step(lambda polls=polls: polls.append(1), is_split)
+        assert len(polls) == model.num_poll_points(is_split)
