@@ -3,9 +3,12 @@
 The cold stream runs a Llama-3-8B-shaped decode step with random weights (per layer: QKV,
 paged attention over the cold model's own cache, O, gate/up, down; then a 128,256-vocab
 LM head; norms and rotary embeddings are left out: they are short element-wise kernels)
-while a hot process (another process on the same GPU, CUDA IPC) publishes offloaded
-decode-attention tasks at random (exponential) times and waits for them on its own
-stream. Four receivers serve the tasks:
+while a hot side publishes offloaded decode-attention tasks at random (exponential)
+times and waits for them on its own stream. The hot side is a thread with its own
+stream by default: two processes on one GPU are time-sliced by the driver unless MPS
+runs, which would measure context switches rather than the transport. --hot-process
+puts it in another process (CUDA IPC, as in deployment; start MPS first). Four
+receivers serve the tasks:
 
   a  cpu-launched: a host thread polls the counters (small D2H copies) and launches the
      attention on its own stream when it sees a task (what a CPU-driven design does);
@@ -111,6 +114,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--spin-blocks", type=int, default=16, help="persistent grid of (d)")
     parser.add_argument("--steps", type=int, default=60, help="cold steps per no-traffic run")
     parser.add_argument("--no-graphs", action="store_true", help="launch the cold step eagerly")
+    parser.add_argument(
+        "--hot-process",
+        action="store_true",
+        help="run the hot side in another process (CUDA IPC). Without MPS, two processes on "
+        "one GPU time-slice instead of running concurrently, so the waits then measure the "
+        "driver's context switches; start nvidia-cuda-mps-control -d first",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     parser.add_argument("--plot-only", type=Path, help="redraw the PNG of a saved JSON and exit")
@@ -174,8 +184,12 @@ def region_layout(cfg: RunConfig, shape: ColdShape):
 
 
 # --- hot side (its own process) -------------------------------------------------------
-def hot_worker(conn: Any, handle: bytes, cfg: RunConfig, shape: ColdShape) -> None:
-    """Publish tasks at random times on the hot stream; send back device-stamped waits."""
+def hot_worker(conn: Any, region_or_handle: Any, cfg: RunConfig, shape: ColdShape) -> None:
+    """Publish tasks at random times on the hot stream; send back device-stamped waits.
+
+    region_or_handle: the cold side's CudaRegion (hot side in a thread) or its exported
+    CUDA IPC handle (hot side in another process).
+    """
     import torch
 
     from weaver.offload.cuda.jit import KernelLibrary
@@ -183,7 +197,10 @@ def hot_worker(conn: Any, handle: bytes, cfg: RunConfig, shape: ColdShape) -> No
 
     torch.cuda.set_device(0)
     layout = region_layout(cfg, shape)
-    region = CudaRegion.attach(layout, "offload-wait-bench", handle)
+    if isinstance(region_or_handle, bytes):
+        region = CudaRegion.attach(layout, "offload-wait-bench", region_or_handle)
+    else:
+        region = region_or_handle
     sender = CudaOffloadSender(region, KernelLibrary(0), timeout_s=2.0)
     gen = torch.Generator(device="cuda").manual_seed(cfg.seed + 1)
     n, max_blocks = cfg.task_seqs, layout.max_blocks_per_seq
@@ -344,7 +361,8 @@ def run_cold_steps(step: Callable[[], None], *, until: Callable[[], bool], min_s
         events.append((start, end))
         if len(events) > 2:
             events[-3][1].synchronize()
-    torch.cuda.synchronize()
+    # this stream only: a device-wide sync would wait for receiver d's spinning kernel
+    torch.cuda.current_stream().synchronize()
     return [s.elapsed_time(e) for s, e in events]
 
 
@@ -422,7 +440,14 @@ def run(args: argparse.Namespace) -> Path:
 
     ctx = mp.get_context("spawn")
     parent_conn, child_conn = ctx.Pipe()
-    hot = ctx.Process(target=hot_worker, args=(child_conn, region.export_handle(), cfg, shape))
+    if args.hot_process:
+        hot: Any = ctx.Process(
+            target=hot_worker, args=(child_conn, region.export_handle(), cfg, shape)
+        )
+    else:
+        hot = threading.Thread(
+            target=hot_worker, args=(child_conn, region, cfg, shape), name="hot", daemon=True
+        )
     hot.start()
     if parent_conn.recv() != "ready":
         raise RuntimeError("hot worker failed to start")
@@ -533,6 +558,7 @@ def run(args: argparse.Namespace) -> Path:
         command=" ".join([sys.executable, *sys.argv]),
         torch=torch.__version__,
         config=asdict(cfg),
+        hot_side="process" if args.hot_process else "thread (own stream, same process)",
         cold_shape=asdict(shape),
         baseline_no_traffic_step_ms=baseline_quiet,
         poll_grid_sweep_overhead=sweep,
