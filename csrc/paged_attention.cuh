@@ -52,8 +52,9 @@ struct AttnShared {
 };
 
 // Computes one (seq, q head) item with the whole block. Returns false (and writes zeros)
-// when the item reads a block id outside the pool, so a corrupt task cannot read outside
-// the pool. Every thread of the block must call it (it synchronises).
+// when the item's length does not fit its block table row or it reads a block id outside
+// the pool, so a corrupt task cannot read outside the pool. Every thread of the block
+// must call it (it synchronises).
 // kElems: head elements per lane (head_size <= 32 * kElems); 4 for head sizes up to 128
 // keeps the register arrays half the size of the 256 variant.
 template <class Dt, int kElems>
@@ -65,7 +66,11 @@ __device__ bool attend_item(const AttnParams& p, int item, AttnShared& shared) {
   const int q_head = item - seq * p.num_q_heads;
   const int kv_head = q_head / (p.num_q_heads / p.num_kv_heads);
   const int head_size = p.head_size;
-  const int seq_len = p.seq_lens[seq];
+  // A length the block table cannot hold would read past the sequence's table row.
+  const int claimed_len = p.seq_lens[seq];
+  const bool is_len_ok =
+      claimed_len >= 1 && static_cast<i64>(claimed_len) <= static_cast<i64>(p.block_table_stride) * p.block_size;
+  const int seq_len = is_len_ok ? claimed_len : 0;
   const int first = p.sliding_window > 0 && seq_len > p.sliding_window
                         ? seq_len - p.sliding_window
                         : 0;
@@ -81,7 +86,7 @@ __device__ bool attend_item(const AttnParams& p, int item, AttnShared& shared) {
   }
   float running_max = kNegInf;
   float running_sum = 0.0f;
-  bool is_ok = true;
+  bool is_ok = is_len_ok;
   const i64 page_elems = 2LL * p.block_size * head_size;
   const int* table = p.block_table + static_cast<i64>(seq) * p.block_table_stride;
 

@@ -90,3 +90,15 @@ def test_block_id_outside_the_pool_is_flagged_not_read(library) -> None:
     assert int(error_flag.item()) == 1
     assert torch.equal(out[1].float().cpu(), torch.zeros(4, 64))  # the bad sequence
     assert torch.isfinite(out[0].float()).all()
+
+
+def test_length_longer_than_the_block_table_is_flagged(library) -> None:
+    q, pool, seq_lens, table = (t.cuda() for t in _case(2, 4, 2, 64, 16, 40, torch.float32, seed=3))
+    seq_lens[0] = table.shape[1] * 16 + 1  # one token past the table row
+    error_flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    out = kernels.paged_decode_attention(
+        library, q, pool, seq_lens, table, 0.1, error_flag=error_flag
+    )
+    torch.cuda.synchronize()
+    assert int(error_flag.item()) == 1
+    assert torch.equal(out[0].cpu(), torch.zeros(4, 64))
