@@ -95,3 +95,68 @@ def test_kernel_variant_follows_dtype_and_head_size() -> None:
     assert kernels.kernel_name("k", torch.float32, 129) == "k_f32_h256"
     with pytest.raises(ValueError, match="head_size 257"):
         kernels.kernel_name("k", torch.float16, 257)
+
+
+def _cpu_sender():
+    """A CudaOffloadSender whose checks can run on CPU: only the state they read is set."""
+    from types import SimpleNamespace
+
+    from weaver.offload.cuda.transport import CudaOffloadSender
+    from weaver.offload.layout import HotAttentionShape, RegionLayout
+
+    shape = HotAttentionShape(2, 8, 2, 64, 16, "bfloat16")
+    layout = RegionLayout(shape, num_remote_blocks=32, max_seqs_per_task=4, max_blocks_per_seq=6)
+    sender = object.__new__(CudaOffloadSender)
+    sender._region = SimpleNamespace(layout=layout)
+    sender._q = torch.empty(4, 8, 64, dtype=torch.bfloat16)
+    sender._is_poisoned, sender._unwaited, sender._last_seq = False, None, 0
+    return sender
+
+
+def _task(num_seqs: int = 2, **changes: object) -> dict:
+    task = {
+        "layer": 1,
+        "q": torch.empty(num_seqs, 8, 64, dtype=torch.bfloat16),
+        "seq_lens": torch.ones(num_seqs, dtype=torch.int32),
+        "block_table": torch.zeros(num_seqs, 3, dtype=torch.int32),
+    }
+    task.update(changes)
+    return task
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"layer": 2}, "layer 2 out of range"),
+        ({"q": torch.empty(2, 4, 64, dtype=torch.bfloat16)}, r"q must be \[num_seqs, 8, 64\]"),
+        ({"q": torch.empty(2, 8, 64, dtype=torch.float16)}, "cast it first"),
+        ({"seq_lens": torch.ones(2, dtype=torch.int64)}, "seq_lens must be int32"),
+        ({"block_table": torch.zeros(2, 7, dtype=torch.int32)}, "n <= 6"),
+        ({"block_table": torch.zeros(3, 2, dtype=torch.int32)}, r"block_table must be \[2"),
+    ],
+)
+def test_sender_rejects_bad_tasks_before_any_device_work(changes: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _cpu_sender().submit(scale=1.0, **_task(**changes))
+
+
+def test_sender_refuses_too_many_sequences() -> None:
+    with pytest.raises(ValueError, match=r"num_seqs 5 outside \[1, 4\]"):
+        _cpu_sender().submit(scale=1.0, **_task(num_seqs=5))
+
+
+def test_sender_keeps_one_task_in_flight_and_stops_after_a_failed_wait() -> None:
+    from weaver.offload.cuda.transport import CudaTicket
+
+    sender = _cpu_sender()
+    sender._unwaited = CudaTicket(seq=1, layer=0, num_seqs=1)
+    with pytest.raises(ValueError, match="submitted but not waited"):
+        sender.submit(scale=1.0, **_task())
+    with pytest.raises(ValueError, match="not the task in flight"):
+        sender.wait(CudaTicket(seq=2, layer=0, num_seqs=1))
+    sender._unwaited, sender._is_poisoned = None, True
+    with pytest.raises(ValueError, match="recover"):
+        sender.submit(scale=1.0, **_task())
+    sender._is_poisoned, sender._last_seq = False, 2**63 - 1
+    with pytest.raises(OverflowError):
+        sender.submit(scale=1.0, **_task())

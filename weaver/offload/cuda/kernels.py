@@ -105,9 +105,10 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """out[s, h] = softmax(q[s, h] . K_s^T * scale) V_s over the paged pool.
 
-    seq_lens must be >= 1 and block ids in range (the kernel writes zeros and sets
-    error_flag[0] = 1 for an item that reads an id outside the pool instead of reading
-    out of bounds). num_blocks: grid size; default one block per (seq, q head).
+    seq_lens must be in [1, block_table columns * block_size] and block ids in range;
+    the kernel writes zeros and sets error_flag[0] = 1 for an item that breaks either,
+    instead of reading out of bounds (checking here would need a device sync).
+    num_blocks: grid size; default one block per (seq, q head).
     """
     validate_attention_inputs(q, kv_layer, seq_lens, block_table, out)
     out = torch.empty_like(q) if out is None else out

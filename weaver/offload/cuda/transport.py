@@ -29,6 +29,7 @@ from weaver.offload.cuda.region_desc import WaitStatus, check_kernel_shape, regi
 from weaver.offload.layout import (
     DONE_SEQ_OFFSET,
     HEADER_BYTES,
+    INT64_MAX,
     OWNER_PID_OFFSET,
     REGION_MAGIC,
     STATUS_OFFSET,
@@ -218,6 +219,7 @@ class CudaOffloadSender:
         self._q, self._out = region.q_staging(), region.out_staging()
         self._seq_lens, self._block_table = region.seq_lens(), region.block_table()
         self._is_poisoned = False
+        self._unwaited: CudaTicket | None = None
 
     @property
     def layout(self) -> RegionLayout:
@@ -244,11 +246,19 @@ class CudaOffloadSender:
 
         if self._is_poisoned:
             raise ValueError("an earlier wait did not finish OK; call recover() first")
+        if self._unwaited is not None:
+            raise ValueError(f"task {self._unwaited.seq} was submitted but not waited for")
+        if self._last_seq >= INT64_MAX:
+            raise OverflowError("offload task sequence number would overflow int64")
         self._validate(layer, q, seq_lens, block_table)
         num_seqs, num_blocks = block_table.shape
         self._q[:num_seqs].copy_(q, non_blocking=True)
         self._seq_lens[:num_seqs].copy_(seq_lens, non_blocking=True)
         self._block_table[:num_seqs, :num_blocks].copy_(block_table, non_blocking=True)
+        if num_blocks < self._block_table.shape[1]:
+            # -1 makes a length past the given columns fail in the cold kernel instead of
+            # reading a stale id of an earlier task
+            self._block_table[:num_seqs, num_blocks:].fill_(-1)
         seq = self._last_seq + 1
         kernels.publish(
             self._library, self._region.tensor, self._desc, seq=seq, layer=layer,
@@ -256,7 +266,8 @@ class CudaOffloadSender:
             stamp=stamp,
         )  # fmt: skip
         self._last_seq = seq
-        return CudaTicket(seq, layer, num_seqs)
+        self._unwaited = CudaTicket(seq, layer, num_seqs)
+        return self._unwaited
 
     def wait(
         self,
@@ -268,6 +279,9 @@ class CudaOffloadSender:
         """Enqueue the device-side wait; returns the output view (valid until next submit)."""
         from weaver.offload.cuda import kernels
 
+        if self._unwaited is None or ticket.seq != self._unwaited.seq:
+            raise ValueError(f"ticket {ticket.seq} is not the task in flight; wait once per submit")
+        self._unwaited = None
         self._status.zero_()
         kernels.wait_done(
             self._library, self._region.tensor, self._desc, self._status, seq=ticket.seq,
