@@ -404,6 +404,47 @@ class CpuLauncher:
                     self._stream.synchronize()
 
 
+def time_task_attention(library: Any, region: Any, cfg: RunConfig, shape: ColdShape,
+                        grids: list[int | None]) -> dict[str, Any]:  # fmt: skip
+    """The offloaded task's attention alone (standalone kernel, CUDA events, median of 50):
+    the floor under any receiver's wait. Bytes = the K/V read once + q + out."""
+    import torch
+
+    from weaver.offload.cuda import kernels
+
+    layout = region.layout
+    gen = torch.Generator(device="cuda").manual_seed(cfg.seed + 2)
+    n, max_blocks = cfg.task_seqs, layout.max_blocks_per_seq
+    q = torch.randn(n, shape.num_q_heads, shape.head_size, generator=gen, device="cuda")
+    q = q.to(torch.bfloat16)
+    lens = torch.randint(cfg.task_context // 2, cfg.task_context + 1, (n,), device="cuda",
+                         generator=gen, dtype=torch.int32)  # fmt: skip
+    table = torch.randperm(n * max_blocks, device="cuda", generator=gen).to(torch.int32)
+    table = table.view(n, max_blocks)
+    pool = region.kv_layer(0)
+    num_bytes = int(lens.sum()) * shape.num_kv_heads * shape.head_size * 2 * 2 + 2 * q.nbytes
+    result: dict[str, Any] = {"bytes": num_bytes}
+    for grid in grids:
+        def attend(grid: int | None = grid) -> None:
+            kernels.paged_decode_attention(library, q, pool, lens, table, shape.head_size**-0.5,
+                                           num_blocks=grid)  # fmt: skip
+
+        for _ in range(5):
+            attend()
+        times = []
+        for _ in range(50):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            attend()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        median_us = float(np.median(times))
+        label = "one_block_per_item" if grid is None else f"grid_{grid}"
+        result[label] = {"median_us": median_us, "gb_per_s": num_bytes / median_us / 1e3}
+    return result
+
+
 def percentiles_us(waits_ns: list[int]) -> dict[str, float]:
     values = np.asarray(waits_ns, dtype=np.float64) / 1e3
     values = values[values > 0]  # a failed task has no completion stamp
@@ -437,6 +478,9 @@ def run(args: argparse.Namespace) -> Path:
     model = ColdModel(cfg, shape, library)
     receiver.poll()  # compile/load the kernels before anything is timed
     torch.cuda.synchronize()
+    task_attention = time_task_attention(library, region, cfg, shape,
+                                         [None, receiver.num_blocks, cfg.spin_blocks])  # fmt: skip
+    print(f"task attention alone: {task_attention}", flush=True)
 
     ctx = mp.get_context("spawn")
     parent_conn, child_conn = ctx.Pipe()
@@ -562,6 +606,7 @@ def run(args: argparse.Namespace) -> Path:
         cold_shape=asdict(shape),
         baseline_no_traffic_step_ms=baseline_quiet,
         poll_grid_sweep_overhead=sweep,
+        task_attention=task_attention,
         poll_points_per_step={"unsplit": model.num_poll_points(False),
                               "split": model.num_poll_points(True)},
         receivers=results,
