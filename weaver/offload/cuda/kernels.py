@@ -246,6 +246,7 @@ def launch(fn: Any, grid: int, block: int, args: tuple[Any, ...], device: torch.
     """Launch a cupy.RawKernel on torch's current stream of `device`."""
     import cupy
 
-    stream = torch.cuda.current_stream(device)
-    with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
+    index = torch.cuda.current_device() if device.index is None else device.index
+    stream = torch.cuda.current_stream(index)
+    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream.cuda_stream, index):
         fn((grid,), (block,), args)
