@@ -453,6 +453,16 @@ def time_task_attention(library: Any, region: Any, cfg: RunConfig, shape: ColdSh
     return result
 
 
+def high_priority_stream() -> Any:
+    """A stream of the highest priority the device offers (lower number = higher)."""
+    import torch
+
+    priority_range = getattr(torch.cuda.Stream, "priority_range", None)
+    # torch maps an out-of-range priority to the nearest valid one (torch.cuda.Stream docs)
+    highest = priority_range()[1] if priority_range is not None else -(2**10)
+    return torch.cuda.Stream(priority=highest)
+
+
 def percentiles_us(waits_ns: list[int]) -> dict[str, float]:
     values = np.asarray(waits_ns, dtype=np.float64) / 1e3
     values = values[values > 0]  # a failed task has no completion stamp
@@ -516,8 +526,7 @@ def run(args: argparse.Namespace) -> Path:
         run_cold_steps(step, until=lambda: True, min_steps=3, max_steps=3)  # warm-up
         return run_cold_steps(step, until=lambda: True, min_steps=n_steps, max_steps=n_steps)
 
-    _, high_priority = torch.cuda.Stream.priority_range()
-    spin_stream = torch.cuda.Stream(priority=high_priority)
+    spin_stream = high_priority_stream()
     control_stream = torch.cuda.Stream()
 
     def start_spin(max_s: float) -> None:

@@ -33,8 +33,7 @@ def main() -> int:
     region = CudaRegion.create(layout, spec["name"], device)
     receiver = CudaOffloadReceiver(region, library, num_blocks=8)
     print("HANDLE", region.export_handle().hex(), flush=True)
-    _, high = torch.cuda.Stream.priority_range()
-    spin_stream = torch.cuda.Stream(device, priority=high)
+    spin_stream = torch.cuda.Stream(device, priority=-1)  # high priority
     with torch.cuda.stream(spin_stream):
         receiver.spin(spec["max_spin_s"])
     sys.stdin.readline()  # "stop" or EOF
