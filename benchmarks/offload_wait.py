@@ -27,7 +27,7 @@ traffic.
 Writes benchmarks/results/offload_wait-<gpu>-<time>.json and a PNG drawn from the JSON.
 Needs a CUDA GPU and CuPy (not vLLM); exits with code 2 and a message otherwise.
 
-    python benchmarks/offload_wait.py            # full run, ~3-5 min on an H100
+    python benchmarks/offload_wait.py            # full run (estimated 1-3 min on an H100)
     python benchmarks/offload_wait.py --quick    # ~1 min smoke run
     python benchmarks/offload_wait.py --plot-only benchmarks/results/offload_wait-....json
 """
@@ -549,10 +549,17 @@ def run(args: argparse.Namespace) -> Path:
             time.sleep(1e-3)
 
     def idle_poller(done: Callable[[], bool]) -> None:
-        # An idle cold engine keeps a short spin-mode poll in flight (1 ms each).
+        # An idle cold engine keeps 1 ms spin-mode polls queued two deep, so the next one
+        # starts as the last ends and no task lands in a host-side launch gap.
+        queued: list[Any] = []
         while not done():
             receiver.spin(1e-3)
-            torch.cuda.current_stream().synchronize()
+            event = torch.cuda.Event()
+            event.record()
+            queued.append(event)
+            if len(queued) > 2:
+                queued.pop(0).synchronize()
+        torch.cuda.current_stream().synchronize()
 
     def with_hot(num_tasks: int, seed: int, cold: Callable[[Callable[[], bool]], Any]) -> Any:
         # busy runs send full tasks; idle runs small ones, so that the idle round trip
