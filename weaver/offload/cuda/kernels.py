@@ -145,7 +145,7 @@ def publish(
     _check_region_args(region, desc)
     if seq < 1 or layer < 0 or num_seqs < 1:
         raise ValueError(f"bad task: seq {seq}, layer {layer}, num_seqs {num_seqs}")
-    _check_stamp(stamp, region.device)
+    _check_stamp(stamp, desc.device)
     fn = library.function(HOT_FILE, "weaver_publish")
     args = (
         _ptr(region), _ptr(desc), np.int64(seq), np.int64(layer), np.int64(num_seqs),

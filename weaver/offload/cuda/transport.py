@@ -290,7 +290,9 @@ class CudaOffloadSender:
         return self._out[: ticket.num_seqs]
 
     def status(self) -> tuple[WaitStatus, int]:
-        """(outcome, number of polls) of the last wait; synchronises the current stream."""
+        """(outcome, number of polls) of the last wait; synchronises the current stream, so
+        call it on the stream that ran wait() (torch's side streams do not order with the
+        default stream)."""
         outcome, num_polls = (int(x) for x in self._status.tolist())
         status = WaitStatus(outcome)
         if status != WaitStatus.OK:
