@@ -1,0 +1,39 @@
+// Standalone paged decode attention (same math as the polling kernel's): one thread block
+// of weaver::kThreads threads per (sequence, query head); grid-stride over items so any
+// grid size is correct. Launched by weaver/offload/cuda/kernels.py.
+#include "paged_attention.cuh"
+
+namespace weaver {
+
+template <class Dt, int kElems>
+__device__ void paged_decode_attention(const AttnParams& p, int* error_flag) {
+  __shared__ AttnShared shared;
+  const int num_items = p.num_seqs * p.num_q_heads;
+  for (int item = blockIdx.x; item < num_items; item += gridDim.x) {
+    const bool is_ok = attend_item<Dt, kElems>(p, item, shared);
+    if (!is_ok && threadIdx.x == 0 && error_flag != nullptr) atomicExch(error_flag, 1);
+  }
+}
+
+}  // namespace weaver
+
+#define WEAVER_ATTENTION_KERNEL(NAME, DT, ELEMS)                                                      \
+  extern "C" __global__ void __launch_bounds__(weaver::kThreads)                               \
+      NAME(const void* q, const void* kv, const int* seq_lens, const int* block_table,         \
+           void* out, int num_seqs, int num_q_heads, int num_kv_heads, int head_size,          \
+           int block_size, int block_table_stride, int num_blocks, int sliding_window,         \
+           float scale, float softcap, int* error_flag) {                                      \
+    const weaver::AttnParams p = {q,           kv,           seq_lens,   block_table,          \
+                                  out,         num_seqs,     num_q_heads, num_kv_heads,        \
+                                  head_size,   block_size,   block_table_stride, num_blocks,   \
+                                  sliding_window, scale,     softcap};                         \
+    weaver::paged_decode_attention<DT, ELEMS>(p, error_flag);                                         \
+  }
+
+// _h128: head_size <= 128, _h256: head_size <= 256 (kernels.py picks by head size)
+WEAVER_ATTENTION_KERNEL(weaver_paged_attention_f32_h128, weaver::F32, 4)
+WEAVER_ATTENTION_KERNEL(weaver_paged_attention_f16_h128, weaver::F16, 4)
+WEAVER_ATTENTION_KERNEL(weaver_paged_attention_bf16_h128, weaver::BF16, 4)
+WEAVER_ATTENTION_KERNEL(weaver_paged_attention_f32_h256, weaver::F32, 8)
+WEAVER_ATTENTION_KERNEL(weaver_paged_attention_f16_h256, weaver::F16, 8)
+WEAVER_ATTENTION_KERNEL(weaver_paged_attention_bf16_h256, weaver::BF16, 8)
