@@ -106,9 +106,11 @@ def measure(label: str, config: Path, requests: list[TraceRequest]) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--local-blocks", type=int, default=96, help="hot engine's own KV blocks")
-    parser.add_argument("--remote-blocks", type=int, default=192, help="blocks the cold lends")
-    parser.add_argument("--offload-ratio", type=float, default=0.67)
+    parser.add_argument("--local-blocks", type=int, default=99,
+                        help="hot engine's own KV blocks (99 = 11 requests of 9 blocks)")
+    parser.add_argument("--remote-blocks", type=int, default=189,
+                        help="blocks the cold engine lends (189 = 21 requests)")
+    parser.add_argument("--offload-ratio", type=float, default=0.66)
     parser.add_argument("--num-hot", type=int, default=32)
     parser.add_argument("--hot-input", type=int, default=32)
     parser.add_argument("--hot-output", type=int, default=256)

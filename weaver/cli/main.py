@@ -20,6 +20,7 @@ SUBCOMMAND_MODULES = (
     "weaver.cli.plan_split",
     "weaver.cli.bench",
     "weaver.cli.simulate",
+    "weaver.offload.cli",
 )
 
 

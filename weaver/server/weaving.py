@@ -19,7 +19,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from weaver.config.deployment import Deployment, Role
-from weaver.offload.shm_transport import region_paths
+from weaver.offload.naming import region_paths
 from weaver.weaving.plan import PairPlan, default_shm_prefix, plan_pairs
 
 logger = logging.getLogger(__name__)

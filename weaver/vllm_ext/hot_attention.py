@@ -53,6 +53,7 @@ class HotWeavingRuntime:
         self.sender = sender
         self.stats = HotWeavingStats()
         self.degraded_reason: str | None = None
+        self.step_split: _StepSplit | None = None  # the current step's batch split
         self._lock = threading.Lock()
 
     def mark_degraded(self, reason: str) -> None:
@@ -85,17 +86,53 @@ class _Rows:
     tokens: torch.Tensor  # int64 token indices into query/output
     query_start_loc: torch.Tensor  # int32, rebased to the subset
     seq_lens: torch.Tensor  # int32
+    block_table: torch.Tensor  # int32, rebased to the pool the rows' KV lives in
+    scheduler_metadata: torch.Tensor | None = None  # vLLM's, built once per step
 
 
-def _select(md: CPUAttentionMetadata, requests: torch.Tensor) -> _Rows:
+@dataclass
+class _StepSplit:
+    """How one step's batch divides by where each sequence's KV lives. Every layer of a
+    step shares the attention metadata object, so this is computed once per step."""
+
+    metadata: Any  # the CPUAttentionMetadata it was computed from (identity = cache key)
+    local: _Rows | None
+    remote_prefill: _Rows | None
+    remote_decode: _Rows | None
+    num_new_remote: int  # remote sequences starting their prefill in this step
+
+
+def _select(md: CPUAttentionMetadata, mask: torch.Tensor, block_offset: int) -> _Rows | None:
+    requests = torch.nonzero(mask).flatten()
+    if requests.numel() == 0:
+        return None
     starts = md.query_start_loc[requests].to(torch.int64)
-    ends = md.query_start_loc[requests + 1].to(torch.int64)
-    lengths = ends - starts
-    tokens = torch.cat([torch.arange(s, e) for s, e in zip(starts.tolist(), ends.tolist(),
-                                                           strict=True)])
+    lengths = md.query_start_loc[requests + 1].to(torch.int64) - starts
     query_start_loc = torch.zeros(len(requests) + 1, dtype=torch.int32)
     torch.cumsum(lengths, 0, out=query_start_loc[1:])
-    return _Rows(requests, tokens, query_start_loc, md.seq_lens[requests].to(torch.int32))
+    # Token i of the subset sits at starts[r] + (i - query_start_loc[r]) in the batch.
+    offsets = torch.repeat_interleave(starts - query_start_loc[:-1].to(torch.int64), lengths)
+    tokens = torch.arange(int(query_start_loc[-1]), dtype=torch.int64) + offsets
+    block_table = md.block_table[requests]
+    if block_offset:
+        block_table = (block_table - block_offset).clamp_(min=0)
+    return _Rows(requests, tokens, query_start_loc, md.seq_lens[requests].to(torch.int32),
+                 block_table)
+
+
+def _split_step(md: CPUAttentionMetadata, num_local_blocks: int) -> _StepSplit:
+    num_reqs = md.seq_lens.shape[0]
+    is_remote = md.block_table[:num_reqs, 0] >= num_local_blocks
+    query_lens = md.query_start_loc[1 : num_reqs + 1] - md.query_start_loc[:num_reqs]
+    is_decode = query_lens == 1
+    is_new = md.seq_lens[:num_reqs] == query_lens  # the first chunk of a prefill
+    return _StepSplit(
+        metadata=md,
+        local=_select(md, ~is_remote, 0),
+        remote_prefill=_select(md, is_remote & ~is_decode, num_local_blocks),
+        remote_decode=_select(md, is_remote & is_decode, num_local_blocks),
+        num_new_remote=int((is_remote & is_new).sum()),
+    )
 
 
 class WeaverCPUAttentionImpl(CPUAttentionBackendImpl):
@@ -130,45 +167,33 @@ class WeaverCPUAttentionImpl(CPUAttentionBackendImpl):
         if runtime is None or md is None:
             return super().forward(layer, query, key, value, kv_cache, md, output,
                                    output_scale, output_block_scale)
-        num_local_blocks = kv_cache.shape[0]
-        num_reqs = md.seq_lens.shape[0]
-        is_remote = md.block_table[:num_reqs, 0] >= num_local_blocks
-        if not bool(is_remote.any()):
+        split = runtime.step_split
+        if split is None or split.metadata is not md:
+            split = runtime.step_split = _split_step(md, kv_cache.shape[0])
+            runtime.stats.num_remote_sequences += split.num_new_remote
+        if split.remote_prefill is None and split.remote_decode is None:
             return super().forward(layer, query, key, value, kv_cache, md, output,
                                    output_scale, output_block_scale)
-        query_lens = md.query_start_loc[1 : num_reqs + 1] - md.query_start_loc[:num_reqs]
-        is_decode = query_lens == 1
-        if self.weaver_layer_index == 0:  # count each new remote sequence once per step
-            is_new = md.seq_lens[:num_reqs] == query_lens
-            runtime.stats.num_remote_sequences += int((is_remote & is_new).sum())
-        remote_decode = torch.nonzero(is_remote & is_decode).flatten()
-        remote_prefill = torch.nonzero(is_remote & ~is_decode).flatten()
-        local = torch.nonzero(~is_remote).flatten()
         remote_pool = runtime.sender.kv_layer(self.weaver_layer_index)
-
-        ticket, decode_rows = None, None
-        if remote_decode.numel() and runtime.degraded_reason is None:
-            decode_rows = _select(md, remote_decode)
-            ticket = self._submit(runtime, query, md, decode_rows, num_local_blocks)
-        if local.numel():
-            self._attend(layer, query, output, kv_cache, md, _select(md, local), 0)
-        if remote_prefill.numel():
-            runtime.stats.num_remote_prefill_rows += int(remote_prefill.numel())
-            self._attend(layer, query, output, remote_pool, md, _select(md, remote_prefill),
-                         num_local_blocks)
-        if remote_decode.numel():
-            decode_rows = decode_rows or _select(md, remote_decode)
-            if ticket is None or not self._collect(runtime, ticket, output, decode_rows):
-                runtime.stats.num_fallback_tasks += 1
-                self._attend(layer, query, output, remote_pool, md, decode_rows,
-                             num_local_blocks)
+        decode = split.remote_decode
+        ticket = None
+        if decode is not None and runtime.degraded_reason is None:
+            ticket = self._submit(runtime, query, decode)
+        if split.local is not None:
+            self._attend(layer, query, output, kv_cache, md, split.local)
+        if split.remote_prefill is not None:
+            runtime.stats.num_remote_prefill_rows += len(split.remote_prefill.requests)
+            self._attend(layer, query, output, remote_pool, md, split.remote_prefill)
+        if decode is not None and (ticket is None
+                                   or not self._collect(runtime, ticket, output, decode)):
+            runtime.stats.num_fallback_tasks += 1
+            self._attend(layer, query, output, remote_pool, md, decode)
         return output
 
-    def _submit(self, runtime, query, md, rows: _Rows, num_local_blocks: int):
-        block_table = (md.block_table[rows.requests] - num_local_blocks).clamp_(min=0)
+    def _submit(self, runtime, query, rows: _Rows):
         try:
             return runtime.sender.submit(
-                self.weaver_layer_index, query[rows.tokens], rows.seq_lens, block_table,
+                self.weaver_layer_index, query[rows.tokens], rows.seq_lens, rows.block_table,
                 scale=self.scale, sliding_window=self.sliding_window,
                 softcap=float(self.logits_soft_cap))
         except OffloadError as exc:
@@ -187,18 +212,17 @@ class WeaverCPUAttentionImpl(CPUAttentionBackendImpl):
         runtime.stats.wait_seconds.append(result.wait_s)
         return True
 
-    def _attend(self, layer, query, output, kv_layer, md, rows: _Rows, block_offset: int):
+    def _attend(self, layer, query, output, kv_layer, md, rows: _Rows) -> None:
         """vLLM's CPU attention kernel over a subset of the batch (as cpu_attn.py's
         builder and forward would run it for a batch of just these requests)."""
-        block_table = md.block_table[rows.requests]
-        if block_offset:
-            block_table = (block_table - block_offset).clamp_(min=0)
-        scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=len(rows.requests), num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads, head_dim=self.head_size, seq_lens=rows.seq_lens,
-            dtype=query.dtype, query_start_loc=rows.query_start_loc, causal=md.causal,
-            sliding_window_size=self.sliding_window, isa=layer.isa,
-            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype=self.kv_cache_dtype)
+        if rows.scheduler_metadata is None:  # same for every layer of the step
+            rows.scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=len(rows.requests), num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads, head_dim=self.head_size,
+                seq_lens=rows.seq_lens, dtype=query.dtype,
+                query_start_loc=rows.query_start_loc, causal=md.causal,
+                sliding_window_size=self.sliding_window, isa=layer.isa,
+                enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype=self.kv_cache_dtype)
         num_blocks, num_kv_heads, block_size, _ = kv_layer.shape
         key_cache, value_cache = kv_layer.view(
             num_blocks, num_kv_heads, block_size * 2, -1).chunk(2, dim=2)
@@ -207,8 +231,8 @@ class WeaverCPUAttentionImpl(CPUAttentionBackendImpl):
             query=query[rows.tokens], key_cache=key_cache, value_cache=value_cache,
             output=sub_out, query_start_loc=rows.query_start_loc, seq_lens=rows.seq_lens,
             scale=self.scale, causal=md.causal, alibi_slopes=self.alibi_slopes,
-            sliding_window=self.sliding_window, block_table=block_table,
-            softcap=self.logits_soft_cap, scheduler_metadata=scheduler_metadata,
+            sliding_window=self.sliding_window, block_table=rows.block_table,
+            softcap=self.logits_soft_cap, scheduler_metadata=rows.scheduler_metadata,
             s_aux=self.sinks, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
             kv_cache_dtype=self.kv_cache_dtype)
         output[rows.tokens] = sub_out

@@ -11,16 +11,21 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
+import struct
 import threading
 from typing import Any
 
 from weaver.offload.channel import OffloadReceiver, OffloadSender
+from weaver.offload.layout import OWNER_PID_OFFSET
 from weaver.offload.shm_transport import ShmRegion
 from weaver.weaving.plan import PairPlan
 
 logger = logging.getLogger(__name__)
 
 ATTACH_TIMEOUT_S = 30.0
+OWN_CORE_SPIN_S = 2e-3
+SHARED_CORE_SPIN_S = 50e-6
 IDLE_WAIT_S = 0.05  # the idle poller's longest sleep; a task's doorbell wakes it at once
 
 
@@ -42,6 +47,21 @@ def _poll_point_modules(model: Any) -> list[Any]:
     return [m for m in model.modules() if isinstance(m, kinds)]
 
 
+def _hot_spin_s(region: ShmRegion) -> float:
+    """How long the hot worker spins on a completion before sleeping on the doorbell.
+
+    While it waits, the hot worker has nothing else to run. When it has cores of its own
+    (none shared with the cold worker), spinning a while saves a sleep/wake-up per layer
+    and steals from no one; when they share a core, spinning would delay the very task
+    being waited for, so it sleeps almost at once."""
+    owner_pid = struct.unpack_from("<q", region.buffer, OWNER_PID_OFFSET)[0]
+    try:
+        shares_cores = bool(os.sched_getaffinity(0) & os.sched_getaffinity(owner_pid))
+    except OSError:  # the owner is gone or not visible: assume the worst
+        shares_cores = True
+    return SHARED_CORE_SPIN_S if shares_cores else OWN_CORE_SPIN_S
+
+
 class WeaverWorkerExtension:
     _weaver_hot: Any = None  # HotWeavingRuntime of a hot worker
     _weaver_receivers: list | None = None  # (region name, OffloadReceiver, task doorbell)
@@ -57,7 +77,8 @@ class WeaverWorkerExtension:
 
         plan = PairPlan.from_dict(plan_data)
         region = ShmRegion.attach(plan.layout(), plan.region_name, wait_s=ATTACH_TIMEOUT_S)
-        runtime = HotWeavingRuntime(plan, OffloadSender(region))
+        spin_s = _hot_spin_s(region)
+        runtime = HotWeavingRuntime(plan, OffloadSender(region, spin_s=spin_s))
         layers = _attention_layers(self)
         for name, layer in layers.items():
             if not isinstance(layer.impl, WeaverCPUAttentionImpl):
@@ -67,8 +88,8 @@ class WeaverWorkerExtension:
             layer.impl.weaver_layer_index = extract_layer_index(name)
             layer.impl.weaving_runtime = runtime
         self._weaver_hot = runtime
-        logger.info("hot worker attached region %s to %d attention layers",
-                    plan.region_name, len(layers))
+        logger.info("hot worker attached region %s to %d attention layers (spin %.0f us)",
+                    plan.region_name, len(layers), spin_s * 1e6)
         return {"region": plan.region_name, "num_layers": len(layers)}
 
     # --- cold side ----------------------------------------------------------------

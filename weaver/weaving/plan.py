@@ -16,7 +16,7 @@ from pathlib import Path
 
 from weaver.config.deployment import Deployment, ModelSpec
 from weaver.offload.layout import HotAttentionShape, RegionLayout
-from weaver.offload.shm_transport import region_name
+from weaver.offload.naming import region_name
 
 GiB = 1 << 30
 CPU_DEFAULT_BLOCK_SIZE = 128  # vLLM's default on CPU (platforms/cpu.py)
