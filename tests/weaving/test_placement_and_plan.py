@@ -10,11 +10,13 @@ from weaver.weaving.plan import PairPlan, plan_pairs
 
 
 def placements(ratio: float, n: int) -> str:
+    """A burst of n requests, none finishing in between."""
     policy = RatioPlacement(ratio)
-    out = []
+    out, counts = [], {Placement.LOCAL: 0, Placement.REMOTE: 0}
     for _ in range(n):
-        out.append(policy.preferred().value)
-        policy.commit()
+        choice = policy.preferred(counts[Placement.LOCAL], counts[Placement.REMOTE])
+        counts[choice] += 1
+        out.append(choice.value)
     return "".join(out)
 
 
@@ -26,12 +28,14 @@ def test_ratio_placement_spreads_remote_requests_evenly(ratio, expected):
     assert placements(ratio, 6) == expected
 
 
-def test_preferred_does_not_advance_until_commit():
-    policy = RatioPlacement(0.5)
-    assert policy.preferred() is Placement.LOCAL
-    assert policy.preferred() is Placement.LOCAL
-    policy.commit()
-    assert policy.preferred() is Placement.REMOTE
+def test_split_follows_the_running_set_not_the_history():
+    policy = RatioPlacement(2 / 3)
+    # 32 requests of a burst: 21 remote, 11 local, as the pools of the benchmark hold.
+    assert placements(0.66, 32).count("R") == 21
+    # Whatever ran before, a fresh burst starts from the running counts alone.
+    assert policy.preferred(0, 0) is Placement.LOCAL
+    assert policy.preferred(1, 0) is Placement.REMOTE
+    assert policy.preferred(1, 2) is Placement.LOCAL
 
 
 def test_spill_only_strictly_between_extremes():

@@ -54,7 +54,8 @@ class RoutingKVCacheManager:
             return self._pool(request.request_id).allocate_slots(
                 request, num_new_tokens, *args, **kwargs)
         # A new (or preempted and re-admitted) request: decide where its KV lives.
-        preferred = self.placement.preferred()
+        num_remote = self.num_running_remote
+        preferred = self.placement.preferred(len(self.placed) - num_remote, num_remote)
         order = [preferred]
         if self.placement.may_spill:
             order.append(Placement.LOCAL if preferred is Placement.REMOTE else Placement.REMOTE)
@@ -65,7 +66,6 @@ class RoutingKVCacheManager:
                 kwargs = {**kwargs, "new_computed_blocks": None, "num_new_computed_tokens": 0}
             blocks = pool.allocate_slots(request, num_new_tokens, *args, **kwargs)
             if blocks is not None:
-                self.placement.commit()
                 self.placed[request.request_id] = choice
                 if choice is Placement.REMOTE:
                     self.num_placed_remote += 1
