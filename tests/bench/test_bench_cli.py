@@ -94,6 +94,8 @@ def test_compare_two_fake_deployments_reports_ratios(fake_server, tmp_path, caps
       "--trace", "sharegpt"], "unknown trace"),
     (["bench", "compare", "--target", "nourl", "--model", "a", "--rate", "1"], "LABEL=URL"),
     (["bench", "summary", "/nonexistent.json"], "does not exist"),
+    (["bench", "run", "--config", "/nonexistent.yaml", "--model", "a", "--rate", "1"],
+     "neither an http:// or https:// URL nor an existing deployment file"),
 ])
 def test_user_errors_exit_2_with_a_message(argv, message, capsys):
     assert _main(argv) == 2
@@ -132,3 +134,26 @@ def test_registers_through_weaver_main(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main.main(["bench", "plot", "--help"])
     assert "tpot_vs_rate.png" in capsys.readouterr().out
+
+
+def test_bench_with_options_and_no_action_means_run(fake_server, tmp_path, monkeypatch):
+    # `weaver bench --config D ...` (the spelling) is `weaver bench run ...`.
+    from weaver.cli import main
+
+    server = fake_server(FakeBehavior(ttft_s=0.01, itl_s=0.002))
+    out = tmp_path / "short.json"
+    monkeypatch.setattr(main, "SUBCOMMAND_MODULES", ("weaver.cli.bench",))
+    argv = ["bench", "--url", server.url, "--rate", "50", "--out", str(out), *WORKLOAD]
+    assert main.main(argv) == 0
+    (run,) = load_result(out).runs
+    assert run.label == "deployment"
+    assert run.summary[ALL_MODELS].num_ok == 8
+
+
+def test_run_needs_exactly_one_of_url_and_config(capsys):
+    with pytest.raises(SystemExit):
+        _main(["bench", "run", "--model", "a", "--rate", "1"])
+    assert "one of the arguments --url --config is required" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _main(["bench", "run", "--url", "http://x", "--config", "d.yaml", "--model", "a"])
+    assert "not allowed with argument" in capsys.readouterr().err

@@ -1,6 +1,8 @@
 """`weaver bench`: trace-driven benchmarks against running OpenAI-compatible servers.
 
-  weaver bench run      send a workload (Azure conv/code or BurstGPT) to one server
+  weaver bench run      send a workload (Azure conv/code or BurstGPT) to one server, or
+                        to a deployment it starts (--config); `weaver bench --config D
+                        ...` is short for `weaver bench run --config D ...`
   weaver bench compare  send the same workload to several servers, print ratios
   weaver bench summary  print tables from saved results
   weaver bench plot     draw TPOT-vs-rate and throughput figures from saved results
@@ -22,11 +24,13 @@ API_KEY_ENV = "OPENAI_API_KEY"
 # The synthetic prompt of N words tokenizes to about N tokens plus BOS/special tokens; keep
 # this many tokens free under --max-model-len so that no request is rejected as too long.
 PROMPT_TOKEN_MARGIN = 4
+COMMAND = "bench"
+DEFAULT_ACTION = "run"  # `weaver bench --config D ...` (weaver.cli.main)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "bench",
+        COMMAND,
         help="trace-driven benchmarks against running servers",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -122,13 +126,20 @@ def _add_client_args(parser: argparse.ArgumentParser) -> None:
 
 def _register_run(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
-        "run", help="send a workload to one running server",
-        description="Send a trace-driven workload to a running OpenAI-compatible server "
-        "(/v1/completions, streaming) and save per-request records and summaries as JSON.",
+        "run", help="send a workload to one server or deployment",
+        description="Send a trace-driven workload to an OpenAI-compatible server "
+        "(/v1/completions, streaming) and save per-request records and summaries as JSON. "
+        "The server is either running already (--url) or started from a deployment file "
+        "for this run and stopped after it (--config).",
     )
-    parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--label", default="deployment",
-                        help="name of this deployment in results and plots (default: %(default)s)")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="a running server's base URL, e.g. http://127.0.0.1:8000")
+    where.add_argument("--config", type=Path, metavar="DEPLOYMENT.yaml",
+                       help="start `weaver serve` on this deployment file for the run (its log "
+                       "lands beside --out)")
+    parser.add_argument("--label", default=None,
+                        help="name of this deployment in results and plots (default: the "
+                        "deployment file's name with --config, else 'deployment')")
     _add_workload_args(parser)
     _add_client_args(parser)
     parser.set_defaults(handler=_run_handler)
@@ -359,7 +370,8 @@ def _served(label: str, where: str, out: Path):
 
     config = Path(where)
     if not config.is_file():
-        raise ValueError(f"{where!r} is neither a URL nor an existing deployment file")
+        raise ValueError(f"{where!r} is neither an http:// or https:// URL nor an existing "
+                         "deployment file")
     log = Path(out).with_name(f"{Path(out).stem}.{label}.serve.log")
     print(f"starting deployment {label!r} from {config} (log: {log})", flush=True)
     with weaver_server(config, log) as server:
@@ -375,7 +387,10 @@ def _warn_if_all_failed(run) -> None:
 
 @_guarded
 def _run_handler(args: argparse.Namespace) -> int:
-    _run_targets(args, [(args.label, args.url)])
+    if args.config is not None:
+        _run_targets(args, [(args.label or args.config.stem, str(args.config))])
+    else:
+        _run_targets(args, [(args.label or "deployment", args.url)])
     return 0
 
 

@@ -46,9 +46,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _with_default_actions(argv: list[str]) -> list[str]:
+    """`weaver bench --config D ...` reads as `weaver bench run --config D ...`: a command
+    group whose module names a DEFAULT_ACTION gets it when an option follows the group."""
+    if len(argv) < 2 or not argv[1].startswith("-") or argv[1] in ("-h", "--help"):
+        return argv
+    for module_name in SUBCOMMAND_MODULES:
+        module = importlib.import_module(module_name)
+        if getattr(module, "COMMAND", None) == argv[0] and hasattr(module, "DEFAULT_ACTION"):
+            return [argv[0], module.DEFAULT_ACTION, *argv[1:]]
+    return argv
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_with_default_actions(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
