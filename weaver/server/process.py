@@ -50,12 +50,17 @@ class RunningServer:
 
 
 @contextlib.contextmanager
-def weaver_server(config: Path, log_path: Path, *extra_args: str) -> Iterator[RunningServer]:
+def weaver_server(
+    config: Path | None, log_path: Path, *extra_args: str
+) -> Iterator[RunningServer]:
+    """`weaver serve CONFIG` (the embedded default deployment when CONFIG is None) on a
+    free port, until the block ends; then it and every process it started are gone."""
     port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    config_args = [] if config is None else [str(config)]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "weaver.cli.main", "serve", str(config),
+            [sys.executable, "-m", "weaver.cli.main", "serve", *config_args,
              "--port", str(port), *extra_args],
             stdout=log, stderr=subprocess.STDOUT, env=env,
         )
