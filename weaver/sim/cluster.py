@@ -8,8 +8,14 @@ from weaver.sim.config import SimConfig
 from weaver.sim.engine import Engine
 from weaver.sim.instance import BlockPool, Instance, ModelServer, ServerConfig, SimRequest
 from weaver.sim.perf_model import LinkModel, PerfModel
-from weaver.sim.profile import CPU_DEVICE, DeviceSpec, Profile, get_device, get_shape, \
-    roofline_profile
+from weaver.sim.profile import (
+    CPU_DEVICE,
+    DeviceSpec,
+    Profile,
+    get_device,
+    get_shape,
+    roofline_profile,
+)
 
 
 class Cluster:
