@@ -34,8 +34,10 @@ def _register_simulate(subparsers: argparse._SubParsersAction) -> None:
                     "policy (dedicated, mux_temporal, muxserve, splitwise, weaver). With a "
                     "`sweep:` section it sweeps one model's rate for each listed policy and "
                     "reports its max rate under the SLO. Writes JSON results and PNG plots "
-                    "to OUT/CONFIG_NAME/.")
-    parser.add_argument("config", help=_config_help())
+                    "to OUT/CONFIG_NAME/. With --validate, replays every run of a saved "
+                    "`weaver bench` result in a simulated copy of its deployment and "
+                    "compares mean TPOT and output-token throughput per model.")
+    parser.add_argument("config", nargs="?", help=_config_help())
     parser.add_argument("--out", default="results/sim", help="output folder (default: "
                         "%(default)s)")
     parser.add_argument("--policy", help="override the config's policy (single run only)")
@@ -43,6 +45,18 @@ def _register_simulate(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-sweep", action="store_true",
                         help="run the config once even if it has a sweep section")
     parser.add_argument("--no-plot", action="store_true", help="write JSON only")
+    group = parser.add_argument_group("validation against measured runs")
+    group.add_argument("--validate", metavar="RESULTS_JSON",
+                       help="a `weaver bench` results file to replay instead of a config")
+    group.add_argument("--profile", action="append", default=[], metavar="[MODEL=]PATH",
+                       help="measured profile JSON (weaver profile --engine) for every "
+                            "model, or for one deployment model; repeatable")
+    group.add_argument("--deployment", action="append", default=[], metavar="LABEL=PATH",
+                       help="deployment file of a run label (default: the .yaml files "
+                            "named in the results' command, by file stem)")
+    group.add_argument("--tolerance", type=float, default=0.15,
+                       help="largest |sim/measured - 1| counted as a match (default: "
+                            "%(default)s)")
     parser.set_defaults(handler=run_simulate)
 
 
@@ -99,6 +113,11 @@ def run_simulate(args: argparse.Namespace) -> int:
     from weaver.sim import plots
     from weaver.sim.runner import rate_sweep, simulate
 
+    if args.validate:
+        return run_validate(args)
+    if not args.config:
+        logger.error("give a config (or --validate RESULTS_JSON)")
+        return 2
     try:
         config = resolve_config(args.config)
         if args.seed is not None:
@@ -121,6 +140,54 @@ def run_simulate(args: argparse.Namespace) -> int:
         return 2
     print(f"results: {path}")
     return 0
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    from weaver.bench.results import load_result
+    from weaver.config.deployment import load_deployment
+    from weaver.sim.validate import deployment_paths_from_command, format_table, validate_result
+
+    try:
+        result = load_result(args.validate)
+        paths = deployment_paths_from_command(result)
+        paths.update({k: Path(v) for k, v in _pairs(args.deployment, "--deployment").items()})
+        labels = {run.label for run in result.runs}
+        deployments = {label: load_deployment(paths[label]) for label in labels
+                       if label in paths}
+        profiles = _profiles(args.profile, deployments.values())
+        report = validate_result(result, deployments, profiles, args.tolerance)
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
+    report["results"] = str(args.validate)
+    report["deployments"] = {label: str(paths[label]) for label in sorted(deployments)}
+    print(format_table(report))
+    path = _write_json(Path(args.out) / f"validate_{Path(args.validate).stem}.json", report)
+    print(f"results: {path}")
+    return 0
+
+
+def _pairs(values: list[str], flag: str) -> dict[str, str]:
+    out = {}
+    for text in values:
+        key, sep, value = text.partition("=")
+        if not sep or not key or not value:
+            raise ValueError(f"{flag} {text!r}: use KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def _profiles(values: list[str], deployments) -> dict[str, str]:
+    """`--profile PATH` for every model, `--profile MODEL=PATH` for one (wins)."""
+    if not values:
+        raise ValueError("--validate needs --profile PATH (from `weaver profile --engine`)")
+    shared = [v for v in values if "=" not in v]
+    if len(shared) > 1:
+        raise ValueError(f"more than one --profile without MODEL=: {shared}")
+    names = {m.name for d in deployments for m in d.models}
+    profiles = dict.fromkeys(names, shared[0]) if shared else {}
+    profiles.update(_pairs([v for v in values if "=" in v], "--profile"))
+    return profiles
 
 
 def run_plan(args: argparse.Namespace) -> int:
