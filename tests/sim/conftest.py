@@ -67,10 +67,9 @@ def make_config(profile_path):
         data = {
             "name": "test", "duration_s": 10.0, "cluster": {"device": "A100-80GB",
                                                             "num_gpus": num_gpus},
-            "models": [{"name": n, "rate": r, "profile": profile_path,
-                        "input": {"mean": 64, "sigma": 0.5}, "output": {"mean": 16,
-                                                                         "sigma": 0.5}}
-                       for n, r in models],
+            # Azure-conv lengths scaled to ~75 / 23 tokens: short, seconds-long runs.
+            "workload": {"trace": "azure-conv", "length_scale": 0.1},
+            "models": [{"name": n, "rate": r, "profile": profile_path} for n, r in models],
             "placement": placement,
         }
         data.update(overrides)

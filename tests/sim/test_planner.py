@@ -53,8 +53,8 @@ def test_small_power_law_cluster_planner_beats_dedicated():
     cfg = SimConfig.model_validate({
         "name": "small-power-law", "duration_s": 8.0, "plan_candidates": 2,
         "cluster": {"device": "A100-80GB", "num_gpus": 8},
-        "model_set": {"num_models": 4, "total_rate": 80.0, "alpha": 1.2,
-                      "output": {"mean": 64, "max": 512}},
+        "model_set": {"num_models": 4, "total_rate": 80.0, "alpha": 1.2},
+        "workload": {"trace": "azure-conv"},  # 749 / 232 tokens
         "slo": {"tpot_ms": 100, "ttft_s": 3.0},
     })
     result = plan_cluster(cfg)

@@ -63,9 +63,10 @@ def test_simulate_command_writes_json_and_a_plot(tmp_path, profile_path, capsys)
 def test_sweep_prints_the_ratio_beside_the_paper(tmp_path, profile_path, capsys):
     config = tmp_path / "sweep.yaml"
     config.write_text(
-        "name: sw\nduration_s: 5\ncluster: {num_gpus: 2}\nslo: {tpot_ms: 300}\nmodels:\n"
-        f"  - {{name: hot, rate: 8, profile: {profile_path}, output: {{mean: 32}}}}\n"
-        f"  - {{name: cold, rate: 1, profile: {profile_path}, output: {{mean: 32}}}}\n"
+        "name: sw\nduration_s: 5\ncluster: {num_gpus: 2}\nslo: {tpot_ms: 150}\n"
+        "workload: {trace: azure-conv}\nmodels:\n"
+        f"  - {{name: hot, rate: 8, profile: {profile_path}}}\n"
+        f"  - {{name: cold, rate: 1, profile: {profile_path}}}\n"
         "placement: {gpus: [{models: [hot]}, {models: [cold]}], "
         "pairs: [{hot_gpu: 0, cold_gpu: 1}]}\n"
         "sweep: {model: hot, rates: [5, 20], policies: [dedicated, weaver]}\n")

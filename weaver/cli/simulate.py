@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -34,8 +35,10 @@ def _register_simulate(subparsers: argparse._SubParsersAction) -> None:
                     "policy (dedicated, mux_temporal, muxserve, splitwise, weaver). With a "
                     "`sweep:` section it sweeps one model's rate for each listed policy and "
                     "reports its max rate under the SLO. Writes JSON results and PNG plots "
-                    "to OUT/CONFIG_NAME/.")
-    parser.add_argument("config", help=_config_help())
+                    "to OUT/CONFIG_NAME/. With --validate, replays every run of a saved "
+                    "`weaver bench` result in a simulated copy of its deployment and "
+                    "compares mean TPOT and output-token throughput per model.")
+    parser.add_argument("config", nargs="?", help=_config_help())
     parser.add_argument("--out", default="results/sim", help="output folder (default: "
                         "%(default)s)")
     parser.add_argument("--policy", help="override the config's policy (single run only)")
@@ -43,6 +46,18 @@ def _register_simulate(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-sweep", action="store_true",
                         help="run the config once even if it has a sweep section")
     parser.add_argument("--no-plot", action="store_true", help="write JSON only")
+    group = parser.add_argument_group("validation against measured runs")
+    group.add_argument("--validate", metavar="RESULTS_JSON",
+                       help="a `weaver bench` results file to replay instead of a config")
+    group.add_argument("--profile", action="append", default=[], metavar="[MODEL=]PATH",
+                       help="measured profile JSON (weaver profile --engine) for every "
+                            "model, or for one deployment model; repeatable")
+    group.add_argument("--deployment", action="append", default=[], metavar="LABEL=PATH",
+                       help="deployment file of a run label (default: the .yaml files "
+                            "named in the results' command, by file stem)")
+    group.add_argument("--tolerance", type=float, default=0.15,
+                       help="largest |sim/measured - 1| counted as a match (default: "
+                            "%(default)s)")
     parser.set_defaults(handler=run_simulate)
 
 
@@ -77,6 +92,14 @@ def _register_profile(subparsers: argparse._SubParsersAction) -> None:
                              "on CPU, the others take long)")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per point")
     parser.add_argument("--out", required=True, help="profile JSON to write")
+    parser.add_argument("--engine", metavar="MODEL",
+                        help="time vLLM's own engine serving MODEL (a prepared model name "
+                             "or a directory) on one CPU core instead: prefill steps, decode "
+                             "steps over batch x context, and the CPU attention kernel the "
+                             "cold side runs (about 2-3 minutes for smollm2-135m-instruct)")
+    parser.add_argument("--cpu-core", type=int, default=0,
+                        help="--engine: the core to pin to, as a deployment's cpu_cores "
+                             "(default: %(default)s)")
     parser.set_defaults(handler=run_profile)
 
 
@@ -99,6 +122,11 @@ def run_simulate(args: argparse.Namespace) -> int:
     from weaver.sim import plots
     from weaver.sim.runner import rate_sweep, simulate
 
+    if args.validate:
+        return run_validate(args)
+    if not args.config:
+        logger.error("give a config (or --validate RESULTS_JSON)")
+        return 2
     try:
         config = resolve_config(args.config)
         if args.seed is not None:
@@ -121,6 +149,54 @@ def run_simulate(args: argparse.Namespace) -> int:
         return 2
     print(f"results: {path}")
     return 0
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    from weaver.bench.results import load_result
+    from weaver.config.deployment import load_deployment
+    from weaver.sim.validate import deployment_paths_from_command, format_table, validate_result
+
+    try:
+        result = load_result(args.validate)
+        paths = deployment_paths_from_command(result)
+        paths.update({k: Path(v) for k, v in _pairs(args.deployment, "--deployment").items()})
+        labels = {run.label for run in result.runs}
+        deployments = {label: load_deployment(paths[label]) for label in labels
+                       if label in paths}
+        profiles = _profiles(args.profile, deployments.values())
+        report = validate_result(result, deployments, profiles, args.tolerance)
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
+    report["results"] = str(args.validate)
+    report["deployments"] = {label: str(paths[label]) for label in sorted(deployments)}
+    print(format_table(report))
+    path = _write_json(Path(args.out) / f"validate_{Path(args.validate).stem}.json", report)
+    print(f"results: {path}")
+    return 0
+
+
+def _pairs(values: list[str], flag: str) -> dict[str, str]:
+    out = {}
+    for text in values:
+        key, sep, value = text.partition("=")
+        if not sep or not key or not value:
+            raise ValueError(f"{flag} {text!r}: use KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def _profiles(values: list[str], deployments) -> dict[str, str]:
+    """`--profile PATH` for every model, `--profile MODEL=PATH` for one (wins)."""
+    if not values:
+        raise ValueError("--validate needs --profile PATH (from `weaver profile --engine`)")
+    shared = [v for v in values if "=" not in v]
+    if len(shared) > 1:
+        raise ValueError(f"more than one --profile without MODEL=: {shared}")
+    names = {m.name for d in deployments for m in d.models}
+    profiles = dict.fromkeys(names, shared[0]) if shared else {}
+    profiles.update(_pairs([v for v in values if "=" in v], "--profile"))
+    return profiles
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -149,9 +225,47 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_engine_profile(args: argparse.Namespace) -> int:
+    """`weaver profile --engine MODEL`: the vLLM import stays in weaver.vllm_ext."""
+    from weaver.models.registry import resolve_model
+    from weaver.sim.engine_profile import EngineGrid, build_profile, shape_from_hf_config
+
+    try:
+        model_dir = resolve_model(args.engine)
+        config = json.loads((model_dir / "config.json").read_text())
+        shape = shape_from_hf_config(config, Path(args.engine).name, dtype_bytes=4)
+        if args.cpu_core not in os.sched_getaffinity(0):
+            raise ValueError(f"--cpu-core {args.cpu_core} is not one of this process's cores "
+                             f"{sorted(os.sched_getaffinity(0))}")
+    except (ValueError, OSError) as exc:
+        logger.error("%s", exc)
+        return 2
+    from weaver.vllm_ext.engine_timing import time_engine
+
+    grid = EngineGrid()
+    logger.info("profiling %s on core %d: %d prefill tokens in all", model_dir,
+                args.cpu_core, grid.num_prefill_tokens())
+    timings = time_engine(model_dir, shape, grid, args.cpu_core)
+    profile = build_profile(grid, shape, timings, device="cpu",
+                            memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    profile.save(args.out)
+    _print_profile(profile, args.out)
+    return 0
+
+
+def _print_profile(profile, out: str) -> None:
+    print(f"{profile.shape.name} on {profile.device}: prefill({profile.prefill_tokens[-1]} "
+          f"tokens)={profile.prefill_s[-1] * 1e3:.2f} ms, decode(batch "
+          f"{profile.decode_batch_sizes[0]}, {profile.decode_context_tokens[0]} context)="
+          f"{profile.decode_s[0][0] * 1e3:.2f} ms; source: {profile.source}")
+    print(f"profile: {out}")
+
+
 def run_profile(args: argparse.Namespace) -> int:
     from weaver.sim.profile import get_device, get_shape, roofline_profile
 
+    if args.engine:
+        return run_engine_profile(args)
     shape = get_shape(args.shape)
     if args.device == "cpu":
         from weaver.sim.measure import MeasureSettings, measure_cpu_profile
@@ -163,11 +277,7 @@ def run_profile(args: argparse.Namespace) -> int:
     else:
         profile = roofline_profile(shape, get_device(args.device))
     profile.save(args.out)
-    print(f"{profile.shape.name} on {profile.device}: prefill({profile.prefill_tokens[-1]} "
-          f"tokens)={profile.prefill_s[-1] * 1e3:.2f} ms, decode(batch "
-          f"{profile.decode_batch_sizes[0]}, {profile.decode_context_tokens[0]} context)="
-          f"{profile.decode_s[0][0] * 1e3:.2f} ms; source: {profile.source}")
-    print(f"profile: {args.out}")
+    _print_profile(profile, args.out)
     return 0
 
 

@@ -8,6 +8,9 @@ Pieces, one job each:
 - `instance`: continuous batching with chunked prefill and paged KV capacity;
 - `policies/`: dedicated, mux_temporal, muxserve, splitwise, weaver (registry by name);
 - `planner`: MuxServe-style enumeration + greedy placement, extended with weaving;
+- `workload`: requests from `weaver.workloads` (as `weaver bench` builds them) or replayed
+  from a saved bench run; `deployment`: a cluster mirroring a deployment file;
+  `validate`: sim vs measured runs through `weaver.bench.metrics`;
 - `config`, `runner`, `metrics`, `plots`: YAML configs, runs and sweeps, JSON results,
   plots from saved JSON. The commands are in `weaver.cli.simulate`.
 

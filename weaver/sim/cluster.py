@@ -8,16 +8,23 @@ from weaver.sim.config import SimConfig
 from weaver.sim.engine import Engine
 from weaver.sim.instance import BlockPool, Instance, ModelServer, ServerConfig, SimRequest
 from weaver.sim.perf_model import LinkModel, PerfModel
-from weaver.sim.profile import Profile, get_device, get_shape, roofline_profile
+from weaver.sim.profile import (
+    CPU_DEVICE,
+    DeviceSpec,
+    Profile,
+    get_device,
+    get_shape,
+    roofline_profile,
+)
 
 
 class Cluster:
     def __init__(self, config: SimConfig, engine: Engine) -> None:
         self.config = config
         self.engine = engine
-        self.device = get_device(config.cluster.device)
-        self.server_cfg = ServerConfig(config.server.block_size, config.server.max_num_seqs,
-                                       config.server.max_num_batched_tokens)
+        # None for CPU cores: every model there has a measured profile and KV in blocks.
+        self.device: DeviceSpec | None = (None if config.cluster.device == CPU_DEVICE
+                                          else get_device(config.cluster.device))
         self.finished: list[SimRequest] = []
         self._perf: dict[str, PerfModel] = {}
 
@@ -27,6 +34,7 @@ class Cluster:
             if spec.profile:
                 profile = Profile.load(spec.profile)
             else:
+                assert self.device is not None  # config validation: cpu needs profiles
                 profile = roofline_profile(get_shape(spec.shape), self.device)
             self._perf[model] = PerfModel(profile)
         return self._perf[model]
@@ -37,8 +45,22 @@ class Cluster:
         profile = self.perf(model).profile
         return LinkModel(profile.link_bandwidth_bps, profile.link_latency_s)
 
+    def server_config(self, model: str) -> ServerConfig:
+        spec, srv = self.config.model(model), self.config.server
+        return ServerConfig(spec.block_size or srv.block_size,
+                            spec.max_num_seqs or srv.max_num_seqs,
+                            srv.max_num_batched_tokens)
+
+    def block_bytes(self, model: str) -> int:
+        return self.server_config(model).block_size * self.perf(model).shape.kv_bytes_per_token
+
     def kv_capacity_bytes(self, models: list[str]) -> float:
-        """Device memory left for KV after the weights of the models placed on it."""
+        """KV memory of a device: the blocks its models were given (as a deployment's
+        engines are), else device memory left after the weights of the models on it."""
+        if all(self.config.model(m).num_blocks is not None for m in models):
+            return float(sum(self.config.model(m).num_blocks * self.block_bytes(m)
+                             for m in models))
+        assert self.device is not None  # config validation: cpu models give num_blocks
         srv = self.config.server
         weights = sum(self.perf(m).shape.params_bytes for m in models)
         reserve = srv.activation_reserve_gib * (1 << 30) * len(models)
@@ -49,7 +71,7 @@ class Cluster:
         return capacity
 
     def make_server(self, model: str, pool: BlockPool, phase: str = "both") -> ModelServer:
-        server = ModelServer(model, self.perf(model), pool, self.server_cfg, phase)
+        server = ModelServer(model, self.perf(model), pool, self.server_config(model), phase)
         server.on_finished = self.finished.append
         return server
 

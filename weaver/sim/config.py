@@ -9,8 +9,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from weaver.sim.profile import KNOWN_DEVICES, KNOWN_SHAPES
-from weaver.sim.workload import power_law_rates
+from weaver.sim.profile import CPU_DEVICE, KNOWN_DEVICES, KNOWN_SHAPES
+from weaver.workloads.popularity import power_law_rates
 
 POLICY_NAMES = ("dedicated", "mux_temporal", "muxserve", "splitwise", "weaver")
 
@@ -19,19 +19,31 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class LengthSpec(_Strict):
-    mean: float = Field(gt=0, description="mean length in tokens")
-    sigma: float = Field(1.0, ge=0, description="lognormal shape parameter")
-    max: int = Field(8192, gt=0, description="lengths are clipped to this")
+class WorkloadConfig(_Strict):
+    """Where request lengths and arrivals come from: `weaver.workloads`, as in `weaver
+    bench` (the fields mean what the bench CLI's flags of the same name mean)."""
+
+    trace: str = Field("azure-conv", description="azure-conv | azure-code | burstgpt:PATH")
+    filter_name: str | None = Field(None, description="row filter; default: the paper's "
+                                    "filter for the trace (weaver.workloads.filters)")
+    arrival: Literal["poisson", "gamma", "trace"] = "poisson"
+    burstiness: float = Field(1.0, gt=0, description="gamma arrivals' shape (1 = Poisson)")
+    length_scale: float = Field(1.0, gt=0, description="multiplies input and output lengths")
+    max_model_len: int | None = Field(None, ge=2, description="lengths shrink to fit this")
+    traces_dir: str | None = Field(None, description="default: $WEAVER_TRACES_DIR or "
+                                   "<repo>/../shared/traces")
 
 
 class ModelSpec(_Strict):
     name: str
     shape: str = "llama-3-8b"
     rate: float = Field(ge=0, description="requests per second")
-    input: LengthSpec = LengthSpec(mean=749, max=8192)
-    output: LengthSpec = LengthSpec(mean=232, max=2048)
     profile: str | None = Field(None, description="profile JSON; default: roofline")
+    num_blocks: int | None = Field(None, gt=0, description="KV capacity in blocks of "
+                                   "block_size tokens (as a deployment's engine has); "
+                                   "default: device memory left after the weights")
+    block_size: int | None = Field(None, gt=0, description="default: server.block_size")
+    max_num_seqs: int | None = Field(None, gt=0, description="default: server.max_num_seqs")
 
     @model_validator(mode="after")
     def _known_shape(self) -> ModelSpec:
@@ -48,13 +60,11 @@ class ModelSetSpec(_Strict):
     total_rate: float = Field(gt=0)
     alpha: float = Field(1.0, ge=0)
     shape: str = "llama-3-8b"
-    input: LengthSpec = LengthSpec(mean=749, max=8192)
-    output: LengthSpec = LengthSpec(mean=232, max=2048)
 
     def expand(self) -> list[ModelSpec]:
         rates = power_law_rates(self.num_models, self.total_rate, self.alpha)
-        return [ModelSpec(name=f"m{i:02d}", shape=self.shape, rate=r, input=self.input,
-                          output=self.output) for i, r in enumerate(rates)]
+        return [ModelSpec(name=f"m{i:02d}", shape=self.shape, rate=r)
+                for i, r in enumerate(rates)]
 
 
 class ClusterSpec(_Strict):
@@ -63,9 +73,9 @@ class ClusterSpec(_Strict):
 
     @model_validator(mode="after")
     def _known_device(self) -> ClusterSpec:
-        if self.device not in KNOWN_DEVICES:
+        if self.device != CPU_DEVICE and self.device not in KNOWN_DEVICES:
             raise ValueError(f"unknown device {self.device!r}; use one of "
-                             f"{sorted(KNOWN_DEVICES)}")
+                             f"{sorted(KNOWN_DEVICES) + [CPU_DEVICE]}")
         return self
 
 
@@ -78,9 +88,10 @@ class ServerSpec(_Strict):
 
 
 class WeavingSpec(_Strict):
-    offload_policy: Literal["fixed", "overflow"] = Field(
+    offload_policy: Literal["fixed", "overflow", "ratio"] = Field(
         "fixed", description="fixed: keep offload_ratio of the running sequences remote; "
-        "overflow: place a sequence remotely only when local KV is full")
+        "overflow: place a sequence remotely only when local KV is full; ratio: the "
+        "deployment's own placement (weaver.weaving.placement.RatioPlacement, with spill)")
     offload_ratio: float = Field(0.5, ge=0, le=1, description="target share of remote seqs "
                                  "(fixed) or the cap on it (overflow)")
     region_fraction: float = Field(0.5, ge=0, le=1,
@@ -112,6 +123,9 @@ class PairSpec(_Strict):
     hot_gpu: int = Field(ge=0)
     cold_gpu: int = Field(ge=0)
     offload_ratio: float | None = Field(None, ge=0, le=1)
+    remote_blocks: int | None = Field(None, gt=0, description="blocks of the hot model "
+                                      "lent by the cold side (a deployment's lend_kv_gib); "
+                                      "default: weaving.region_fraction of its KV memory")
 
 
 class PlacementSpec(_Strict):
@@ -132,6 +146,7 @@ class SimConfig(_Strict):
     drain_s: float = Field(90.0, ge=0, description="simulate at most this long after the "
                            "arrival window; requests unfinished by then count as missed")
     policy: str = "dedicated"
+    workload: WorkloadConfig = WorkloadConfig()
     models: list[ModelSpec] = []
     model_set: ModelSetSpec | None = None
     cluster: ClusterSpec
@@ -162,6 +177,8 @@ class SimConfig(_Strict):
             raise ValueError(f"sweep.model {self.sweep.model!r} is not one of {names}")
         if self.placement:
             _check_placement(self.placement, names, self.cluster.num_gpus)
+        if self.cluster.device == CPU_DEVICE:
+            _check_cpu_models(self.models)
         return self
 
     def model(self, name: str) -> ModelSpec:
@@ -181,6 +198,15 @@ def _check_placement(placement: PlacementSpec, names: list[str], num_gpus: int) 
                 pair.hot_gpu == pair.cold_gpu:
             raise ValueError(f"weaving pair {pair} must name two different GPUs of the "
                              f"placement (0..{len(placement.gpus) - 1})")
+
+
+def _check_cpu_models(models: list[ModelSpec]) -> None:
+    # No published peak numbers describe one core of this machine, so there is no
+    # roofline to fall back on, and its KV is what the engine was given, in blocks.
+    for m in models:
+        if m.profile is None or m.num_blocks is None:
+            raise ValueError(f"model {m.name!r} on device cpu needs a measured `profile:` "
+                             "(weaver profile --engine) and `num_blocks:`")
 
 
 def load_config(path: str | Path) -> SimConfig:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from weaver.sim.engine import Engine, Event
 from weaver.sim.perf_model import OffloadCostModel, PerfModel, PollContext, operator_fractions
 from weaver.sim.profile import blocks_for
+from weaver.weaving.placement import Placement, RatioPlacement
 from weaver.workloads.types import TraceRequest
 
 logger = logging.getLogger(__name__)
@@ -238,6 +239,8 @@ class ModelServer:
         """Where a newly admitted sequence's KV goes (the hot scheduler's placement)."""
         if self.remote is None or self.phase == "prompt":
             return self.local if self.local.can_take(num_blocks) else None
+        if self.offload_policy == "ratio":
+            return self._choose_by_ratio(num_blocks, num_remote_new, num_new)
         cap = self.offload_ratio * (self.num_running + num_new + 1)
         remote_ok = self.remote.num_seqs + num_remote_new < cap and self.remote.can_take(
             num_blocks)
@@ -248,6 +251,24 @@ class ModelServer:
         if remote_ok:
             return self.remote
         return self.local if self.local.can_take(num_blocks) else None
+
+    def _choose_by_ratio(self, num_blocks: int, num_remote_new: int,
+                         num_new: int) -> SeqSet | None:
+        """The hot scheduler's own rule (vllm_ext/hot_scheduler.py RoutingKVCacheManager):
+        the preferred pool by `RatioPlacement` over the placed requests (running plus being
+        prefilled), spilling to the other pool when the preferred one is full."""
+        placement = RatioPlacement(self.offload_ratio)
+        num_remote = self.remote.num_seqs + num_remote_new
+        num_local = self.local.num_seqs + num_new - num_remote_new
+        preferred = placement.preferred(num_local, num_remote)
+        order = [preferred]
+        if placement.may_spill:
+            order.append(Placement.LOCAL if preferred is Placement.REMOTE else Placement.REMOTE)
+        for choice in order:
+            target = self.remote if choice is Placement.REMOTE else self.local
+            if target.can_take(num_blocks):
+                return target
+        return None
 
     def can_admit(self) -> bool:
         if not self.waiting or self.num_running + len(self.prefilling) >= self.cfg.max_num_seqs:

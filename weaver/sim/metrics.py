@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from weaver.bench.metrics import summarize as bench_summarize
+from weaver.bench.results import ModelSummary, RequestRecord, RequestStatus
 from weaver.sim.instance import SimRequest
 
 
@@ -107,3 +109,37 @@ def _summarize_one(records: list[dict], slo: Slo, num_submitted: int,
         "tpot_s": _percentiles([r["tpot_s"] for r in done if r["output_tokens"] > 1]),
         "e2e_s": _percentiles([r["e2e_s"] for r in done]),
     }
+
+
+def bench_record(rec: dict) -> RequestRecord:
+    """A simulated request as `weaver bench` records a measured one, so both are summarised
+    by `weaver.bench.metrics.summarize`. The simulated client sends at the arrival time
+    and sees every token as it is generated; it streams no per-token gaps (`itl_s`)."""
+    if rec["is_rejected"]:
+        status = RequestStatus.ERROR
+    elif rec["e2e_s"] is None:
+        status = RequestStatus.UNFINISHED
+    else:
+        status = RequestStatus.OK
+    is_ok = status is RequestStatus.OK
+    return RequestRecord(
+        request_id=rec["request_id"], model=rec["model"], input_tokens=rec["input_tokens"],
+        output_tokens=rec["output_tokens"], scheduled_at_s=rec["arrival_s"],
+        sent_at_s=rec["arrival_s"], ttft_s=rec["ttft_s"], e2e_s=rec["e2e_s"],
+        num_output_tokens=rec["output_tokens"] if is_ok else 0,
+        num_prompt_tokens=rec["input_tokens"], status=status,
+        error="rejected: needs more KV blocks than the server has" if rec["is_rejected"]
+        else None)
+
+
+def bench_duration_s(records: list[RequestRecord]) -> float:
+    """The run's duration as the load generator measures it: from its start (time 0) to
+    the end of the last request (weaver/bench/loadgen.py `run_load`)."""
+    ends = [r.sent_at_s + r.e2e_s for r in records
+            if r.sent_at_s is not None and r.e2e_s is not None]
+    return max(ends + [r.sent_at_s or 0.0 for r in records] + [1e-9])
+
+
+def bench_summary(records: list[RequestRecord]) -> dict[str, ModelSummary]:
+    """Per-model summaries of simulated requests by the benchmark's own function."""
+    return bench_summarize(records, bench_duration_s(records))

@@ -20,6 +20,7 @@ class WeavePair:
     hot_gpu: int
     cold_gpu: int
     offload_ratio: float
+    remote_blocks: int | None = None  # blocks lent to the hot model; None: region_fraction
 
 
 @dataclass
@@ -42,7 +43,8 @@ class Plan:
 def plan_from_spec(spec: PlacementSpec, default_ratio: float) -> Plan:
     gpus = [GpuPlan(list(g.models), g.role) for g in spec.gpus]
     pairs = [WeavePair(p.hot_gpu, p.cold_gpu,
-                       default_ratio if p.offload_ratio is None else p.offload_ratio)
+                       default_ratio if p.offload_ratio is None else p.offload_ratio,
+                       p.remote_blocks)
              for p in spec.pairs]
     return Plan(gpus, pairs)
 

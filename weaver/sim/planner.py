@@ -24,6 +24,7 @@ from weaver.sim.config import ModelSpec, SimConfig
 from weaver.sim.engine import Engine
 from weaver.sim.plan import GpuPlan, Plan, default_plan, hot_cold_pairs
 from weaver.sim.runner import simulate
+from weaver.sim.workload import mean_lengths
 
 logger = logging.getLogger(__name__)
 
@@ -42,14 +43,15 @@ def estimate_capacity(cluster: Cluster, spec: ModelSpec) -> float:
     tpot_s = cluster.config.slo.tpot_ms / 1000
     budget = cluster.config.server.max_num_batched_tokens
     prefill_per_token = perf.prefill_time(budget) / budget
-    mean_context = spec.input.mean + spec.output.mean / 2
+    mean_input, mean_output = mean_lengths(cluster.config.workload)
+    mean_context = mean_input + mean_output / 2
     best = 0.0
     for b in range(1, cluster.config.server.max_num_seqs + 1):
         context = b * mean_context
         step = perf.decode_time(b, int(context))
         if context > kv_tokens or step > tpot_s:
             break
-        per_request = spec.output.mean * step / b + spec.input.mean * prefill_per_token
+        per_request = mean_output * step / b + mean_input * prefill_per_token
         best = max(best, 1.0 / per_request)
     return best
 

@@ -97,12 +97,20 @@ KNOWN_DEVICES: dict[str, DeviceSpec] = {
     ),
 }
 
+# A CPU core of this machine: no roofline (no published peaks to cite); its profiles are
+# measured with vLLM (`weaver profile --engine`) and its KV capacity is given in blocks.
+CPU_DEVICE = "cpu"
+
 KNOWN_SHAPES: dict[str, ModelShape] = {
     "llama-3-8b": ModelShape("llama-3-8b", 32, 4096, 32, 8, 128, 14336, 128256),
     "llama-2-7b": ModelShape("llama-2-7b", 32, 4096, 32, 32, 128, 11008, 32000),
     "llama-2-13b": ModelShape("llama-2-13b", 40, 5120, 40, 40, 128, 13824, 32000),
     "mistral-7b": ModelShape("mistral-7b", 32, 4096, 32, 8, 128, 14336, 32000),
     "qwen2.5-3b": ModelShape("qwen2.5-3b", 36, 2048, 16, 2, 128, 11008, 151936),
+    # HuggingFaceTB/SmolLM2-135M(-Instruct) config.json, float32 as served on CPU here. Its
+    # embedding and LM head are tied; `num_params` counts them twice (only KV-from-memory
+    # capacity would use it, and CPU clusters give KV in blocks).
+    "smollm2-135m": ModelShape("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, dtype_bytes=4),
     # Small enough to time on a laptop CPU in seconds; used by `weaver profile`.
     "tiny": ModelShape("tiny", 2, 256, 4, 2, 64, 688, 1024, dtype_bytes=4),
     "small": ModelShape("small", 4, 512, 8, 4, 64, 1376, 4096, dtype_bytes=4),

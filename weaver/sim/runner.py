@@ -14,21 +14,17 @@ from weaver.sim.instance import SimRequest
 from weaver.sim.metrics import Slo, request_record, summarize
 from weaver.sim.plan import Plan, default_plan
 from weaver.sim.policies import get_policy
-from weaver.sim.workload import merge_by_arrival, poisson_requests
+from weaver.sim.workload import generate, workload_spec
 from weaver.workloads.types import TraceRequest
 
 logger = logging.getLogger(__name__)
 
 
 def generate_requests(config: SimConfig) -> list[TraceRequest]:
-    """Poisson arrivals per model, seeded from the config seed and the model's index."""
-    streams = [
-        poisson_requests(m.name, m.rate, config.duration_s, m.input.mean, m.output.mean,
-                         sigma=m.input.sigma, seed=config.seed * 1000 + i,
-                         max_input=m.input.max, max_output=m.output.max)
-        for i, m in enumerate(config.models)
-    ]
-    return list(merge_by_arrival(*streams))
+    """The config's workload, built by `weaver.workloads` as `weaver bench` builds it: trace
+    rows, filter, length scaling and arrivals at each model's rate, from the config seed."""
+    rates = {m.name: m.rate for m in config.models}
+    return generate(workload_spec(config.workload, rates, config.duration_s, config.seed))
 
 
 def slo_of(config: SimConfig) -> Slo:
@@ -38,7 +34,7 @@ def slo_of(config: SimConfig) -> Slo:
 def simulate(config: SimConfig, policy: str | None = None, plan: Plan | None = None,
              requests: Iterable[TraceRequest] | None = None, progress: bool = False,
              keep_requests: bool = True) -> dict:
-    """Simulate `requests` (default: the config's Poisson workload) under one policy."""
+    """Simulate `requests` (default: the config's workload) under one policy."""
     policy_name = policy or config.policy
     plan = plan or default_plan(config)
     engine = Engine()

@@ -1,56 +1,89 @@
-"""A small local request generator: Poisson arrivals, lognormal lengths, power-law rates.
+"""The simulator's requests come from the benchmark's own workload code, never a copy of it.
 
-Stands in until the trace loaders of `weaver.workloads` are plugged in; the simulator
-accepts any iterable of `TraceRequest`, so a real trace replaces this without changes.
+Two sources, both yielding `TraceRequest`s:
+- a config's `workload:` section becomes a `weaver.workloads.builder.WorkloadSpec` (the
+  same trace loaders, filters, length scaling, arrival processes and seeds as
+  `weaver bench`), with the config's per-model rates;
+- a saved `weaver bench` run (`weaver.bench.results.RunResult`) is replayed request by
+  request: the measured send times, prompt and output lengths and model names.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator
+import functools
+from collections.abc import Sequence
 
-import numpy as np
-
+from weaver.bench.results import RequestStatus, RunResult
+from weaver.workloads.builder import ModelLoad, WorkloadSpec, build_workload, load_rows
+from weaver.workloads.lengths import scale_lengths
+from weaver.workloads.traces import TraceRow
 from weaver.workloads.types import TraceRequest
 
 
-def lognormal_lengths(rng: np.random.Generator, mean: float, sigma: float, num: int,
-                      low: int = 1, high: int = 1 << 20) -> np.ndarray:
-    """Integer lengths from a lognormal with the given mean (mu = ln(mean) - sigma^2/2)."""
-    if mean <= 0 or sigma < 0:
-        raise ValueError(f"length distribution needs mean > 0 and sigma >= 0, got "
-                         f"mean={mean}, sigma={sigma}")
-    mu = math.log(mean) - sigma**2 / 2
-    return np.clip(np.rint(rng.lognormal(mu, sigma, num)), low, high).astype(int)
+def workload_spec(workload, rates: dict[str, float], duration_s: float,
+                  seed: int) -> WorkloadSpec:
+    """The `WorkloadSpec` of a sim config's `workload:` section (`WorkloadConfig`) at these
+    per-model rates: as many requests as the rates bring in `duration_s` on average."""
+    models = [ModelLoad(name, rate) for name, rate in rates.items() if rate > 0]
+    if not models:
+        raise ValueError("every model has rate 0: give at least one model a rate > 0")
+    num_requests = max(1, round(sum(rates.values()) * duration_s))
+    return WorkloadSpec(
+        models=models, trace=workload.trace, arrival=workload.arrival,
+        burstiness=workload.burstiness, num_requests=num_requests,
+        length_scale=workload.length_scale, max_model_len=workload.max_model_len,
+        filter_name=workload.filter_name, seed=seed, traces_dir=workload.traces_dir)
 
 
-def poisson_requests(model: str, rate: float, duration_s: float, input_mean: float,
-                     output_mean: float, sigma: float = 1.0, seed: int = 0,
-                     max_input: int = 1 << 20, max_output: int = 1 << 20
-                     ) -> list[TraceRequest]:
-    """Requests of one model arriving as a Poisson process of `rate` per second."""
-    if rate < 0 or duration_s <= 0:
-        raise ValueError(f"need rate >= 0 and duration_s > 0, got {rate}, {duration_s}")
-    rng = np.random.default_rng(seed)
-    if rate == 0:
-        return []
-    num = rng.poisson(rate * duration_s)
-    arrivals = np.sort(rng.uniform(0.0, duration_s, num))
-    inputs = lognormal_lengths(rng, input_mean, sigma, num, high=max_input)
-    outputs = lognormal_lengths(rng, output_mean, sigma, num, high=max_output)
-    return [TraceRequest(float(a), int(i), int(o), model) for a, i, o in
-            zip(arrivals, inputs, outputs, strict=True)]
+@functools.lru_cache(maxsize=8)
+def _rows(trace: str, filter_name: str | None, traces_dir: str | None) -> tuple[TraceRow, ...]:
+    # Sweeps and planners build many workloads from one trace: read and filter it once.
+    spec = WorkloadSpec(models=[ModelLoad("m", 1.0)], trace=trace, filter_name=filter_name,
+                        traces_dir=traces_dir)
+    return tuple(load_rows(spec))
 
 
-def power_law_rates(num_models: int, total_rate: float, alpha: float) -> list[float]:
-    """Rates proportional to rank^-alpha (MuxServe §5.1 popularity), summing to total."""
-    weights = [(rank + 1) ** -alpha for rank in range(num_models)]
-    scale = total_rate / sum(weights)
-    return [w * scale for w in weights]
+def generate(spec: WorkloadSpec) -> list[TraceRequest]:
+    """`build_workload` with the filtered trace rows cached across calls."""
+    return build_workload(spec, _rows(spec.trace, spec.filter_name, spec.traces_dir))
 
 
-def merge_by_arrival(*streams: list[TraceRequest]) -> Iterator[TraceRequest]:
-    """All requests in arrival order with request ids renumbered from 0."""
-    merged = sorted((r for s in streams for r in s), key=lambda r: (r.arrival_s, r.model))
-    for i, r in enumerate(merged):
-        yield TraceRequest(r.arrival_s, r.input_tokens, r.output_tokens, r.model, i)
+def mean_lengths(workload) -> tuple[float, float]:
+    """Mean (input, output) tokens of a `WorkloadConfig`'s requests: its filtered trace rows
+    after length scaling (what the planner's capacity estimate needs)."""
+    return _mean_lengths(workload.trace, workload.filter_name, workload.traces_dir,
+                         workload.length_scale, workload.max_model_len)
+
+
+@functools.lru_cache(maxsize=8)
+def _mean_lengths(trace: str, filter_name: str | None, traces_dir: str | None,
+                  length_scale: float, max_model_len: int | None) -> tuple[float, float]:
+    rows = _rows(trace, filter_name, traces_dir)
+    pairs = [scale_lengths(r.input_tokens, r.output_tokens, length_scale, max_model_len)
+             for r in rows]
+    return (sum(p[0] for p in pairs) / len(pairs), sum(p[1] for p in pairs) / len(pairs))
+
+
+def replay_run(run: RunResult) -> list[TraceRequest]:
+    """The requests a measured run actually put on the server, in the order they were sent.
+
+    Arrival is the measured send time (later than the scheduled one when the client lagged);
+    the prompt length is the server-reported one when known (the synthetic prompt only aims
+    at the requested length); the output length is what the server generated for a request
+    that finished, else the requested `max_tokens`. Requests never sent are left out: the
+    server never saw them."""
+    out = []
+    for rec in run.records:
+        if rec.status is RequestStatus.NOT_SENT or rec.sent_at_s is None:
+            continue
+        num_out = rec.num_output_tokens if rec.status is RequestStatus.OK else rec.output_tokens
+        out.append(TraceRequest(rec.sent_at_s, rec.num_prompt_tokens or rec.input_tokens,
+                                max(1, num_out), rec.model, rec.request_id))
+    out.sort(key=lambda r: (r.arrival_s, r.request_id))
+    if not out:
+        raise ValueError(f"run {run.label!r} has no request that was sent; nothing to replay")
+    return out
+
+
+def models_of(requests: Sequence[TraceRequest]) -> list[str]:
+    return sorted({r.model for r in requests})

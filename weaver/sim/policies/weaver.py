@@ -27,18 +27,27 @@ class WeaverPolicy(MuxServePolicy):
     def build(self) -> None:
         super().build()
         for pair in self.plan.pairs:
-            self._weave(pair.hot_gpu, pair.cold_gpu, pair.offload_ratio)
+            self._weave(pair.hot_gpu, pair.cold_gpu, pair.offload_ratio, pair.remote_blocks)
 
-    def _weave(self, hot_gpu: int, cold_gpu: int, ratio: float) -> None:
+    def _weave(self, hot_gpu: int, cold_gpu: int, ratio: float,
+               remote_blocks: int | None = None) -> None:
         spec = self.cluster.config.weaving
         hot, cold = self.instances[hot_gpu], self.instances[cold_gpu]
-        cold_pool = next(iter(cold.servers.values())).local.pool
-        lent = cold_pool.capacity_bytes * spec.region_fraction
-        if lent <= 0 or ratio <= 0:
+        if ratio <= 0:
             return
-        cold_pool.capacity_bytes -= lent
-        region = BlockPool(lent / len(hot.servers))
-        for server in hot.servers.values():
+        if remote_blocks is not None:
+            # A deployment's lent region (lend_kv_gib) is memory of its own, apart from the
+            # cold engine's KV cache, sized in the hot model's blocks (weaving/plan.py).
+            per_server = [remote_blocks * s.local.block_bytes for s in hot.servers.values()]
+            regions = [BlockPool(b / len(per_server)) for b in per_server]
+        else:
+            cold_pool = next(iter(cold.servers.values())).local.pool
+            lent = cold_pool.capacity_bytes * spec.region_fraction
+            if lent <= 0:
+                return
+            cold_pool.capacity_bytes -= lent
+            regions = [BlockPool(lent / len(hot.servers))] * len(hot.servers)
+        for server, region in zip(hot.servers.values(), regions, strict=True):
             if server.remote is not None:
                 raise ValueError(f"GPU {hot_gpu} is the hot side of two weaving pairs; "
                                  "give each hot GPU one cold GPU")

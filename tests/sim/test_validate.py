@@ -1,0 +1,152 @@
+"""Sim vs measured: replay of bench runs, deployment-built clusters, `simulate --validate`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from weaver.bench.metrics import summarize
+from weaver.bench.results import BenchResult, RequestRecord, RequestStatus, RunResult
+from weaver.cli.main import build_parser
+from weaver.config.deployment import load_deployment
+from weaver.sim.deployment import sim_config_from_deployment
+from weaver.sim.metrics import bench_duration_s, bench_record
+from weaver.sim.profile import KNOWN_SHAPES, Profile
+from weaver.sim.runner import simulate
+from weaver.sim.validate import validate_result
+from weaver.sim.workload import replay_run
+from weaver.workloads.types import TraceRequest
+
+DEPLOYMENTS = Path(__file__).resolve().parents[2] / "benchmarks" / "deployments"
+
+
+def smollm2_profile() -> Profile:
+    """Made-up but plausible one-core numbers: 40 ms + 4 ms per sequence per decode step,
+    2 ms per prefill token, attention 1 us per context token (all layers)."""
+    batches, contexts = [1, 64], [0, 8192]
+    return Profile(
+        device="cpu", shape=KNOWN_SHAPES["smollm2-135m"], source="hand-made test profile",
+        memory_bytes=1 << 30, prefill_tokens=[1, 2048], prefill_s=[0.04, 0.04 + 2e-3 * 2047],
+        decode_batch_sizes=batches, decode_context_tokens=contexts,
+        decode_s=[[0.04 + 4e-3 * b + 1e-6 * c for c in contexts] for b in batches],
+        attention_context_tokens=contexts, attention_s=[1e-4, 1e-4 + 1e-6 * 8192],
+        link_bandwidth_bps=5e9, link_latency_s=1e-6)
+
+
+@pytest.fixture
+def cpu_profile(tmp_path) -> str:
+    path = tmp_path / "smollm2_cpu.json"
+    smollm2_profile().save(path)
+    return str(path)
+
+
+def _requests() -> list[TraceRequest]:
+    # Enough hot requests at once that 64 local blocks of 32 tokens do not hold them all.
+    hot = [TraceRequest(0.1 * i, 200, 60, "hot", i) for i in range(16)]
+    cold = [TraceRequest(0.5 + i, 150, 40, "cold", 100 + i) for i in range(3)]
+    return sorted(hot + cold, key=lambda r: r.arrival_s)
+
+
+def test_replay_run_uses_what_the_server_saw():
+    records = [
+        RequestRecord(request_id=0, model="hot", input_tokens=100, output_tokens=20,
+                      scheduled_at_s=1.0, sent_at_s=1.01, ttft_s=0.1, e2e_s=1.0,
+                      num_output_tokens=20, num_prompt_tokens=103, status=RequestStatus.OK),
+        RequestRecord(request_id=1, model="cold", input_tokens=50, output_tokens=10,
+                      scheduled_at_s=0.5, sent_at_s=0.5, status=RequestStatus.ERROR),
+        RequestRecord(request_id=2, model="hot", input_tokens=50, output_tokens=10,
+                      scheduled_at_s=9.0),  # never sent
+    ]
+    run = RunResult(label="x", base_url="u", rate=1.0, started_at="t", duration_s=2.0,
+                    workload={}, loadgen={}, records=records, summary={})
+    assert replay_run(run) == [TraceRequest(0.5, 50, 10, "cold", 1),
+                               TraceRequest(1.01, 103, 20, "hot", 0)]
+
+
+def test_weaving_deployment_becomes_a_pair_with_the_lent_blocks(cpu_profile):
+    deployment = load_deployment(DEPLOYMENTS / "weaving.yaml")
+    config = sim_config_from_deployment(deployment, {"hot": cpu_profile, "cold": cpu_profile},
+                                        _requests())
+    hot, cold = config.models
+    assert (hot.num_blocks, hot.block_size) == (64, 32)  # override 65 minus the null block
+    assert (cold.block_size, cold.num_blocks) == (128, 44)  # 0.25 GiB of 128-token blocks
+    assert config.policy == "weaver" and config.weaving.offload_policy == "ratio"
+    pair = config.placement.pairs[0]
+    assert (pair.remote_blocks, pair.offload_ratio) == (128, 0.67)
+    dedicated = sim_config_from_deployment(load_deployment(DEPLOYMENTS / "dedicated.yaml"),
+                                           {"hot": cpu_profile, "cold": cpu_profile},
+                                           _requests())
+    assert dedicated.policy == "dedicated" and not dedicated.placement.pairs
+
+
+def test_weaving_places_remote_by_the_hot_schedulers_ratio(cpu_profile):
+    deployment = load_deployment(DEPLOYMENTS / "weaving.yaml")
+    config = sim_config_from_deployment(deployment, {"hot": cpu_profile, "cold": cpu_profile},
+                                        _requests())
+    result = simulate(config, requests=_requests())
+    hot = [r for r in result["requests"] if r["model"] == "hot"]
+    assert all(r["e2e_s"] is not None for r in result["requests"])
+    # r = 0.67 of the running set: about two in three hot sequences are remote.
+    assert 0.5 <= sum(r["is_remote"] for r in hot) / len(hot) <= 0.8
+
+
+def _measured_by_the_sim(deployment_file: Path, profile: str) -> RunResult:
+    """A 'measured' run whose records are the simulator's own: validation must match it."""
+    config = sim_config_from_deployment(load_deployment(deployment_file),
+                                        {"hot": profile, "cold": profile}, _requests())
+    records = [bench_record(r) for r in simulate(config, requests=_requests())["requests"]]
+    duration = bench_duration_s(records)
+    return RunResult(label=deployment_file.stem, base_url="sim", rate=1.0, started_at="t",
+                     duration_s=duration, workload={}, loadgen={}, records=records,
+                     summary=summarize(records, duration))
+
+
+def test_validation_of_runs_the_simulator_produced_is_exact(cpu_profile):
+    runs = [_measured_by_the_sim(DEPLOYMENTS / f"{n}.yaml", cpu_profile)
+            for n in ("dedicated", "weaving")]
+    result = BenchResult(command=["weaver", "bench", "compare"], created_at="t", machine={},
+                         runs=runs)
+    deployments = {n: load_deployment(DEPLOYMENTS / f"{n}.yaml")
+                   for n in ("dedicated", "weaving")}
+    report = validate_result(result, deployments, {"hot": cpu_profile, "cold": cpu_profile})
+    assert report["all_within"] and report["num_checked"] == 2 * 2 * 2  # runs x models x 2
+    for run in report["runs"]:
+        for c in run["comparisons"]:
+            assert c["ratio"] == pytest.approx(1.0, rel=1e-9)
+
+
+def test_validate_command_reads_deployments_from_the_results_command(tmp_path, cpu_profile,
+                                                                     capsys):
+    run = _measured_by_the_sim(DEPLOYMENTS / "weaving.yaml", cpu_profile)
+    # Hand-edit the "measurement": the hot model's TPOTs 30 % longer than simulated.
+    for rec in run.records:
+        if rec.model == "hot" and rec.e2e_s is not None:
+            rec.e2e_s = rec.ttft_s + 1.3 * (rec.e2e_s - rec.ttft_s)
+    run.summary = summarize(run.records, run.duration_s)
+    result = BenchResult(command=["weaver", "bench", "compare",
+                                  str(DEPLOYMENTS / "weaving.yaml")],
+                         created_at="t", machine={}, runs=[run])
+    results_file = tmp_path / "measured.json"
+    results_file.write_text(result.model_dump_json())
+    args = build_parser().parse_args(["simulate", "--validate", str(results_file),
+                                      "--profile", cpu_profile, "--out", str(tmp_path)])
+    assert args.handler(args) == 0
+    out = capsys.readouterr().out
+    assert "mean_tpot_s" in out and "NO" in out
+    report = json.loads((tmp_path / "validate_measured.json").read_text())
+    hot_tpot = next(c for c in report["runs"][0]["comparisons"]
+                    if c["model"] == "hot" and c["metric"] == "mean_tpot_s")
+    assert hot_tpot["ratio"] == pytest.approx(1 / 1.3) and not hot_tpot["is_within"]
+    cold_tpot = next(c for c in report["runs"][0]["comparisons"]
+                     if c["model"] == "cold" and c["metric"] == "mean_tpot_s")
+    assert cold_tpot["is_within"]
+
+
+def test_validate_without_profile_exits_2(tmp_path):
+    result = BenchResult(command=[], created_at="t", machine={}, runs=[])
+    path = tmp_path / "r.json"
+    path.write_text(result.model_dump_json())
+    args = build_parser().parse_args(["simulate", "--validate", str(path)])
+    assert args.handler(args) == 2

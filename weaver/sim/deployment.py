@@ -1,0 +1,89 @@
+"""A simulated cluster that mirrors a Weaver deployment file (weaver/config/deployment.py).
+
+Each model of the deployment is one instance (its engine, pinned to its own cores) with
+the KV blocks its engine gets; a weaving entry becomes a hot/cold pair whose remote pool
+holds the blocks the cold model lends (`lend_kv_gib`, sized as `weaver.weaving.plan`
+sizes the shared region) and places sequences by the hot scheduler's own `RatioPlacement`.
+Step times come from measured profiles (`weaver profile --engine`), one per model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from weaver.config.deployment import Deployment, ModelSpec, Role
+from weaver.sim.config import SimConfig
+from weaver.sim.profile import CPU_DEVICE, Profile
+from weaver.weaving.plan import CPU_DEFAULT_BLOCK_SIZE, GiB
+from weaver.workloads.types import TraceRequest
+
+# vLLM's default token budget per step for an API server on CPU
+# (vllm/engine/arg_utils.py, `get_batch_defaults`: OPENAI_API_SERVER 2048 * world size).
+CPU_SERVER_MAX_NUM_BATCHED_TOKENS = 2048
+# Simulated time allowed after the last arrival; a replay should drain well before.
+REPLAY_DRAIN_S = 3600.0
+
+
+def block_size_of(spec: ModelSpec) -> int:
+    return spec.block_size or CPU_DEFAULT_BLOCK_SIZE
+
+
+def num_usable_blocks(spec: ModelSpec, kv_bytes_per_token: int) -> int:
+    """The KV blocks the engine's scheduler can hand out. vLLM keeps one block as the null
+    block (v1/core/block_pool.py), so an override of N leaves N - 1; without an override,
+    the KV budget (`--kv-cache-memory-bytes`) divided by the block's bytes."""
+    if spec.num_gpu_blocks_override is not None:
+        return max(1, spec.num_gpu_blocks_override - 1)
+    block_bytes = block_size_of(spec) * kv_bytes_per_token
+    return max(1, int(spec.kv_cache_gib * GiB) // block_bytes - 1)
+
+
+def sim_config_from_deployment(
+    deployment: Deployment,
+    profiles: Mapping[str, str],
+    requests: Sequence[TraceRequest],
+    name: str = "deployment",
+) -> SimConfig:
+    """The `SimConfig` (cpu device, one instance per model, explicit placement) that serves
+    `requests` as `deployment` would. `profiles` maps each model name to a profile JSON."""
+    missing = [m.name for m in deployment.models if m.name not in profiles]
+    if missing:
+        raise ValueError(f"no profile for model(s) {missing}; pass --profile PATH (all models) "
+                         "or --profile MODEL=PATH")
+    shapes = {m.name: Profile.load(profiles[m.name]).shape for m in deployment.models}
+    span = max((r.arrival_s for r in requests), default=0.0)
+    models = [_model(spec, profiles[spec.name], shapes[spec.name].kv_bytes_per_token,
+                     sum(r.model == spec.name for r in requests) / max(span, 1.0))
+              for spec in deployment.models]
+    index = {spec.name: i for i, spec in enumerate(deployment.models)}
+    pairs = [_pair(deployment, entry, index, shapes) for entry in deployment.weaving]
+    return SimConfig.model_validate({
+        "name": name, "duration_s": max(span, 1e-3), "drain_s": REPLAY_DRAIN_S,
+        "policy": "weaver" if pairs else "dedicated",
+        "cluster": {"device": CPU_DEVICE, "num_gpus": len(deployment.models)},
+        "models": models,
+        "server": {"max_num_batched_tokens": CPU_SERVER_MAX_NUM_BATCHED_TOKENS},
+        "weaving": {"offload_policy": "ratio"},
+        "placement": {"gpus": [{"models": [m.name]} for m in deployment.models],
+                      "pairs": pairs},
+    })
+
+
+def _model(spec: ModelSpec, profile: str, kv_bytes_per_token: int, rate: float) -> dict:
+    return {"name": spec.name, "profile": profile, "rate": rate,
+            "num_blocks": num_usable_blocks(spec, kv_bytes_per_token),
+            "block_size": block_size_of(spec), "max_num_seqs": spec.max_num_seqs}
+
+
+def _pair(deployment: Deployment, entry, index: Mapping[str, int], shapes: Mapping) -> dict:
+    if len(entry.cold) != 1:
+        raise ValueError(f"weaving {entry.hot!r}: the simulator pairs one cold model per hot "
+                         f"model, as the server does; got {entry.cold}")
+    hot, cold = deployment.model(entry.hot), deployment.model(entry.cold[0])
+    if hot.role is not Role.HOT:
+        raise ValueError(f"weaving names {hot.name!r} as hot but its role is {hot.role.value}")
+    # The same formula as weaving/plan.py `plan_pairs`: whole hot blocks in the lent bytes.
+    block_bytes = block_size_of(hot) * shapes[hot.name].kv_bytes_per_token
+    return {"hot_gpu": index[hot.name], "cold_gpu": index[cold.name],
+            "offload_ratio": entry.offload_ratio,
+            "remote_blocks": int(cold.lend_kv_gib * GiB) // block_bytes}
