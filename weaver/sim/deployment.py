@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from weaver.config.deployment import Deployment, ModelSpec, Role
 from weaver.sim.config import SimConfig
 from weaver.sim.profile import CPU_DEVICE, Profile
-from weaver.weaving.plan import CPU_DEFAULT_BLOCK_SIZE, GiB
+from weaver.weaving.plan import GiB, block_size_of
 from weaver.workloads.types import TraceRequest
 
 # vLLM's default token budget per step for an API server on CPU
@@ -22,10 +22,6 @@ from weaver.workloads.types import TraceRequest
 CPU_SERVER_MAX_NUM_BATCHED_TOKENS = 2048
 # Simulated time allowed after the last arrival; a replay should drain well before.
 REPLAY_DRAIN_S = 3600.0
-
-
-def block_size_of(spec: ModelSpec) -> int:
-    return spec.block_size or CPU_DEFAULT_BLOCK_SIZE
 
 
 def num_usable_blocks(spec: ModelSpec, kv_bytes_per_token: int) -> int:
