@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import sys
 import tempfile
@@ -45,7 +46,10 @@ def deployment_yaml(label: str, model_dir: Path, local_blocks: int, remote_block
     hot_blocks = local_blocks + 1  # + vLLM's null block
     if label == "weaving":
         hot_role = "hot"
-        lend = f"\n    lend_kv_gib: {remote_blocks * SMOLLM2_BLOCK_BYTES / GiB:.6f}"
+        # Rounded up: the pair plan floors lent bytes to whole blocks, and one block short
+        # of REMOTE makes a remote sequence preempt (and recompute) near its end.
+        lend_gib = math.ceil(remote_blocks * SMOLLM2_BLOCK_BYTES / GiB * 1e9) / 1e9
+        lend = f"\n    lend_kv_gib: {lend_gib:.9f}"
         weaving = f"[{{hot: hot, cold: [cold], offload_ratio: {ratio}}}]"
     elif label == "upper-bound":
         hot_blocks += remote_blocks
