@@ -62,6 +62,7 @@ def weaving_plans(deployment: Deployment, model_dirs: Mapping[str, Path]) -> lis
 
 
 def additional_configs(deployment: Deployment, plans: list[PairPlan]) -> dict[str, dict]:
+    from weaver.splitting.deploy import split_chunks_for
     from weaver.vllm_ext.additional_config import make_additional_config
 
     configs = {}
@@ -71,7 +72,7 @@ def additional_configs(deployment: Deployment, plans: list[PairPlan]) -> dict[st
         if spec.role is Role.HOT and hot is None:
             raise ValueError(f"hot model {spec.name!r} is in no weaving entry; add one or "
                              "make it dedicated")
-        configs[spec.name] = make_additional_config(hot, colds)
+        configs[spec.name] = make_additional_config(hot, colds, split_chunks_for(spec))
     return configs
 
 
