@@ -188,6 +188,12 @@ class WeaverWorkerExtension:
                         self._weaver_idle_served += 1
 
     # --- both ---------------------------------------------------------------------
+    def weaver_info(self) -> dict:
+        """Which Weaver this worker runs (a checkout or the installed one) and its pid."""
+        import weaver
+
+        return {"weaver_file": weaver.__file__, "pid": os.getpid()}
+
     def weaver_stats(self) -> dict:
         stats: dict[str, Any] = {}
         if self._weaver_hot is not None:
