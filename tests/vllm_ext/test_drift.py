@@ -80,3 +80,51 @@ def test_drop_in_imports_resolve_to_vllm():  # weaver/__init__.py
     import weaver
 
     assert weaver.LLM is vllm.LLM and weaver.SamplingParams is vllm.SamplingParams
+
+
+def test_split_layer_hooks():  # weaver/vllm_ext/split_layers.py
+    from vllm.config import get_current_vllm_config_or_none
+    from vllm.model_executor import custom_op
+    from vllm.model_executor.layers import linear
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    # OOT replacement is looked up by the instantiated class's own name.
+    assert "op_registry_oot[layer_class_name]" in inspect.getsource(
+        custom_op.PluggableLayer.__new__)
+    assert params(custom_op.PluggableLayer.register_oot) == ["_decorated_layer_cls", "name"]
+    for name in ("ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear",
+                 "RowParallelLinear"):
+        assert issubclass(getattr(linear, name), custom_op.PluggableLayer), name
+    assert issubclass(LogitsProcessor, custom_op.PluggableLayer)
+    method = linear.UnquantizedLinearMethod
+    assert params(method.apply) == ["self", "layer", "x", "bias"]
+    assert params(method.process_weights_after_loading) == ["self", "layer"]
+    # CPU packing drops the weight: why splitting happens at load time.
+    assert "remove_weight=True" in inspect.getsource(method.process_weights_after_loading)
+    assert params(dispatch_cpu_unquantized_gemm) == ["layer", "remove_weight"]
+    assert "layer.cpu_linear" in inspect.getsource(dispatch_cpu_unquantized_gemm)
+    # Every linear forward goes through quant_method.apply (the split method's entry).
+    assert "self.quant_method.apply(self, input_, bias)" in inspect.getsource(
+        linear.ColumnParallelLinear.forward)
+    assert "self.quant_method.apply(self, input_parallel, bias_)" in inspect.getsource(
+        linear.RowParallelLinear.forward)
+    assert "self.prefix = prefix" in inspect.getsource(linear.LinearBase.__init__)
+    assert params(LogitsProcessor._apply_head) == ["self", "lm_head", "hidden_states",
+                                                   "embedding_bias"]
+    assert "self._apply_head(" in inspect.getsource(LogitsProcessor._get_logits)
+    assert "self.head_dtype" in inspect.getsource(LogitsProcessor.__init__)
+    assert "remove_weight=False" in inspect.getsource(
+        UnquantizedEmbeddingMethod.process_weights_after_loading)
+    assert callable(get_current_vllm_config_or_none)
+
+
+def test_op_profiler_surface():  # weaver/vllm_ext/op_profiler.py, split_profiler.py
+    from vllm.model_executor.layers import linear
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    for cls in (linear.ColumnParallelLinear, linear.RowParallelLinear):
+        assert "self.output_size_per_partition" in inspect.getsource(cls.__init__)
+    assert params(AsyncLLM.generate)[:4] == ["self", "prompt", "sampling_params", "request_id"]
+    assert "args" in params(AsyncLLM.collective_rpc)

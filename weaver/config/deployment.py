@@ -10,7 +10,7 @@ import re
 from enum import Enum
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -52,6 +52,16 @@ class ModelSpec(BaseModel):
     extra_engine_args: dict[str, Any] = Field(
         default_factory=dict, description="more vLLM engine arguments, by their Python name"
     )
+    split: Literal["auto"] | dict[str, int] | None = Field(
+        None,
+        description="cold role: split long operators so offloaded attention waits less "
+        "(architecture.md part 7). 'auto': Algorithm 1 on the saved profile (split_profile, "
+        "else the one `weaver plan-split CONFIG --measure` saved for this model); or chunks "
+        "per operator, e.g. {gate_up: 4, lm_head: 16}; unset: no splitting",
+    )
+    split_profile: str | None = Field(
+        None, description="cold role with split: auto: the operator profile JSON to plan from"
+    )
 
     @field_validator("name")
     @classmethod
@@ -69,6 +79,28 @@ class ModelSpec(BaseModel):
         if not _DEVICE_RE.match(value):
             raise ValueError(f"device {value!r} is not 'cpu' or 'cuda:N' (e.g. 'cuda:0')")
         return value
+
+    @field_validator("split")
+    @classmethod
+    def _check_split(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            for op, chunks in value.items():
+                if chunks < 1:
+                    raise ValueError(f"split: chunks for {op!r} must be >= 1, got {chunks}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_split_role(self) -> ModelSpec:
+        if (self.split is not None or self.split_profile) and self.role is not Role.COLD:
+            raise ValueError(
+                f"model {self.name!r}: split/split_profile are set but role is "
+                f"{self.role.value!r}; only a cold model splits its operators (set role: "
+                "cold or remove split)"
+            )
+        if self.split_profile and self.split != "auto":
+            raise ValueError(f"model {self.name!r}: split_profile is only read with "
+                             "split: auto")
+        return self
 
     @model_validator(mode="after")
     def _check_lend(self) -> ModelSpec:

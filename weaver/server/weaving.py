@@ -27,7 +27,11 @@ logger = logging.getLogger(__name__)
 RPC_TIMEOUT_S = 60.0
 STATS_TIMEOUT_S = 5.0
 CLOSE_TIMEOUT_S = 5.0
-WAIT_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.5, 1.0, 5.0)
+# Fine below 10 ms, where operator splitting moves the offload wait (benchmarks/split_wait.py
+# reads p50/p99 from these buckets).
+WAIT_BUCKETS = (5e-5, 1e-4, 1.5e-4, 2e-4, 2.5e-4, 3e-4, 4e-4, 5e-4, 6e-4, 7.5e-4, 1e-3, 1.25e-3,
+                1.5e-3, 2e-3, 2.5e-3, 3e-3, 4e-3, 5e-3, 6e-3, 7.5e-3, 1e-2, 1.5e-2, 2.5e-2,
+                5e-2, 0.1, 0.5, 1.0, 5.0)
 
 
 class WeavingMetrics:
@@ -62,6 +66,7 @@ def weaving_plans(deployment: Deployment, model_dirs: Mapping[str, Path]) -> lis
 
 
 def additional_configs(deployment: Deployment, plans: list[PairPlan]) -> dict[str, dict]:
+    from weaver.splitting.deploy import split_chunks_for
     from weaver.vllm_ext.additional_config import make_additional_config
 
     configs = {}
@@ -71,7 +76,7 @@ def additional_configs(deployment: Deployment, plans: list[PairPlan]) -> dict[st
         if spec.role is Role.HOT and hot is None:
             raise ValueError(f"hot model {spec.name!r} is in no weaving entry; add one or "
                              "make it dedicated")
-        configs[spec.name] = make_additional_config(hot, colds)
+        configs[spec.name] = make_additional_config(hot, colds, split_chunks_for(spec))
     return configs
 
 

@@ -26,10 +26,19 @@ def cold_plans(vllm_config: Any) -> list[PairPlan]:
     return [PairPlan.from_dict(d) for d in section.get("cold", [])]
 
 
-def make_additional_config(hot: PairPlan | None, cold: list[PairPlan]) -> dict:
+def split_section(vllm_config: Any) -> dict:
+    """A cold engine's operator split plan, ``{"chunks": {op: n}}``; {} for any other."""
+    section = (getattr(vllm_config, "additional_config", None) or {}).get(KEY) or {}
+    return section.get("split") or {}
+
+
+def make_additional_config(hot: PairPlan | None, cold: list[PairPlan],
+                           split_chunks: dict[str, int] | None = None) -> dict:
     section: dict[str, Any] = {}
     if hot is not None:
         section["hot"] = hot.to_dict()
     if cold:
         section["cold"] = [p.to_dict() for p in cold]
+    if split_chunks and any(n > 1 for n in split_chunks.values()):
+        section["split"] = {"chunks": dict(split_chunks)}
     return {KEY: section} if section else {}

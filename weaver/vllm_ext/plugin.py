@@ -5,7 +5,9 @@ vllm-notes §1), so it must be idempotent and cheap. It checks, loudly, that the
 vLLM is the one Weaver pins, and on CPU it puts Weaver's attention backend in place of
 CPU_ATTN (the CPU platform ignores any other backend choice, vllm-notes §1). That backend
 is vLLM's own until a hot worker attaches a weaving region, so dedicated and cold
-engines run unchanged.
+engines run unchanged. It also registers Weaver's out-of-tree linear layers and logits
+processor (weaver/vllm_ext/split_layers.py), which are vLLM's own unless the engine's
+additional_config carries a split plan (cold engines only).
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ def register() -> None:
     if problem is not None:
         logger.error("%s", problem)
     from vllm.platforms import current_platform
+
+    from weaver.vllm_ext.split_layers import register_split_layers
+
+    register_split_layers()
 
     if current_platform.is_cpu():
         from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend

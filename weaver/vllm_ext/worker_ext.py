@@ -19,6 +19,7 @@ from typing import Any
 from weaver.offload.channel import OffloadReceiver, OffloadSender
 from weaver.offload.layout import OWNER_PID_OFFSET
 from weaver.offload.shm_transport import ShmRegion
+from weaver.vllm_ext.split_layers import install_split_polls, split_stats
 from weaver.weaving.plan import PairPlan
 
 logger = logging.getLogger(__name__)
@@ -103,8 +104,12 @@ class WeaverWorkerExtension:
             receiver = OffloadReceiver(region, CpuPagedAttentionExecutor(plan.shape))
             receivers.append((plan.region_name, receiver, region.task_wakeup))
         self._weaver_receivers = receivers
-        modules = _poll_point_modules(self.model_runner.get_model())
+        model = self.model_runner.get_model()
+        modules = _poll_point_modules(model)
         self._weaver_hooks = [m.register_forward_hook(self._weaver_poll) for m in modules]
+        # Split operators (additional_config's split plan, applied at load time) poll
+        # between their chunks with the same function as the hooks.
+        num_split = install_split_polls(model, self._weaver_poll)
         # The cold model's own steps and the offloaded tasks never run at the same time:
         # vLLM's CPU kernels share scratch buffers across threads (running both at once
         # crashed the worker), and on the GPU the poll kernel is likewise serialised on the
@@ -120,10 +125,43 @@ class WeaverWorkerExtension:
             target=self._weaver_idle_loop, name="weaver-idle-poller", daemon=True)
         self._weaver_idle_thread.start()
         atexit.register(self.weaver_close)
-        logger.info("cold worker serves %d region(s) with %d poll points",
-                    len(receivers), len(modules))
+        logger.info("cold worker serves %d region(s) with %d poll points, %d split operators",
+                    len(receivers), len(modules), num_split)
         return {"regions": [p["region_name"] for p in plans_data],
-                "num_poll_points": len(modules)}
+                "num_poll_points": len(modules), "num_split_operators": num_split}
+
+    # --- operator splitting and profiling (architecture.md part 7) ---------------
+    def weaver_split_stats(self) -> dict:
+        """Per split operator kind: chunks, calls, chunk calls, polls between chunks."""
+        return split_stats(self.model_runner.get_model())
+
+    def weaver_profile_start(self) -> dict:
+        from weaver.vllm_ext.op_profiler import OpProfiler
+
+        if getattr(self, "_weaver_profiler", None) is not None:
+            raise RuntimeError("an operator profile is already running; stop it first")
+        self._weaver_profiler = OpProfiler(self.model_runner.get_model())
+        logger.info("operator profiling started: %d layers", self._weaver_profiler.num_layers)
+        return {"num_layers": self._weaver_profiler.num_layers}
+
+    def weaver_profile_stop(self) -> dict:
+        profiler = getattr(self, "_weaver_profiler", None)
+        if profiler is None:
+            raise RuntimeError("no operator profile is running: call weaver_profile_start")
+        self._weaver_profiler = None
+        return profiler.stop()
+
+    def weaver_time_attention(self, shape_data: dict, num_seqs: int, context_len: int) -> dict:
+        from weaver.offload.layout import HotAttentionShape
+        from weaver.vllm_ext.op_profiler import time_attention
+
+        return time_attention(HotAttentionShape(**shape_data), num_seqs, context_len)
+
+    def weaver_time_split_overhead(self, in_features: int, out_features: int,
+                                   num_tokens: int) -> float:
+        from weaver.vllm_ext.op_profiler import time_split_overhead
+
+        return time_split_overhead(in_features, out_features, num_tokens)
 
     def _weaver_poll(self, *_: Any) -> None:
         for _, receiver, _ in self._weaver_receivers or ():
@@ -150,6 +188,12 @@ class WeaverWorkerExtension:
                         self._weaver_idle_served += 1
 
     # --- both ---------------------------------------------------------------------
+    def weaver_info(self) -> dict:
+        """Which Weaver this worker runs (a checkout or the installed one) and its pid."""
+        import weaver
+
+        return {"weaver_file": weaver.__file__, "pid": os.getpid()}
+
     def weaver_stats(self) -> dict:
         stats: dict[str, Any] = {}
         if self._weaver_hot is not None:
