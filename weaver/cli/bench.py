@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from weaver.cli.pairs import parse_pairs
+
 logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "OPENAI_API_KEY"
@@ -217,16 +219,6 @@ def _guarded(fn):
     return handler
 
 
-def _parse_pairs(values: list[str], flag: str) -> dict[str, str]:
-    out = {}
-    for text in values:
-        key, sep, value = text.partition("=")
-        if not sep or not key or not value:
-            raise ValueError(f"{flag} {text!r}: expected KEY=VALUE")
-        out[key.strip()] = value.strip()
-    return out
-
-
 def _isolated(args: argparse.Namespace):
     from weaver.bench.metrics import IsolatedEstimate, fit_isolated
     from weaver.bench.results import load_result
@@ -237,7 +229,7 @@ def _isolated(args: argparse.Namespace):
     if not args.isolated:
         return None
     out = {}
-    for model, value in _parse_pairs(args.isolated, "--isolated").items():
+    for model, value in parse_pairs(args.isolated, "--isolated").items():
         try:
             ttft_ms, tpot_ms = (float(x) for x in value.split(","))
         except ValueError:
@@ -247,7 +239,7 @@ def _isolated(args: argparse.Namespace):
 
 
 def _roles(args: argparse.Namespace) -> dict[str, str]:
-    roles = _parse_pairs(args.role, "--role")
+    roles = parse_pairs(args.role, "--role")
     bad = {m: r for m, r in roles.items() if r not in ("hot", "cold", "dedicated")}
     if bad:
         raise ValueError(f"--role values must be hot, cold or dedicated; got {bad}")

@@ -12,6 +12,8 @@ import logging
 import os
 from pathlib import Path
 
+from weaver.cli.pairs import parse_pairs
+
 logger = logging.getLogger(__name__)
 
 PAPER_HOT_GAIN = 0.60  # Weaver §5: +60 % hot max throughput under the TPOT SLO, A100
@@ -159,7 +161,7 @@ def run_validate(args: argparse.Namespace) -> int:
     try:
         result = load_result(args.validate)
         paths = deployment_paths_from_command(result)
-        paths.update({k: Path(v) for k, v in _pairs(args.deployment, "--deployment").items()})
+        paths.update({k: Path(v) for k, v in parse_pairs(args.deployment, "--deployment").items()})
         labels = {run.label for run in result.runs}
         deployments = {label: load_deployment(paths[label]) for label in labels
                        if label in paths}
@@ -176,16 +178,6 @@ def run_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pairs(values: list[str], flag: str) -> dict[str, str]:
-    out = {}
-    for text in values:
-        key, sep, value = text.partition("=")
-        if not sep or not key or not value:
-            raise ValueError(f"{flag} {text!r}: use KEY=VALUE")
-        out[key] = value
-    return out
-
-
 def _profiles(values: list[str], deployments) -> dict[str, str]:
     """`--profile PATH` for every model, `--profile MODEL=PATH` for one (wins)."""
     if not values:
@@ -195,7 +187,7 @@ def _profiles(values: list[str], deployments) -> dict[str, str]:
         raise ValueError(f"more than one --profile without MODEL=: {shared}")
     names = {m.name for d in deployments for m in d.models}
     profiles = dict.fromkeys(names, shared[0]) if shared else {}
-    profiles.update(_pairs([v for v in values if "=" in v], "--profile"))
+    profiles.update(parse_pairs([v for v in values if "=" in v], "--profile"))
     return profiles
 
 
