@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import re
@@ -51,12 +50,12 @@ from weaver.models.registry import prepare_model  # noqa: E402
 from weaver.server.process import weaver_server  # noqa: E402
 from weaver.splitting.algorithm import plan_split  # noqa: E402
 from weaver.splitting.profile import SplitProfile  # noqa: E402
+from weaver.weaving.plan import lend_kv_gib_for  # noqa: E402
 from weaver.workloads.types import TraceRequest  # noqa: E402
 
 BLOCK_SIZE = 32
 # SmolLM2: 30 layers x 3 kv heads x block tokens x (K, V) x head 64 x fp32
 SMOLLM2_BLOCK_BYTES = 30 * 3 * BLOCK_SIZE * 2 * 64 * 4
-GiB = 1 << 30
 LABELS = ("plain", "split")
 WAIT_METRIC = "weaver_offload_wait_seconds"
 
@@ -66,8 +65,7 @@ def deployment_yaml(model_dir: Path, args: argparse.Namespace, profile: Path | N
     split = "" if profile is None else f"\n    split: auto\n    split_profile: {profile}"
     if chunks:
         split = f"\n    split: {json.dumps(chunks)}"
-    # Rounded up: the pair plan floors the lent bytes to whole blocks.
-    lend_gib = math.ceil(args.remote_blocks * SMOLLM2_BLOCK_BYTES / GiB * 1e9) / 1e9
+    lend_gib = lend_kv_gib_for(args.remote_blocks, SMOLLM2_BLOCK_BYTES)
     return f"""
 models:
   - name: hot
@@ -86,7 +84,7 @@ models:
     max_model_len: 1024
     max_num_seqs: 16
     cpu_cores: "1"
-    lend_kv_gib: {lend_gib:.9f}{split}
+    lend_kv_gib: {lend_gib}{split}
 weaving: [{{hot: hot, cold: [cold], offload_ratio: {args.offload_ratio}}}]
 """
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import sys
 import tempfile
@@ -31,12 +30,12 @@ from weaver.bench.loadgen import LoadGenConfig, run_load_sync
 from weaver.bench.results import RequestStatus
 from weaver.models.registry import prepare_model
 from weaver.server.process import weaver_server
+from weaver.weaving.plan import lend_kv_gib_for
 from weaver.workloads.types import TraceRequest
 
 BLOCK_SIZE = 32
 # SmolLM2: 30 layers × 3 kv heads × block tokens × (K, V) × head 64 × fp32
 SMOLLM2_BLOCK_BYTES = 30 * 3 * BLOCK_SIZE * 2 * 64 * 4
-GiB = 1 << 30
 DEPLOYMENTS = ("dedicated", "weaving", "upper-bound")
 
 
@@ -46,10 +45,8 @@ def deployment_yaml(label: str, model_dir: Path, local_blocks: int, remote_block
     hot_blocks = local_blocks + 1  # + vLLM's null block
     if label == "weaving":
         hot_role = "hot"
-        # Rounded up: the pair plan floors lent bytes to whole blocks, and one block short
-        # of REMOTE makes a remote sequence preempt (and recompute) near its end.
-        lend_gib = math.ceil(remote_blocks * SMOLLM2_BLOCK_BYTES / GiB * 1e9) / 1e9
-        lend = f"\n    lend_kv_gib: {lend_gib:.9f}"
+        # Exactly REMOTE blocks: one short makes a remote sequence preempt near its end.
+        lend = f"\n    lend_kv_gib: {lend_kv_gib_for(remote_blocks, SMOLLM2_BLOCK_BYTES)}"
         weaving = f"[{{hot: hot, cold: [cold], offload_ratio: {ratio}}}]"
     elif label == "upper-bound":
         hot_blocks += remote_blocks

@@ -6,7 +6,7 @@ import pytest
 
 from weaver.config.deployment import parse_deployment
 from weaver.weaving.placement import Placement, RatioPlacement
-from weaver.weaving.plan import PairPlan, plan_pairs
+from weaver.weaving.plan import PairPlan, lend_kv_gib_for, plan_pairs
 
 
 def placements(ratio: float, n: int) -> str:
@@ -74,6 +74,14 @@ def test_plan_sizes_the_remote_pool_from_the_lent_memory(tmp_path):
     assert plan.region_name.startswith("pfx-h-c-")
     assert PairPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
     assert plan.layout().total_bytes >= plan.num_remote_blocks * 30 * 3 * 32 * 2 * 64 * 4
+
+
+@pytest.mark.parametrize("num_blocks", [128, 182, 189, 1000])
+def test_lend_kv_gib_for_lends_exactly_that_many_blocks(tmp_path, num_blocks):
+    dirs = {"h": write_model(tmp_path, "h", 30, 9, 3, 576), "c": tmp_path, "d": tmp_path}
+    lend = float(lend_kv_gib_for(num_blocks, 30 * 3 * 32 * 2 * 64 * 4))
+    (plan,) = plan_pairs(deployment(lend), dirs, "pfx")
+    assert plan.num_remote_blocks == num_blocks
 
 
 def test_plan_refuses_a_region_smaller_than_one_sequence(tmp_path):

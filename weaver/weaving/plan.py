@@ -74,6 +74,13 @@ def read_attention_shape(model_dir: Path, dtype: str, block_size: int) -> HotAtt
     )
 
 
+def lend_kv_gib_for(num_blocks: int, block_bytes: int) -> str:
+    """The `lend_kv_gib` value (as YAML text) that lends exactly `num_blocks` blocks of
+    `block_bytes`: rounded up at nine decimals, since `plan_pairs` floors the lent bytes to
+    whole blocks and a value rounded down would lend one block fewer."""
+    return f"{math.ceil(num_blocks * block_bytes / GiB * 1e9) / 1e9:.9f}"
+
+
 def default_shm_prefix() -> str:
     # One gateway process owns its pairs' regions; its pid keeps two servers on one
     # machine (tests, benchmarks) apart without a hard-coded name.
