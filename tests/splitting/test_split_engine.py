@@ -24,7 +24,8 @@ pytestmark = pytest.mark.engine
 REPO = Path(__file__).resolve().parents[2]
 RUNNER = Path(__file__).with_name("split_engine_run.py")
 # Uneven cuts on purpose: qkv has 256 output rows, 3 chunks of 86/85/85.
-CHUNKS = {"qkv": 3, "o": 2, "gate_up": 4, "down": 2, "lm_head": 16}
+# Attention in 3 groups of sequences (batches of 8 prompts, fewer near the end).
+CHUNKS = {"qkv": 3, "attn": 3, "o": 2, "gate_up": 4, "down": 2, "lm_head": 16}
 TIMEOUT_S = 600
 
 
@@ -75,12 +76,17 @@ def test_unsplit_engine_has_no_split_operators(unsplit):
 def test_chunks_run_and_poll_between_them(split):
     stats = split["stats"]
     assert set(stats) == set(CHUNKS)
-    assert split["opened"]["num_split_operators"] == 2 * 4 + 1  # 2 layers x 4 linears + head
+    # 2 layers x (4 linears + attention) + head
+    assert split["opened"]["num_split_operators"] == 2 * 5 + 1
     for op, chunks in CHUNKS.items():
         entry = stats[op]
         assert entry["chunks"] == chunks
         assert entry["layers"] == (1 if op == LM_HEAD_NAME else 2)
         assert entry["calls"] > 0
+        if op == "attn":  # as many groups as the step has sequences, up to 3
+            assert entry["calls"] < entry["chunk_calls"] <= chunks * entry["calls"]
+            assert 0 < entry["polls"] <= entry["chunk_calls"] - entry["calls"]
+            continue
         assert entry["chunk_calls"] == chunks * entry["calls"]
         # Calls made before weaver_open_cold (warm-up) had no poll installed.
         assert 0 < entry["polls"] <= (chunks - 1) * entry["calls"]
@@ -113,7 +119,7 @@ weaving: [{{hot: hot, cold: [cold], offload_ratio: 0.5}}]
     dims = {op.name: op.split_dim_size for op in profile.layer_ops}
     assert dims == {"qkv": 256, "attn": 4, "o": 128, "gate_up": 768, "down": 128}
     attn = next(op for op in profile.layer_ops if op.name == "attn")
-    assert attn.min_chunk_size == attn.split_dim_size  # the engine does not split attention
+    assert attn.min_chunk_size == 1  # attention splits into groups of whole sequences
     assert profile.lm_head.split_dim_size == 49152
     assert all(op.num_samples >= 2 for op in [*profile.layer_ops, profile.lm_head])
     assert profile.split_overhead_s is not None and profile.hot.step_s > 0
@@ -122,4 +128,4 @@ weaving: [{{hot: hot, cold: [cold], offload_ratio: 0.5}}]
     from weaver.splitting.deploy import split_chunks_for
 
     chunks = split_chunks_for(load_deployment(config).model("cold"), str(config))
-    assert "attn" not in chunks and all(n > 1 for n in chunks.values())
+    assert all(n > 1 for n in chunks.values())

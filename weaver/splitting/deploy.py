@@ -18,29 +18,22 @@ from weaver.splitting.profile import LM_HEAD_NAME, PER_LAYER_OP_NAMES, SplitProf
 logger = logging.getLogger(__name__)
 
 PROFILES_DIR_ENV = "WEAVER_SPLIT_PROFILES_DIR"
-# What the cold engine can split (weaver/vllm_ext/split_layers.py): the linear layers
-# along output features and the LM head along the vocabulary. Attention is not split.
-SPLITTABLE_OPS = frozenset({"qkv", "o", "gate_up", "down", LM_HEAD_NAME})
-_UNSPLITTABLE_OPS = frozenset(PER_LAYER_OP_NAMES) - SPLITTABLE_OPS
+# What the cold engine can split: the linear layers along output features and the LM head
+# along the vocabulary (weaver/vllm_ext/split_layers.py), attention along the sequences of
+# the batch (weaver/vllm_ext/split_attention.py): every operator the profile names.
+SPLITTABLE_OPS = frozenset({*PER_LAYER_OP_NAMES, LM_HEAD_NAME})
 
 
 def validate_split_chunks(chunks: dict[str, int]) -> dict[str, int]:
     """The plan's chunk counts, checked; ValueError saying how to fix a bad one."""
-    unsupported = sorted(n for n, k in chunks.items() if n in _UNSPLITTABLE_OPS and k > 1)
-    if unsupported:
-        raise ValueError(
-            f"the split plan splits {unsupported}, which the cold engine cannot split yet "
-            "(only linear layers and the LM head); plan from a profile whose attention has "
-            "min_chunk_size = split_dim_size, as `weaver plan-split --measure` writes"
-        )
-    unknown = sorted(set(chunks) - SPLITTABLE_OPS - _UNSPLITTABLE_OPS)
+    unknown = sorted(set(chunks) - SPLITTABLE_OPS)
     if unknown:
         raise ValueError(f"unknown operator(s) {unknown} in the split plan; known: "
                          f"{sorted(SPLITTABLE_OPS)}")
     for name, count in chunks.items():
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"split plan: chunks for {name!r} must be an int >= 1, not {count!r}")
-    return {n: k for n, k in chunks.items() if k > 1 and n in SPLITTABLE_OPS}
+    return {n: k for n, k in chunks.items() if k > 1}
 
 
 def default_profiles_dir() -> Path:

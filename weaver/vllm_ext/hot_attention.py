@@ -21,12 +21,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-from vllm import _custom_ops as ops
-from vllm import envs
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
 from weaver.offload.channel import OffloadError, OffloadSender
+from weaver.vllm_ext.attention_rows import BatchRows, attend_rows, select_mask
+from weaver.vllm_ext.split_attention import ATTN_OP_NAME, AttentionChunks
 from weaver.weaving.plan import PairPlan
 
 if TYPE_CHECKING:
@@ -79,45 +78,15 @@ class HotWeavingRuntime:
 
 
 @dataclass
-class _Rows:
-    """A subset of the batch's requests and the token rows they own."""
-
-    requests: torch.Tensor  # int64 request indices
-    tokens: torch.Tensor  # int64 token indices into query/output
-    query_start_loc: torch.Tensor  # int32, rebased to the subset
-    seq_lens: torch.Tensor  # int32
-    block_table: torch.Tensor  # int32, rebased to the pool the rows' KV lives in
-    scheduler_metadata: torch.Tensor | None = None  # vLLM's, built once per step
-
-
-@dataclass
 class _StepSplit:
     """How one step's batch divides by where each sequence's KV lives. Every layer of a
     step shares the attention metadata object, so this is computed once per step."""
 
     metadata: Any  # the CPUAttentionMetadata it was computed from (identity = cache key)
-    local: _Rows | None
-    remote_prefill: _Rows | None
-    remote_decode: _Rows | None
+    local: BatchRows | None
+    remote_prefill: BatchRows | None
+    remote_decode: BatchRows | None
     num_new_remote: int  # remote sequences starting their prefill in this step
-
-
-def _select(md: CPUAttentionMetadata, mask: torch.Tensor, block_offset: int) -> _Rows | None:
-    requests = torch.nonzero(mask).flatten()
-    if requests.numel() == 0:
-        return None
-    starts = md.query_start_loc[requests].to(torch.int64)
-    lengths = md.query_start_loc[requests + 1].to(torch.int64) - starts
-    query_start_loc = torch.zeros(len(requests) + 1, dtype=torch.int32)
-    torch.cumsum(lengths, 0, out=query_start_loc[1:])
-    # Token i of the subset sits at starts[r] + (i - query_start_loc[r]) in the batch.
-    offsets = torch.repeat_interleave(starts - query_start_loc[:-1].to(torch.int64), lengths)
-    tokens = torch.arange(int(query_start_loc[-1]), dtype=torch.int64) + offsets
-    block_table = md.block_table[requests]
-    if block_offset:
-        block_table = (block_table - block_offset).clamp_(min=0)
-    return _Rows(requests, tokens, query_start_loc, md.seq_lens[requests].to(torch.int32),
-                 block_table)
 
 
 def _split_step(md: CPUAttentionMetadata, num_local_blocks: int) -> _StepSplit:
@@ -128,9 +97,9 @@ def _split_step(md: CPUAttentionMetadata, num_local_blocks: int) -> _StepSplit:
     is_new = md.seq_lens[:num_reqs] == query_lens  # the first chunk of a prefill
     return _StepSplit(
         metadata=md,
-        local=_select(md, ~is_remote, 0),
-        remote_prefill=_select(md, is_remote & ~is_decode, num_local_blocks),
-        remote_decode=_select(md, is_remote & is_decode, num_local_blocks),
+        local=select_mask(md, ~is_remote, 0),
+        remote_prefill=select_mask(md, is_remote & ~is_decode, num_local_blocks),
+        remote_decode=select_mask(md, is_remote & is_decode, num_local_blocks),
         num_new_remote=int((is_remote & is_new).sum()),
     )
 
@@ -139,6 +108,19 @@ class WeaverCPUAttentionImpl(CPUAttentionBackendImpl):
     # Set by the worker extension when a hot worker attaches its region.
     weaving_runtime: HotWeavingRuntime | None = None
     weaver_layer_index: int = -1
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # A cold engine's split plan (read while vLLM builds the model, like the split
+        # linear layers) may cut decoder attention into groups of sequences.
+        from vllm.v1.attention.backend import AttentionType
+
+        from weaver.vllm_ext.split_layers import current_split_chunks
+
+        num_chunks = current_split_chunks().get(ATTN_OP_NAME, 1)
+        self.weaver_attn_chunks = (AttentionChunks(num_chunks)
+                                   if num_chunks > 1 and self.attn_type == AttentionType.DECODER
+                                   else None)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         runtime = self.weaving_runtime
@@ -164,6 +146,9 @@ class WeaverCPUAttentionImpl(CPUAttentionBackendImpl):
                 output_scale=None, output_block_scale=None):
         runtime = self.weaving_runtime
         md = attn_metadata
+        if (runtime is None and md is not None and self.weaver_attn_chunks is not None
+                and output_scale is None and md.dynamic_causal is None):
+            return self.weaver_attn_chunks.run(self, layer, query, output, kv_cache, md)
         if runtime is None or md is None:
             return super().forward(layer, query, key, value, kv_cache, md, output,
                                    output_scale, output_block_scale)
@@ -180,17 +165,17 @@ class WeaverCPUAttentionImpl(CPUAttentionBackendImpl):
         if decode is not None and runtime.degraded_reason is None:
             ticket = self._submit(runtime, query, decode)
         if split.local is not None:
-            self._attend(layer, query, output, kv_cache, md, split.local)
+            attend_rows(self, layer, query, output, kv_cache, md, split.local)
         if split.remote_prefill is not None:
             runtime.stats.num_remote_prefill_rows += len(split.remote_prefill.requests)
-            self._attend(layer, query, output, remote_pool, md, split.remote_prefill)
+            attend_rows(self, layer, query, output, remote_pool, md, split.remote_prefill)
         if decode is not None and (ticket is None
                                    or not self._collect(runtime, ticket, output, decode)):
             runtime.stats.num_fallback_tasks += 1
-            self._attend(layer, query, output, remote_pool, md, decode)
+            attend_rows(self, layer, query, output, remote_pool, md, decode)
         return output
 
-    def _submit(self, runtime, query, rows: _Rows):
+    def _submit(self, runtime, query, rows: BatchRows):
         try:
             return runtime.sender.submit(
                 self.weaver_layer_index, query[rows.tokens], rows.seq_lens, rows.block_table,
@@ -200,7 +185,7 @@ class WeaverCPUAttentionImpl(CPUAttentionBackendImpl):
             runtime.mark_degraded(f"submit failed: {exc}")
             return None
 
-    def _collect(self, runtime, ticket, output, rows: _Rows) -> bool:
+    def _collect(self, runtime, ticket, output, rows: BatchRows) -> bool:
         try:
             result = runtime.sender.wait_with_timing(ticket, runtime.plan.timeout_s)
         except OffloadError as exc:
@@ -211,31 +196,6 @@ class WeaverCPUAttentionImpl(CPUAttentionBackendImpl):
         runtime.stats.num_offloaded_rows += len(rows.tokens)
         runtime.stats.wait_seconds.append(result.wait_s)
         return True
-
-    def _attend(self, layer, query, output, kv_layer, md, rows: _Rows) -> None:
-        """vLLM's CPU attention kernel over a subset of the batch (as cpu_attn.py's
-        builder and forward would run it for a batch of just these requests)."""
-        if rows.scheduler_metadata is None:  # same for every layer of the step
-            rows.scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
-                num_reqs=len(rows.requests), num_heads=self.num_heads,
-                num_kv_heads=self.num_kv_heads, head_dim=self.head_size,
-                seq_lens=rows.seq_lens, dtype=query.dtype,
-                query_start_loc=rows.query_start_loc, causal=md.causal,
-                sliding_window_size=self.sliding_window, isa=layer.isa,
-                enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype=self.kv_cache_dtype)
-        num_blocks, num_kv_heads, block_size, _ = kv_layer.shape
-        key_cache, value_cache = kv_layer.view(
-            num_blocks, num_kv_heads, block_size * 2, -1).chunk(2, dim=2)
-        sub_out = torch.empty_like(output[rows.tokens])
-        ops.cpu_attention_with_kv_cache(
-            query=query[rows.tokens], key_cache=key_cache, value_cache=value_cache,
-            output=sub_out, query_start_loc=rows.query_start_loc, seq_lens=rows.seq_lens,
-            scale=self.scale, causal=md.causal, alibi_slopes=self.alibi_slopes,
-            sliding_window=self.sliding_window, block_table=rows.block_table,
-            softcap=self.logits_soft_cap, scheduler_metadata=rows.scheduler_metadata,
-            s_aux=self.sinks, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
-            kv_cache_dtype=self.kv_cache_dtype)
-        output[rows.tokens] = sub_out
 
 
 class WeaverCPUAttentionBackend(CPUAttentionBackend):

@@ -60,7 +60,8 @@ def split_chunks_of(vllm_config: Any) -> dict[str, int]:
     return validate_split_chunks(dict(section.get("chunks", {}))) if section else {}
 
 
-def _current_chunks() -> dict[str, int]:
+def current_split_chunks() -> dict[str, int]:
+    """The plan of the engine vLLM is building now (its current config); {} if none."""
     from vllm.config import get_current_vllm_config_or_none
 
     return split_chunks_of(get_current_vllm_config_or_none())
@@ -158,7 +159,7 @@ def maybe_split_linear(layer: torch.nn.Module, chunks: dict[str, int] | None = N
     """Give ``layer`` a chunked quant method if the plan splits its kind."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
-    chunks = _current_chunks() if chunks is None else chunks
+    chunks = current_split_chunks() if chunks is None else chunks
     op_name = LINEAR_OP_KINDS.get(getattr(layer, "prefix", "").rsplit(".", 1)[-1])
     num_chunks = chunks.get(op_name, 1) if op_name else 1
     if num_chunks <= 1:
@@ -202,7 +203,7 @@ def _logits_processor_cls(base: type) -> type:
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self.weaver_num_chunks = _current_chunks().get(LM_HEAD_NAME, 1)
+            self.weaver_num_chunks = current_split_chunks().get(LM_HEAD_NAME, 1)
             self.weaver_chunked: ChunkedLinear | None = None
             self.weaver_poll: Poll | None = None
 
@@ -255,26 +256,39 @@ def register_split_layers() -> None:
     _registered["done"] = True
 
 
+def attention_chunked(layer: torch.nn.Module) -> Any:
+    """The ``AttentionChunks`` of a split attention layer (weaver/vllm_ext/
+    split_attention.py, held by Weaver's attention impl), else None."""
+    return getattr(getattr(layer, "impl", None), "weaver_attn_chunks", None)
+
+
 def split_modules(model: torch.nn.Module) -> dict[str, ChunkedLinear | Any]:
     """Every split operator of ``model`` by module name: linear layers (their
-    ``ChunkedLinear``) and split logits processors (the processor itself)."""
+    ``ChunkedLinear``), attention layers (their ``AttentionChunks``) and split logits
+    processors (the processor itself)."""
     found: dict[str, Any] = {}
     for name, module in model.named_modules():
         if linear_chunked(module) is not None:
             found[name] = linear_chunked(module)
+        elif attention_chunked(module) is not None:
+            found[name] = attention_chunked(module)
         elif getattr(module, "weaver_num_chunks", 1) > 1:
             found[name] = module
     return found
+
+
+def _is_logits_processor(target: Any) -> bool:
+    return hasattr(target, "weaver_num_chunks")
 
 
 def install_split_polls(model: torch.nn.Module, poll: Poll | None) -> int:
     """Make every split operator call ``poll`` between its chunks; returns how many."""
     modules = split_modules(model)
     for target in modules.values():
-        if isinstance(target, ChunkedLinear):
-            target.poll = poll
-        else:
+        if _is_logits_processor(target):
             target.weaver_poll = poll
+        else:  # ChunkedLinear or AttentionChunks
+            target.poll = poll
     return len(modules)
 
 
@@ -282,7 +296,7 @@ def split_stats(model: torch.nn.Module) -> dict[str, dict[str, int]]:
     """Per operator kind: chunks, calls, chunk calls and polls summed over its layers."""
     totals: dict[str, dict[str, int]] = {}
     for target in split_modules(model).values():
-        chunked = target if isinstance(target, ChunkedLinear) else target.weaver_chunked
+        chunked = target.weaver_chunked if _is_logits_processor(target) else target
         if chunked is None:  # LM head not packed yet (no logits computed so far)
             continue
         entry = totals.setdefault(chunked.op_name, {"chunks": 0, "calls": 0, "chunk_calls": 0,

@@ -137,9 +137,9 @@ def _op_timings(raw: dict[str, Any], batch: int, name: str) -> tuple[list[OpTimi
     for kind in PER_LAYER_OP_NAMES:
         samples = _decode_samples(raw, kind, batch, name)
         if kind == "attn":
-            # The cold engine does not split attention (weaver/splitting/deploy.py):
-            # one chunk of the whole batch is the only choice the planner gets.
-            layer_ops.append(_timing(kind, samples, batch, batch))
+            # Attention splits into groups of whole sequences (split_attention.py): at
+            # most one chunk per sequence of the batch.
+            layer_ops.append(_timing(kind, samples, batch, 1))
         else:
             layer_ops.append(_timing(kind, samples, raw["split_dims"][kind], MIN_CHUNK_ROWS))
     lm_head = _timing("lm_head", _decode_samples(raw, "lm_head", batch, name),
@@ -199,6 +199,6 @@ async def measure_split_profile(deployment: Deployment, cold_name: str,
         notes=(f"measured on the engines: cold batch {settings.batch}, prompt "
                f"{settings.prompt_len}, {settings.decode_tokens} decode tokens; hot "
                f"{hot.name} batch {settings.hot_batch} ({num_local} local, {num_remote} "
-               f"remote, context {settings.context_len}); attention is not split"),
+               f"remote, context {settings.context_len}); attention splits by sequence"),
     )
 
