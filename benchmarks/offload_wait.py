@@ -13,9 +13,20 @@ receivers serve the tasks:
   a  cpu-launched: a host thread polls the counters (small D2H copies) and launches the
      attention on its own stream when it sees a task (what a CPU-driven design does);
   b  poll kernel after every cold operator (weaver_poll_and_attend, architecture.md 4);
-  c  b plus a fixed split of the MLP and LM-head GEMMs into --split-chunks chunks along
-     the parameter dimension, polled between chunks (the operator splitter's effect);
+  c  b plus the cold operators split as the operator splitter plans it (--split-plan
+     planned, the default): GEMMs in chunks along their output (parameter) dimension,
+     attention in groups of whole sequences of the batch, a poll after every chunk;
+     --split-plan fixed splits the MLP and LM-head GEMMs into --split-chunks chunks;
   d  a persistent spin-wait kernel on a high-priority stream.
+
+Split planning: before the receivers run, a profiling phase times every operator of an
+unsplit cold step (CUDA events between its poll points), the hot side's local attention K
+and one task's attention N, and the cost of one extra chunk; it writes them as a
+SplitProfile (weaver/splitting/profile.py, the format the CPU profiler writes) and plans
+the split with Algorithm 1 (weaver/splitting/algorithm.py). The profile, the plan and the
+expected wait W before/after are printed and go into the JSON under "split_plan". If the
+plan splits nothing (W already under --threshold-frac of the hot iteration), the output
+says so and receiver c runs unsplit, the same cold step as b.
 
 Measured per receiver: the offload wait (publish -> completion observed, both stamped on
 the device with %globaltimer) p50/p99 under the busy cold stream and with the cold side
@@ -25,7 +36,7 @@ b's idle round trip p99 <= 20 us; b's polling adds <= 2 % to the cold step with 
 traffic.
 
 Writes benchmarks/results/offload_wait-<gpu>-<time>.json and a PNG drawn from the JSON.
-Needs a CUDA GPU and CuPy (not vLLM); exits with code 2 and a message otherwise.
+Needs a CUDA GPU, CuPy and pydantic (not vLLM); exits with code 2 and a message otherwise.
 
     python benchmarks/offload_wait.py            # full run (estimated 1-3 min on an H100)
     python benchmarks/offload_wait.py --quick    # ~1 min smoke run
@@ -39,13 +50,14 @@ import json
 import math
 import multiprocessing as mp
 import re
+import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -55,6 +67,20 @@ _REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(_REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(_REPO_ROOT))
 
+# The algorithm is pure Python; weaver.splitting.profile needs pydantic, which the GPU
+# machines' image lacks unless its wheels are carried (GPU_RUNBOOK.md), so it is imported
+# where the profile is built and unavailable_reason() says when it is missing.
+from weaver.splitting.algorithm import (  # noqa: E402
+    DEFAULT_THRESHOLD_FRAC,
+    SplitConfig,
+    SplitPlan,
+    plan_split,
+    plan_wait,
+)
+
+if TYPE_CHECKING:
+    from weaver.splitting.profile import SplitProfile
+
 RECEIVERS = ("a_cpu_launched", "b_poll_kernel", "c_poll_split", "d_spin_kernel")
 LABELS = {
     "a_cpu_launched": "a: CPU-launched",
@@ -63,6 +89,22 @@ LABELS = {
     "d_spin_kernel": "d: hi-prio spin",
 }
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
+
+# The cold operators in the order ColdModel.step runs them and polls after them. These are
+# the names of weaver/splitting/profile.py (PER_LAYER_OP_NAMES, then LM_HEAD_NAME), repeated
+# here so that this script imports without pydantic; a test checks that they agree.
+LAYER_OP_NAMES = ("qkv", "attn", "o", "gate_up", "down")
+LM_HEAD_OP = "lm_head"
+COLD_OP_NAMES = (*LAYER_OP_NAMES, LM_HEAD_OP)
+FIXED_SPLIT_OPS = ("gate_up", "down", "lm_head")  # what --split-plan fixed splits
+SPLIT_PLANS = ("planned", "fixed")
+# Narrowest GEMM chunk the planner may cut, in output columns: one 128-wide cuBLAS tile.
+# A narrower chunk still costs about a whole tile, so the planner's T / k model of a
+# chunk's time would be too optimistic below it.
+MIN_GEMM_CHUNK = 128
+PROFILE_WARMUP_STEPS = 2  # eager steps run before the timed ones (cuBLAS, allocator)
+EXTRA_CHUNK_REPS = 10  # back-to-back runs per timing of the extra-chunk cost
+COLD_MODEL_NAME = "Llama-3-8B shape, random weights (benchmarks/offload_wait.py ColdModel)"
 
 
 @dataclass(frozen=True)
@@ -89,7 +131,10 @@ class RunConfig:
     tasks_busy: int
     tasks_idle: int
     mean_gap_ms: float
-    split_chunks: int
+    split_chunks: int  # --split-plan fixed: chunks of gate_up, down and lm_head
+    split_plan: str  # "planned" (Algorithm 1 on the measured profile) or "fixed"
+    threshold_frac: float  # the planner's threshold, a fraction of the hot iteration
+    num_profile_steps: int  # timed cold steps of the profiling phase
     poll_blocks: int  # 0 = one per SM
     spin_blocks: int
     num_no_traffic_steps: int
@@ -114,7 +159,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tasks", type=int, default=2000, help="tasks per receiver (busy)")
     parser.add_argument("--idle-tasks", type=int, default=1000, help="tasks per receiver (idle)")
     parser.add_argument("--mean-gap-ms", type=float, default=2.0, help="mean task inter-arrival")
-    parser.add_argument("--split-chunks", type=int, default=4, help="chunks per split GEMM (c)")
+    parser.add_argument(
+        "--split-plan",
+        choices=SPLIT_PLANS,
+        default="planned",
+        help="receiver c's split: 'planned' runs Algorithm 1's plan from the profile measured "
+        "first (every operator may split); 'fixed' splits gate_up, down and lm_head into "
+        "--split-chunks chunks (the plan is still measured and reported)",
+    )
+    parser.add_argument(
+        "--threshold-frac",
+        type=float,
+        default=DEFAULT_THRESHOLD_FRAC,
+        help="the planner splits until W is under this fraction of the hot iteration",
+    )
+    parser.add_argument(
+        "--split-chunks", type=int, default=4, help="chunks per GEMM with --split-plan fixed"
+    )
     parser.add_argument("--poll-blocks", type=int, default=0, help="poll grid; 0 = #SMs")
     parser.add_argument("--spin-blocks", type=int, default=16, help="persistent grid of (d)")
     parser.add_argument("--steps", type=int, default=60, help="cold steps per no-traffic run")
@@ -130,8 +191,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     parser.add_argument("--plot-only", type=Path, help="redraw the PNG of a saved JSON and exit")
     args = parser.parse_args(argv)
-    if not 1 <= args.batch <= 1024 or args.split_chunks < 2 or args.mean_gap_ms <= 0:
-        parser.error("need 1 <= --batch <= 1024, --split-chunks >= 2 and --mean-gap-ms > 0")
+    if not 1 <= args.batch <= 1024 or args.mean_gap_ms <= 0:
+        parser.error("need 1 <= --batch <= 1024 and --mean-gap-ms > 0")
+    most_chunks = max_fixed_split_chunks(ColdShape())
+    if not 2 <= args.split_chunks <= most_chunks:
+        parser.error(
+            f"need 2 <= --split-chunks <= {most_chunks} (down's {ColdShape().hidden} outputs "
+            f"in chunks of at least {MIN_GEMM_CHUNK} columns), got {args.split_chunks}"
+        )
+    if not 0 < args.threshold_frac < 1:  # also refuses nan
+        parser.error(
+            f"need 0 < --threshold-frac < 1 (0.05: W under 5 % of the hot iteration), "
+            f"got {args.threshold_frac}"
+        )
     return args
 
 
@@ -147,6 +219,9 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         tasks_idle=min(args.idle_tasks, 150) if quick else args.idle_tasks,
         mean_gap_ms=args.mean_gap_ms,
         split_chunks=args.split_chunks,
+        split_plan=args.split_plan,
+        threshold_frac=args.threshold_frac,
+        num_profile_steps=3 if quick else 10,
         poll_blocks=args.poll_blocks,
         spin_blocks=args.spin_blocks,
         num_no_traffic_steps=min(args.steps, 15) if quick else args.steps,
@@ -162,6 +237,11 @@ def unavailable_reason() -> str | None:
         return "torch is not installed"
     if not torch.cuda.is_available():
         return "no CUDA device (torch.cuda.is_available() is False); run this on a GPU machine"
+    try:
+        import pydantic  # noqa: F401
+    except ImportError:
+        return ("pydantic is missing (the split profile needs it); carry its wheels as "
+                "benchmarks/GPU_RUNBOOK.md says")  # fmt: skip
     try:
         import cupy  # noqa: F401
     except ImportError:
@@ -250,6 +330,61 @@ def hot_worker(conn: Any, region_or_handle: Any, cfg: RunConfig, shape: ColdShap
 
 
 # --- cold side ------------------------------------------------------------------------
+def split_dims(shape: ColdShape, batch: int) -> dict[str, int]:
+    """The dimension each operator is cut along: output features of the GEMMs (the
+    vocabulary for the LM head), the batch's sequences for attention."""
+    return {
+        "qkv": (shape.num_q_heads + 2 * shape.num_kv_heads) * shape.head_size,
+        "attn": batch,
+        "o": shape.hidden,
+        "gate_up": 2 * shape.intermediate,
+        "down": shape.hidden,
+        LM_HEAD_OP: shape.vocab,
+    }
+
+
+def min_chunk_sizes(dims: Mapping[str, int]) -> dict[str, int]:
+    """Smallest chunk per operator: one sequence for attention, one tile for a GEMM."""
+    return {name: 1 if name == "attn" else min(MIN_GEMM_CHUNK, dim) for name, dim in dims.items()}
+
+
+def max_fixed_split_chunks(shape: ColdShape) -> int:
+    """The most chunks --split-plan fixed may ask of each of gate_up, down and lm_head."""
+    dims = split_dims(shape, batch=1)
+    mins = min_chunk_sizes(dims)
+    return min(dims[name] // mins[name] for name in FIXED_SPLIT_OPS)
+
+
+def fixed_chunks(num_chunks: int) -> dict[str, int]:
+    """--split-plan fixed: the MLP and LM-head GEMMs in num_chunks chunks each."""
+    return {name: num_chunks for name in FIXED_SPLIT_OPS}
+
+
+def chunk_counts(chunks: Mapping[str, int]) -> dict[str, int]:
+    """Chunks of every cold operator (1 where ``chunks`` leaves one out), checked."""
+    unknown = sorted(set(chunks) - set(COLD_OP_NAMES))
+    if unknown:
+        raise ValueError(f"unknown cold operator(s) {unknown}; known: {list(COLD_OP_NAMES)}")
+    for name, count in chunks.items():
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"chunks of {name!r} must be an int >= 1, not {count!r}")
+    return {name: chunks.get(name, 1) for name in COLD_OP_NAMES}
+
+
+def even_bounds(size: int, num_chunks: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges cutting ``size`` rows into ``num_chunks`` parts that differ by at
+    most one row, larger first: the cut Algorithm 1's chunk_times assumes."""
+    if not 1 <= num_chunks <= size:
+        raise ValueError(f"cannot cut {size} rows into {num_chunks} non-empty chunks")
+    base, num_larger = divmod(size, num_chunks)
+    bounds, lo = [], 0
+    for index in range(num_chunks):
+        hi = lo + base + (1 if index < num_larger else 0)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
 class ColdModel:
     """Random-weight Llama-3-8B decode step; one weight set reused by every layer (each
     layer still streams ~0.9 GB of weights + KV from HBM, far more than L2)."""
@@ -284,58 +419,81 @@ class ColdModel:
         self.x0 = torch.randn(b, h, generator=gen, device=dev).to(dt)
         self.attn_out = torch.empty(b, s.num_q_heads, s.head_size, dtype=dt, device=dev)
         self.logits = torch.empty(b, s.vocab, dtype=dt, device=dev)
-        self.split_chunks = cfg.split_chunks
 
-    def step(self, poll: Callable[[], None], is_split: bool) -> None:
+    def step(self, poll: Callable[[], None], chunks: Mapping[str, int]) -> None:
+        """One decode step with ``chunks`` per operator name (absent: 1, unsplit) and a
+        poll after every chunk, in the order poll_point_names lists (the profiling phase
+        maps its timestamps to operators by that order)."""
         import torch
 
-        s = self.shape
+        s, counts = self.shape, chunk_counts(chunks)
         x = self.x0
         for _ in range(s.num_layers):
-            qkv = x @ self.w_qkv
-            poll()
+            qkv = self._linear(x, self.w_qkv, poll, counts["qkv"])
             q = qkv[:, : s.num_q_heads * s.head_size].reshape(-1, s.num_q_heads, s.head_size)
-            self._kernels.paged_decode_attention(
-                self._library, q.contiguous(), self.kv_pool, self.seq_lens, self.block_table,
-                s.head_size**-0.5, out=self.attn_out,
-            )  # fmt: skip
-            poll()
-            x = x + self.attn_out.view(x.shape[0], -1) @ self.w_o
-            poll()
-            gate_up = self._linear(x, self.w_gate_up, poll, is_split)
+            self._attention(q.contiguous(), poll, counts["attn"])
+            attn = self.attn_out.view(x.shape[0], -1)
+            x = x + self._linear(attn, self.w_o, poll, counts["o"])
+            gate_up = self._linear(x, self.w_gate_up, poll, counts["gate_up"])
             gate, up = gate_up.chunk(2, dim=-1)
             act = torch.nn.functional.silu(gate) * up
-            x = x + self._linear(act, self.w_down, poll, is_split)
-        logits = self._linear(x, self.lm_head, poll, is_split)
-        self.logits.copy_(logits)
+            x = x + self._linear(act, self.w_down, poll, counts["down"])
+        self.logits.copy_(self._linear(x, self.lm_head, poll, counts[LM_HEAD_OP]))
 
-    def num_poll_points(self, is_split: bool) -> int:
-        """Polls per step: QKV, attention, O, gate/up, down per layer, then the LM head."""
-        per_gemm = self.split_chunks if is_split else 1
-        return self.shape.num_layers * (3 + 2 * per_gemm) + per_gemm
+    def gate_up(self, poll: Callable[[], None], num_chunks: int) -> Any:
+        """The first layer's gate/up GEMM alone: what the cost of a chunk is measured on."""
+        return self._linear(self.x0, self.w_gate_up, poll, num_chunks)
 
-    def _linear(self, x: Any, w: Any, poll: Callable[[], None], is_split: bool) -> Any:
-        """x @ w, or chunked along w's output (parameter) dimension with a poll per chunk;
-        the concatenated chunks equal the whole product (architecture.md part 7)."""
+    def poll_point_names(self, chunks: Mapping[str, int]) -> list[str]:
+        """The operator each poll of step() follows, in order: one entry per chunk."""
+        counts = chunk_counts(chunks)
+        layer = [name for name in LAYER_OP_NAMES for _ in range(counts[name])]
+        return layer * self.shape.num_layers + [LM_HEAD_OP] * counts[LM_HEAD_OP]
+
+    def num_poll_points(self, chunks: Mapping[str, int]) -> int:
+        """Polls per step: every chunk of QKV, attention, O, gate/up, down per layer, then
+        of the LM head."""
+        counts = chunk_counts(chunks)
+        per_layer = sum(counts[name] for name in LAYER_OP_NAMES)
+        return self.shape.num_layers * per_layer + counts[LM_HEAD_OP]
+
+    def _linear(self, x: Any, w: Any, poll: Callable[[], None], num_chunks: int) -> Any:
+        """x @ w, in ``num_chunks`` chunks along w's output (parameter) dimension with a
+        poll after each; the concatenated chunks equal the whole product (architecture.md
+        part 7)."""
         import torch
 
-        if not is_split:
+        if num_chunks == 1:
             out = x @ w
             poll()
             return out
         parts = []
-        for w_part in w.chunk(self.split_chunks, dim=1):
-            parts.append(x @ w_part)
+        for lo, hi in even_bounds(w.shape[1], num_chunks):
+            parts.append(x @ w[:, lo:hi])
             poll()
         return torch.cat(parts, dim=1)
 
+    def _attention(self, q: Any, poll: Callable[[], None], num_groups: int) -> None:
+        """Paged attention over the cold cache into attn_out, in ``num_groups`` groups of
+        whole sequences with a poll after each. Sequences are independent, so each group
+        writes the very rows the whole batch would (weaver/vllm_ext/split_attention.py
+        splits the engine's attention the same way)."""
+        scale = self.shape.head_size**-0.5
+        for lo, hi in even_bounds(q.shape[0], num_groups):
+            self._kernels.paged_decode_attention(
+                self._library, q[lo:hi], self.kv_pool, self.seq_lens[lo:hi],
+                self.block_table[lo:hi], scale, out=self.attn_out[lo:hi],
+            )  # fmt: skip
+            poll()
 
-def make_step(model: ColdModel, poll: Callable[[], None], is_split: bool, use_graphs: bool):
+
+def make_step(model: ColdModel, poll: Callable[[], None], chunks: Mapping[str, int],
+              use_graphs: bool) -> Callable[[], None]:  # fmt: skip
     """A zero-argument callable running one cold step on the current stream."""
     import torch
 
     def eager() -> None:
-        model.step(poll, is_split)
+        model.step(poll, chunks)
 
     if not use_graphs:
         return eager
@@ -448,9 +606,254 @@ def time_task_attention(library: Any, region: Any, cfg: RunConfig, shape: ColdSh
             end.synchronize()
             times.append(start.elapsed_time(end) * 1e3)
         median_us = float(np.median(times))
-        label = "one_block_per_item" if grid is None else f"grid_{grid}"
-        result[label] = {"median_us": median_us, "gb_per_s": num_bytes / median_us / 1e3}
+        result[grid_label(grid)] = {"median_us": median_us, "gb_per_s": num_bytes / median_us / 1e3}
     return result
+
+
+def grid_label(grid: int | None) -> str:
+    """time_task_attention's key for a grid size (None: one block per (seq, head))."""
+    return "one_block_per_item" if grid is None else f"grid_{grid}"
+
+
+# --- split planning (pure: runs without a GPU) -----------------------------------------
+@dataclass(frozen=True)
+class MeasuredTimes:
+    """What the profiling phase measured, in seconds; build_split_profile turns it into a
+    SplitProfile without touching the GPU."""
+
+    op_samples_s: dict[str, list[float]]  # per operator: one time per instance and step
+    local_attention_s: float  # K
+    remote_attention_s: float  # N
+    remote_attention_grid: int  # the poll kernel's grid that N was timed at
+    step_s: float  # one unsplit cold step: stands for the hot iteration (same shape)
+    split_overhead_s: float  # one extra chunk and poll as measured; noise can make it < 0
+
+
+@dataclass(frozen=True)
+class SplitDecision:
+    """The profile, Algorithm 1's plan, and the chunks receiver c runs."""
+
+    profile: SplitProfile
+    config: SplitConfig
+    plan: SplitPlan
+    mode: str  # "planned" or "fixed"
+    threshold_frac: float
+    chunks: dict[str, int]  # every cold operator; 1 = unsplit
+    wait_s: float  # expected wait W with those chunks
+
+    @property
+    def splits_anything(self) -> bool:
+        return any(count > 1 for count in self.chunks.values())
+
+
+def build_split_profile(times: MeasuredTimes, shape: ColdShape, cfg: RunConfig,
+                        device: str) -> SplitProfile:  # fmt: skip
+    """The measured times as the SplitProfile the CPU profiler writes too."""
+    from weaver.splitting.profile import HotTiming, OpTiming, SplitProfile
+
+    dims = split_dims(shape, cfg.batch)
+    mins = min_chunk_sizes(dims)
+
+    def timing(name: str) -> OpTiming:
+        samples = times.op_samples_s.get(name, [])
+        if not samples:
+            raise ValueError(f"the profiling phase measured no time for operator {name!r}")
+        return OpTiming(name=name, mean_s=statistics.fmean(samples),
+                        p50_s=statistics.median(samples), num_samples=len(samples),
+                        split_dim_size=dims[name], min_chunk_size=mins[name])  # fmt: skip
+
+    return SplitProfile(
+        model=COLD_MODEL_NAME,
+        device=device,
+        num_layers=shape.num_layers,
+        layer_ops=[timing(name) for name in LAYER_OP_NAMES],
+        lm_head=timing(LM_HEAD_OP),
+        hot=HotTiming(
+            local_attention_s=times.local_attention_s,
+            remote_attention_s=times.remote_attention_s,
+            step_s=times.step_s,
+        ),
+        # A negative difference is noise (or a faster kernel for the narrower GEMM), not a
+        # gain per chunk: the planner's model has no such gain, so it is recorded as 0 and
+        # the notes keep the measured value.
+        split_overhead_s=max(0.0, times.split_overhead_s),
+        notes=profile_notes(times, cfg),
+    )
+
+
+def profile_notes(times: MeasuredTimes, cfg: RunConfig) -> str:
+    notes = (
+        "offload_wait.py profiling phase. Operator times: CUDA-event intervals between the "
+        f"poll points of {cfg.num_profile_steps} eager unsplit cold steps ({PROFILE_WARMUP_STEPS} "
+        "warm-up steps dropped; element-wise work counts to the operator before its poll), "
+        f"cold batch {cfg.batch} x {cfg.cold_context} tokens. K: the standalone paged "
+        f"attention of {cfg.task_seqs} sequences of up to {cfg.task_context} tokens, one block "
+        "per (sequence, head): the hot model has the same Llama-3-8B shape but no local "
+        "sequences in this benchmark, so its local batch is taken as one task's. N: the same "
+        f"task's attention kernel at the poll kernel's grid, {times.remote_attention_grid} "
+        "blocks (what the poll kernel runs a task with). Hot "
+        "iteration: the unsplit cold step (CUDA graph, median), the hot model having the "
+        "same shape. Split overhead: gate_up as 2 chunks with 2 polls minus whole with 1."
+    )
+    if times.split_overhead_s < 0:
+        notes += (f" The overhead measured {times.split_overhead_s * 1e6:.2f} us, below 0; "
+                  "recorded as 0.")  # fmt: skip
+    return notes
+
+
+def decide_split(profile: SplitProfile, mode: str, threshold_frac: float,
+                 split_chunks: int) -> SplitDecision:  # fmt: skip
+    """Plan with Algorithm 1 and pick receiver c's chunks: the plan's, or the fixed ones
+    (the plan is still made, to be reported beside them)."""
+    if mode not in SPLIT_PLANS:
+        raise ValueError(f"split plan mode {mode!r} is not one of {SPLIT_PLANS}")
+    ops = profile.operator_specs()
+    config = profile.split_config(threshold_frac=threshold_frac)
+    plan = plan_split(ops, config)
+    chosen = plan.chunks if mode == "planned" else fixed_chunks(split_chunks)
+    chunks = chunk_counts(chosen)
+    return SplitDecision(profile=profile, config=config, plan=plan, mode=mode,
+                         threshold_frac=threshold_frac, chunks=chunks,
+                         wait_s=plan_wait(ops, chunks, config))  # fmt: skip
+
+
+def split_plan_section(decision: SplitDecision, times: MeasuredTimes) -> dict[str, Any]:
+    """The "split_plan" entry of the result JSON."""
+    profile, plan = decision.profile, decision.plan
+    specs = profile.operator_specs()
+    return {
+        "mode": decision.mode,
+        "threshold_frac": decision.threshold_frac,
+        "receiver_c_chunks": decision.chunks,
+        "splits_anything": decision.splits_anything,
+        "summary": receiver_c_summary(decision),
+        "expected_wait_us": {
+            "unsplit": plan.wait_before_s * 1e6,
+            "planned": plan.wait_after_s * 1e6,
+            "receiver_c": decision.wait_s * 1e6,
+            "threshold": plan.threshold_s * 1e6,
+        },
+        # The profile's operators add up to this; compare with hot_step_ms (the graph
+        # replay) to see how much launch gap the eager profiling steps had.
+        "sum_of_op_means_ms": sum(s.num_instances * s.time_s for s in specs) * 1e3,
+        "hot_step_ms": profile.hot.step_s * 1e3,
+        "split_overhead_measured_us": times.split_overhead_s * 1e6,
+        "profile": profile.model_dump(mode="json"),
+        "plan": plan.to_dict(),
+    }
+
+
+def _chunk_list(chunks: Mapping[str, int]) -> str:
+    split = [f"{name} {count}" for name, count in chunks.items() if count > 1]
+    return ", ".join(split) if split else "nothing split"
+
+
+def receiver_c_summary(decision: SplitDecision) -> str:
+    """One sentence: what receiver c runs, and why."""
+    plan = decision.plan
+    wait = f"W {plan.wait_before_s * 1e6:.1f} -> {decision.wait_s * 1e6:.1f} us"
+    if decision.mode == "fixed":
+        return (f"receiver c runs the fixed split ({_chunk_list(decision.chunks)}), {wait}; "
+                "the plan is for comparison only")  # fmt: skip
+    if not decision.splits_anything:
+        return (f"the planner splits nothing (W {plan.wait_before_s * 1e6:.1f} us, threshold "
+                f"{plan.threshold_s * 1e6:.1f} us, stop: {plan.stop_reason.value}): receiver c "
+                "runs unsplit, the same cold step as b")  # fmt: skip
+    return f"receiver c runs the plan ({_chunk_list(decision.chunks)}), {wait}"
+
+
+def split_plan_lines(section: Mapping[str, Any]) -> list[str]:
+    """A few lines on the profile and the plan, from the JSON entry (so a saved result
+    prints the same)."""
+    profile, plan, wait = section["profile"], section["plan"], section["expected_wait_us"]
+    hot = profile["hot"]
+    ops = ", ".join(f"{op['name']} {op['mean_s'] * 1e6:.1f}" for op in profile["layer_ops"])
+    overhead_us = (profile["split_overhead_s"] or 0.0) * 1e6
+    return [
+        f"split plan (--split-plan {section['mode']}): threshold {section['threshold_frac']:.1%}"
+        f" of the {hot['step_s'] * 1e3:.3f} ms hot iteration = {wait['threshold']:.1f} us",
+        f"  profile (mean us): {ops} (x{profile['num_layers']} layers), lm_head "
+        f"{profile['lm_head']['mean_s'] * 1e6:.1f}; K {hot['local_attention_s'] * 1e6:.1f}, "
+        f"N {hot['remote_attention_s'] * 1e6:.1f}, extra chunk {overhead_us:.1f}",
+        f"  planner: {_chunk_list(plan['chunks'])}; W {wait['unsplit']:.1f} -> "
+        f"{wait['planned']:.1f} us; stop: {plan['stop_reason']}",
+        f"  {section['summary']}",
+    ]
+
+
+# --- profiling phase (GPU) -------------------------------------------------------------
+def time_cold_ops(model: ColdModel, *, num_warmup: int, num_steps: int) -> dict[str, list[float]]:
+    """Seconds of every operator of eager unsplit cold steps: a CUDA event at the start
+    and at each poll point; an operator's time is the gap to the event before it."""
+    import torch
+
+    names = model.poll_point_names({})
+    samples: dict[str, list[float]] = {name: [] for name in COLD_OP_NAMES}
+    for index in range(num_warmup + num_steps):
+        events: list[Any] = []
+
+        def mark(events: list[Any] = events) -> None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            events.append(event)
+
+        mark()  # the start of the step
+        model.step(mark, {})
+        events[-1].synchronize()
+        if len(events) != len(names) + 1:
+            raise RuntimeError(f"the cold step polled {len(events) - 1} times, "
+                               f"poll_point_names lists {len(names)}")  # fmt: skip
+        if index < num_warmup:
+            continue
+        for name, start, end in zip(names, events[:-1], events[1:], strict=True):
+            samples[name].append(start.elapsed_time(end) / 1e3)
+    return samples
+
+
+def median_cuda_s(fn: Callable[[], object], *, num_iters: int, reps: int) -> float:
+    """Median seconds per call of ``fn``, each timing ``reps`` back-to-back calls between
+    two CUDA events, so that launches overlap the GPU's work as in a captured step."""
+    import torch
+
+    for _ in range(reps):
+        fn()  # warm-up: cuBLAS picks its kernels, the allocator its blocks
+    times = []
+    for _ in range(num_iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / reps)
+    return statistics.median(times)
+
+
+def time_extra_chunk(model: ColdModel, poll: Callable[[], None], *, num_iters: int) -> float:
+    """Seconds one extra chunk costs: gate_up as 2 chunks (2 GEMMs, 2 polls and the
+    concatenation) minus gate_up whole (1 GEMM, 1 poll)."""
+    whole = median_cuda_s(lambda: model.gate_up(poll, 1), num_iters=num_iters,
+                          reps=EXTRA_CHUNK_REPS)  # fmt: skip
+    halves = median_cuda_s(lambda: model.gate_up(poll, 2), num_iters=num_iters,
+                           reps=EXTRA_CHUNK_REPS)  # fmt: skip
+    return halves - whole
+
+
+def measure_profile_times(model: ColdModel, poll: Callable[[], None], poll_grid: int,
+                          cfg: RunConfig, task_attention: Mapping[str, Any],
+                          step_ms: list[float]) -> MeasuredTimes:  # fmt: skip
+    """Time the cold operators and the extra chunk; take K and N from time_task_attention's
+    result and the hot iteration from the unsplit cold step (``step_ms``)."""
+    op_samples = time_cold_ops(model, num_warmup=PROFILE_WARMUP_STEPS,
+                               num_steps=cfg.num_profile_steps)  # fmt: skip
+    return MeasuredTimes(
+        op_samples_s=op_samples,
+        local_attention_s=task_attention[grid_label(None)]["median_us"] / 1e6,
+        remote_attention_s=task_attention[grid_label(poll_grid)]["median_us"] / 1e6,
+        remote_attention_grid=poll_grid,
+        step_s=float(np.median(step_ms)) / 1e3,
+        split_overhead_s=time_extra_chunk(model, poll, num_iters=cfg.num_profile_steps),
+    )
 
 
 def high_priority_stream() -> Any:
@@ -500,6 +903,24 @@ def run(args: argparse.Namespace) -> Path:
                                          [None, receiver.num_blocks, cfg.spin_blocks])  # fmt: skip
     print(f"task attention alone: {task_attention}", flush=True)
 
+    n_steps = cfg.num_no_traffic_steps
+
+    def no_traffic(step: Callable[[], None]) -> list[float]:
+        run_cold_steps(step, until=lambda: True, min_steps=3, max_steps=3)  # warm-up
+        return run_cold_steps(step, until=lambda: True, min_steps=n_steps, max_steps=n_steps)
+
+    noop = lambda: None  # noqa: E731
+    baseline = make_step(model, noop, {}, cfg.use_graphs)
+    # Measured before the plan: the unsplit step is the hot iteration of the profile.
+    baseline_quiet = no_traffic(baseline)
+    decision, split_section = profile_and_plan(model, receiver, cfg, shape, task_attention,
+                                               baseline_quiet, props.name)  # fmt: skip
+    steps = {
+        "baseline": baseline,
+        "poll": make_step(model, receiver.poll, {}, cfg.use_graphs),
+        "poll_split": make_step(model, receiver.poll, decision.chunks, cfg.use_graphs),
+    }
+
     ctx = mp.get_context("spawn")
     parent_conn, child_conn = ctx.Pipe()
     if args.hot_process:
@@ -513,18 +934,6 @@ def run(args: argparse.Namespace) -> Path:
     hot.start()
     if parent_conn.recv() != "ready":
         raise RuntimeError("hot worker failed to start")
-
-    noop = lambda: None  # noqa: E731
-    steps = {
-        "baseline": make_step(model, noop, False, cfg.use_graphs),
-        "poll": make_step(model, receiver.poll, False, cfg.use_graphs),
-        "poll_split": make_step(model, receiver.poll, True, cfg.use_graphs),
-    }
-    n_steps = cfg.num_no_traffic_steps
-
-    def no_traffic(step: Callable[[], None]) -> list[float]:
-        run_cold_steps(step, until=lambda: True, min_steps=3, max_steps=3)  # warm-up
-        return run_cold_steps(step, until=lambda: True, min_steps=n_steps, max_steps=n_steps)
 
     spin_stream = high_priority_stream()
     control_stream = torch.cuda.Stream()
@@ -572,23 +981,22 @@ def run(args: argparse.Namespace) -> Path:
         return reply, cold_result
 
     results: dict[str, Any] = {}
-    baseline_quiet = no_traffic(steps["baseline"])
     base_ms = float(np.median(baseline_quiet))
     # Idle cost of one poll vs its grid: small grids are cheaper to launch, big ones serve
     # a task faster. Each point is the no-traffic overhead of polling after every operator.
     sweep: dict[str, float] = {}
     for grid in sorted({1, 8, 32, props.multi_processor_count}):
-        step = make_step(model, lambda g=grid: receiver.poll(num_blocks=g), False, cfg.use_graphs)
+        step = make_step(model, lambda g=grid: receiver.poll(num_blocks=g), {}, cfg.use_graphs)
         sweep[str(grid)] = float(np.median(no_traffic(step))) / base_ms - 1.0
         del step
     print(f"no-traffic poll overhead by poll grid size: {sweep}", flush=True)
-    plan = {
+    schedule = {  # receiver -> (its cold step, what serves the tasks)
         "a_cpu_launched": ("baseline", "cpu"),
         "b_poll_kernel": ("poll", "kernel"),
         "c_poll_split": ("poll_split", "kernel"),
         "d_spin_kernel": ("baseline", "spin"),
     }
-    for index, (name, (step_name, server)) in enumerate(plan.items()):
+    for index, (name, (step_name, server)) in enumerate(schedule.items()):
         print(f"[{index + 1}/4] {LABELS[name]} ...", flush=True)
         step = steps[step_name]
         seed = cfg.seed + 100 * index
@@ -635,8 +1043,11 @@ def run(args: argparse.Namespace) -> Path:
         baseline_no_traffic_step_ms=baseline_quiet,
         poll_grid_sweep_overhead=sweep,
         task_attention=task_attention,
-        poll_points_per_step={"unsplit": model.num_poll_points(False),
-                              "split": model.num_poll_points(True)},
+        poll_points_per_step={
+            "unsplit": model.num_poll_points({}),
+            "split": model.num_poll_points(decision.chunks),
+        },
+        split_plan=split_section,
         receivers=results,
         time_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         notes="waits are device %globaltimer stamps (publish kernel -> wait kernel exit)",
@@ -649,6 +1060,20 @@ def run(args: argparse.Namespace) -> Path:
     print_table(report)
     print(f"wrote {path} and {path.with_suffix('.png')}")
     return path
+
+
+def profile_and_plan(model: ColdModel, receiver: Any, cfg: RunConfig, shape: ColdShape,
+                     task_attention: Mapping[str, Any], step_ms: list[float],
+                     device: str) -> tuple[SplitDecision, dict[str, Any]]:  # fmt: skip
+    """The profiling phase and the plan; prints the plan before anything else runs."""
+    print("profiling the cold operators for the split planner ...", flush=True)
+    times = measure_profile_times(model, receiver.poll, receiver.num_blocks, cfg,
+                                  task_attention, step_ms)  # fmt: skip
+    profile = build_split_profile(times, shape, cfg, device)
+    decision = decide_split(profile, cfg.split_plan, cfg.threshold_frac, cfg.split_chunks)
+    section = split_plan_section(decision, times)
+    print("\n".join(split_plan_lines(section)), flush=True)
+    return decision, section
 
 
 def summarize(results: dict[str, Any], baseline_quiet: list[float]) -> dict[str, Any]:
@@ -676,6 +1101,8 @@ def summarize(results: dict[str, Any], baseline_quiet: list[float]) -> dict[str,
 def print_table(report: dict[str, Any]) -> None:
     print(f"\n{report['gpu']}: cold step (no receiver, no traffic) "
           f"{report['baseline_step_ms_median']:.3f} ms")  # fmt: skip
+    if "split_plan" in report:  # results written before the planner fed receiver c lack it
+        print("\n".join(split_plan_lines(report["split_plan"])))
     print(f"{'receiver':18} {'busy p50':>9} {'busy p99':>9} {'idle p50':>9} {'idle p99':>9} "
           f"{'quiet ovh':>9} {'busy ovh':>9} {'failed':>6}")  # fmt: skip
     for name in RECEIVERS:

@@ -49,6 +49,9 @@ from weaver.splitting.queueing import (
 logger = logging.getLogger(__name__)
 
 PLAN_SCHEMA_VERSION = 1
+# Paper §4.2: split until W is under 5 % of the hot iteration time. Here, not in profile.py,
+# so that callers without pydantic (the GPU microbenchmark's image) can read it.
+DEFAULT_THRESHOLD_FRAC = 0.05
 
 
 @dataclass(frozen=True)

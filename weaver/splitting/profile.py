@@ -36,7 +36,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from weaver.splitting.algorithm import OperatorSpec, SplitConfig
+from weaver.splitting.algorithm import DEFAULT_THRESHOLD_FRAC, OperatorSpec, SplitConfig
 from weaver.splitting.timing import TimingStats
 
 PROFILE_SCHEMA_VERSION = 1
@@ -44,7 +44,6 @@ PROFILE_SCHEMA_VERSION = 1
 # (vLLM model_executor/models/llama.py: qkv_proj, attn, o_proj, gate_up_proj, down_proj).
 PER_LAYER_OP_NAMES = ("qkv", "attn", "o", "gate_up", "down")
 LM_HEAD_NAME = "lm_head"
-DEFAULT_THRESHOLD_FRAC = 0.05  # paper §4.2: W under 5 % of the hot iteration time
 
 Statistic = Literal["mean", "p50"]
 
