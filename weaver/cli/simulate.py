@@ -12,6 +12,7 @@ import logging
 import os
 from pathlib import Path
 
+from weaver.cli import calibrate_serving
 from weaver.cli.pairs import parse_pairs
 
 logger = logging.getLogger(__name__)
@@ -84,8 +85,11 @@ def _register_profile(subparsers: argparse._SubParsersAction) -> None:
         description="With --device cpu, time prefill, decode steps and decode attention of "
                     "a random-weight Llama-shaped layer stack in plain torch on this CPU "
                     "(about 10 s for --shape tiny). With a GPU name, write the roofline "
-                    "profile from its published specs instead. The format is in "
-                    "weaver/sim/PROFILE_FORMAT.md.")
+                    "profile from its published specs instead. With --engine MODEL, time "
+                    "vLLM's own engine in-process; with --calibrate-serving PROFILE "
+                    "--engine MODEL as well, add to that profile the per-step overhead of "
+                    "the real serving path, measured through `weaver serve`. The format is "
+                    "in weaver/sim/PROFILE_FORMAT.md.")
     parser.add_argument("--device", default="cpu",
                         choices=["cpu", *sorted(KNOWN_DEVICES)],
                         help="cpu measures; a GPU name writes its roofline (default: cpu)")
@@ -98,10 +102,12 @@ def _register_profile(subparsers: argparse._SubParsersAction) -> None:
                         help="time vLLM's own engine serving MODEL (a prepared model name "
                              "or a directory) on one CPU core instead: prefill steps, decode "
                              "steps over batch x context, and the CPU attention kernel the "
-                             "cold side runs (about 2-3 minutes for smollm2-135m-instruct)")
+                             "cold side runs (about 2-3 minutes for smollm2-135m-instruct); "
+                             "with --calibrate-serving: the model to serve")
     parser.add_argument("--cpu-core", type=int, default=0,
                         help="--engine: the core to pin to, as a deployment's cpu_cores "
                              "(default: %(default)s)")
+    calibrate_serving.add_arguments(parser)
     parser.set_defaults(handler=run_profile)
 
 
@@ -256,6 +262,8 @@ def _print_profile(profile, out: str) -> None:
 def run_profile(args: argparse.Namespace) -> int:
     from weaver.sim.profile import get_device, get_shape, roofline_profile
 
+    if args.calibrate_serving:
+        return calibrate_serving.run_calibrate_serving(args)
     if args.engine:
         return run_engine_profile(args)
     shape = get_shape(args.shape)

@@ -1,0 +1,153 @@
+"""`weaver profile --calibrate-serving PROFILE --engine MODEL`: measure the serving path
+(`weaver.bench.serving_probe`), fit the overhead an in-process profile lacks and write the
+calibrated profile (`weaver.sim.serving_calibration`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shlex
+import sys
+import tempfile
+import time
+from dataclasses import asdict, fields
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BATCH_SIZES = (1, 4, 16, 32)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "serving calibration",
+        "With --calibrate-serving PROFILE --engine MODEL: start `weaver serve` with MODEL "
+        "alone, pinned to --cpu-core, and measure what a streaming client sees: the TPOT of "
+        "b requests decoding together for each --serving-batch-sizes, and the TTFT of lone "
+        "requests. The difference to PROFILE's in-process times is fitted as a decode "
+        "overhead per step, max(0, a + k b), and a fixed prefill overhead; --out gets "
+        "PROFILE with them added (same format, the fit and points in its notes). About "
+        "3 minutes for smollm2-135m-instruct, server start included.")
+    group.add_argument("--calibrate-serving", metavar="PROFILE_JSON",
+                       help="an in-process profile (weaver profile --engine) to calibrate")
+    group.add_argument("--serving-batch-sizes", type=int, nargs="+", metavar="B",
+                       default=list(DEFAULT_BATCH_SIZES),
+                       help="batch sizes of the decode points (>= 2 distinct; default: "
+                            "%(default)s)")
+    group.add_argument("--serve-cores", default="engine", metavar="engine|all|CORES",
+                       help="cores of the gateway/frontend process and of this client: "
+                            "'engine' (default) puts them on --cpu-core, so their whole "
+                            "cost lands in the step times, as on a machine whose every core "
+                            "runs an engine; 'all' leaves them unpinned; or a list like "
+                            "'0,1'")
+
+
+def run_calibrate_serving(args: argparse.Namespace) -> int:
+    from weaver.bench import serving_probe
+    from weaver.sim.perf_model import PerfModel
+    from weaver.sim.serving_calibration import (
+        ServingDecodePoint,
+        ServingPlan,
+        apply_serving_overhead,
+        fit_serving_overhead,
+        require_in_process,
+    )
+
+    try:
+        if not args.engine:
+            raise ValueError("--calibrate-serving needs --engine MODEL: the model the profile "
+                             "was measured for")
+        profile = _load_profile(args.calibrate_serving)
+        require_in_process(profile)
+        model_dir = _check_model(args.engine, profile)
+        if args.cpu_core not in os.sched_getaffinity(0):
+            raise ValueError(f"--cpu-core {args.cpu_core} is not one of this process's cores "
+                             f"{sorted(os.sched_getaffinity(0))}")
+        serve_cores = serving_probe.parse_serve_cores(args.serve_cores, args.cpu_core)
+        plan = ServingPlan(batch_sizes=tuple(args.serving_batch_sizes))
+    except (ValueError, OSError) as exc:
+        logger.error("%s", exc)
+        return 2
+
+    perf = PerfModel(profile)
+    work_dir = Path(tempfile.mkdtemp(prefix="weaver-serving-probe-"))
+    print(f"serving calibration of {args.calibrate_serving}: {model_dir} on core "
+          f"{args.cpu_core}, gateway/frontend and client on "
+          f"{_cores_text(serve_cores)}; about {plan.estimate_s(profile):.0f} s of requests "
+          f"(in-process estimate) after the server starts; deployment and server log in "
+          f"{work_dir}", flush=True)
+
+    def on_point(point, remark: str) -> None:
+        if isinstance(point, ServingDecodePoint):
+            base = perf.decode_time(point.batch_size, round(point.mean_context_tokens))
+            print(f"  decode  b={point.batch_size:<3} context {point.mean_context_tokens:7.0f}"
+                  f"  served TPOT {point.tpot_s * 1e3:7.1f} ms  in-process "
+                  f"{base * 1e3:7.1f} ms  {(point.tpot_s - base) * 1e3:+6.1f} ms  ({remark})",
+                  flush=True)
+        else:
+            base = perf.prefill_time(point.prompt_tokens)
+            print(f"  prefill {point.prompt_tokens:4d} tokens  served TTFT "
+                  f"{point.ttft_s * 1e3:7.1f} ms  in-process {base * 1e3:7.1f} ms  "
+                  f"{(point.ttft_s - base) * 1e3:+6.1f} ms  ({remark})", flush=True)
+
+    started = time.monotonic()
+    try:
+        points = serving_probe.measure_serving_points(
+            str(model_dir), args.cpu_core, plan, profile.shape.kv_bytes_per_token, work_dir,
+            serve_cores, on_point)
+    except (RuntimeError, TimeoutError) as exc:
+        logger.error("serving measurement failed: %s", exc)
+        return 1
+    try:
+        fit = fit_serving_overhead(profile, points.decode, points.prefill)
+    except ValueError as exc:  # the points are printed above
+        logger.error("cannot fit the serving overhead: %s", exc)
+        return 1
+    conditions = (f"weaver serve, one dedicated engine (cpu_cores {args.cpu_core}), gateway/"
+                  f"frontend and client on {_cores_text(serve_cores)}; plan "
+                  f"{json.dumps(asdict(plan))}; deployment {points.deployment_path}")
+    calibrated = apply_serving_overhead(
+        profile, fit, measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        command=shlex.join(["weaver", *sys.argv[1:]]), conditions=conditions)
+    calibrated.save(args.out)
+    added = ", ".join(f"b={b}: {fit.decode_overhead_s(b) * 1e3:.1f} ms"
+                      for b in calibrated.decode_batch_sizes)
+    print(f"measured in {time.monotonic() - started:.0f} s")
+    print(f"decode overhead per step: a = {fit.intercept_s * 1e3:.2f} ms, k = "
+          f"{fit.per_seq_s * 1e3:.3f} ms per sequence (least squares over {len(fit.decode)} "
+          f"points); added, clamped >= 0: {added}")
+    print(f"prefill overhead per step: {fit.prefill_overhead_s * 1e3:.1f} ms (median of "
+          f"{len(fit.prefill)} TTFT - in-process prefill)")
+    print(f"profile: {args.out}")
+    return 0
+
+
+def _load_profile(path: str):
+    from weaver.sim.profile import Profile
+
+    if not Path(path).is_file():
+        raise ValueError(f"--calibrate-serving {path!r}: no such profile file")
+    return Profile.load(path)
+
+
+def _check_model(engine: str, profile) -> Path:
+    """The model directory, after checking that the profile was measured for its shape (a
+    calibration against another model's step times would be meaningless)."""
+    from weaver.models.registry import resolve_model
+    from weaver.sim.engine_profile import shape_from_hf_config
+
+    model_dir = resolve_model(engine)
+    config = json.loads((model_dir / "config.json").read_text())
+    shape = shape_from_hf_config(config, profile.shape.name, profile.shape.dtype_bytes)
+    differ = [f.name for f in fields(shape) if getattr(shape, f.name)
+              != getattr(profile.shape, f.name)]
+    if differ:
+        raise ValueError(f"{engine} does not have the profile's shape (differs in "
+                         f"{', '.join(differ)}); calibrate a profile of this model")
+    return model_dir
+
+
+def _cores_text(cores: set[int] | None) -> str:
+    return "unpinned cores" if cores is None else f"core(s) {sorted(cores)}"
