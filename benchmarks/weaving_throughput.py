@@ -4,7 +4,8 @@ One invocation runs the same KV-bound workload against three deployments, one af
 other, each in its own `weaver serve`:
 
 - dedicated:   the hot engine has LOCAL KV blocks, the cold engine serves alone;
-- weaving:     the same, plus REMOTE blocks lent by the cold engine (weaving on);
+- weaving:     the same, plus REMOTE blocks lent by the cold engine (weaving on), whose
+               long operators are split (--cold-split) so a task waits less behind them;
 - upper-bound: a dedicated hot engine whose own KV is LOCAL + REMOTE blocks: what the
                extra memory would give with no offload cost.
 
@@ -28,8 +29,10 @@ from pathlib import Path
 
 from weaver.bench.loadgen import LoadGenConfig, run_load_sync
 from weaver.bench.results import RequestStatus
+from weaver.cli.pairs import parse_pairs
 from weaver.models.registry import prepare_model
 from weaver.server.process import weaver_server
+from weaver.splitting.deploy import validate_split_chunks
 from weaver.weaving.plan import lend_kv_gib_for
 from weaver.workloads.types import TraceRequest
 
@@ -40,13 +43,15 @@ DEPLOYMENTS = ("dedicated", "weaving", "upper-bound")
 
 
 def deployment_yaml(label: str, model_dir: Path, local_blocks: int, remote_blocks: int,
-                    ratio: float) -> str:
+                    ratio: float, cold_split: dict[str, int] | None = None) -> str:
     hot_role, weaving, lend = "dedicated", "[]", ""
     hot_blocks = local_blocks + 1  # + vLLM's null block
     if label == "weaving":
         hot_role = "hot"
         # Exactly REMOTE blocks: one short makes a remote sequence preempt near its end.
         lend = f"\n    lend_kv_gib: {lend_kv_gib_for(remote_blocks, SMOLLM2_BLOCK_BYTES)}"
+        if cold_split:
+            lend += f"\n    split: {json.dumps(cold_split)}"
         weaving = f"[{{hot: hot, cold: [cold], offload_ratio: {ratio}}}]"
     elif label == "upper-bound":
         hot_blocks += remote_blocks
@@ -122,9 +127,21 @@ def main() -> int:
     parser.add_argument("--cold-interval-s", type=float, default=5.0)
     parser.add_argument("--out", type=Path,
                         default=Path("benchmarks/results/weaving_throughput.json"))
+    parser.add_argument(
+        "--cold-split", nargs="*", default=["lm_head=16"], metavar="OP=CHUNKS",
+        help="operator splitting of the cold model in the weaving deployment (Weaver's "
+        "second mechanism: a task waits behind one chunk, not a whole operator). The "
+        "default cuts SmolLM2's LM head (~15 ms on one core here, 80 %% of the expected "
+        "wait: benchmarks/results/split_profile-smollm2.json) into 16; give no value to "
+        "weave without splitting")
     parser.add_argument("--deployments", nargs="+", default=list(DEPLOYMENTS),
                         choices=DEPLOYMENTS, help="which to run (default: all three)")
     args = parser.parse_args()
+    try:
+        cold_split = {op: int(n) for op, n in parse_pairs(args.cold_split, "--cold-split").items()}
+        validate_split_chunks(cold_split)
+    except ValueError as exc:
+        parser.error(str(exc))
 
     model_dir = prepare_model("smollm2-135m-instruct")
     requests = workload(args)
@@ -135,7 +152,7 @@ def main() -> int:
     for label in args.deployments:
         config = work_dir / f"{label}.yaml"
         config.write_text(deployment_yaml(label, model_dir, args.local_blocks,
-                                          args.remote_blocks, args.offload_ratio))
+                                          args.remote_blocks, args.offload_ratio, cold_split))
         print(f"== {label}", flush=True)
         runs.append(measure(label, config, requests))
     by_label = {r["label"]: r for r in runs}
