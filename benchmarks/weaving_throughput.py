@@ -22,12 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import httpx
+
 from weaver.bench.loadgen import LoadGenConfig, run_load_sync
+from weaver.bench.prom_histogram import read_histogram
 from weaver.bench.results import RequestStatus
 from weaver.cli.pairs import parse_pairs
 from weaver.models.registry import prepare_model
@@ -91,6 +95,8 @@ def measure(label: str, config: Path, requests: list[TraceRequest]) -> dict:
         run_load_sync(warm, LoadGenConfig(server.base_url, show_progress=False))
         outcome = run_load_sync(requests, LoadGenConfig(server.base_url))
         health = server.health().json()
+        wait = read_histogram(httpx.get(f"{server.base_url}/metrics", timeout=30).text,
+                              "weaver_offload_wait_seconds")
     hot = [r for r in outcome.records if r.model == "hot"]
     cold = [r for r in outcome.records if r.model == "cold"]
     failed = [r for r in outcome.records if r.status is not RequestStatus.OK]
@@ -106,7 +112,49 @@ def measure(label: str, config: Path, requests: list[TraceRequest]) -> dict:
         "cold_tpot_mean_s": sum(cold_tpots) / len(cold_tpots),
         "cold_tpot_p50_s": cold_tpots[len(cold_tpots) // 2],
         "weaving": health.get("weaving"),
+        # The hot side's wait for each offloaded layer (after its local attention).
+        "offload_wait": None if wait is None or not wait.count else {
+            "num_tasks": wait.count, "mean_s": wait.mean, "p50_s": wait.quantile(0.5),
+            "p99_s": wait.quantile(0.99)},
     }
+
+
+def _print_run(run: dict, with_round: bool = False) -> None:
+    wait = run["offload_wait"]
+    wait_text = "-" if wait is None else f"{wait['mean_s'] * 1e3:.2f} / {wait['p99_s'] * 1e3:.2f}"
+    prefix = f"{run['round']:<6} " if with_round else ""
+    print(f"{prefix}{run['label']:<12} {run['hot_throughput_tok_s']:>10.1f} "
+          f"{run['cold_tpot_mean_s'] * 1e3:>13.1f} {wait_text:>25}", flush=True)
+
+
+def summarize_rounds(runs: list[dict]) -> dict:
+    """Per round and over rounds (medians of each deployment's figures): the gains over
+    dedicated, their ratio (weaving's gain / the upper bound's) and cold TPOT's ratio."""
+    def gains(tok_s: dict[str, float], tpot: dict[str, float]) -> dict[str, float | None]:
+        weave = tok_s["weaving"] / tok_s["dedicated"] - 1
+        upper = tok_s["upper-bound"] / tok_s["dedicated"] - 1
+        return {"weaving_gain": weave, "upper_bound_gain": upper,
+                "ratio_of_gains": weave / upper if upper else None,
+                "cold_tpot_ratio": tpot["weaving"] / tpot["dedicated"]}
+
+    rounds = sorted({r["round"] for r in runs})
+    per_round = []
+    for index in rounds:
+        mine = {r["label"]: r for r in runs if r["round"] == index}
+        per_round.append({"round": index, **gains(
+            {k: v["hot_throughput_tok_s"] for k, v in mine.items()},
+            {k: v["cold_tpot_mean_s"] for k, v in mine.items()})})
+    median_tok_s = {label: statistics.median(r["hot_throughput_tok_s"] for r in runs
+                                             if r["label"] == label) for label in DEPLOYMENTS}
+    median_tpot = {label: statistics.median(r["cold_tpot_mean_s"] for r in runs
+                                            if r["label"] == label) for label in DEPLOYMENTS}
+    overall = gains(median_tok_s, median_tpot)
+    return {"rounds": per_round, "median_hot_tok_s": median_tok_s,
+            "median_cold_tpot_s": median_tpot,
+            "weaving_gain": overall["weaving_gain"],
+            "upper_bound_gain": overall["upper_bound_gain"],
+            "weaving_gain_over_upper_bound_gain": overall["ratio_of_gains"],
+            "cold_tpot_weaving_over_dedicated": overall["cold_tpot_ratio"]}
 
 
 def main() -> int:
@@ -134,9 +182,14 @@ def main() -> int:
         "default cuts SmolLM2's LM head (~15 ms on one core here, 80 %% of the expected "
         "wait: benchmarks/results/split_profile-smollm2.json) into 16; give no value to "
         "weave without splitting")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="interleaved repetitions of all deployments; figures are the "
+                        "medians over rounds (each round is about 7 minutes)")
     parser.add_argument("--deployments", nargs="+", default=list(DEPLOYMENTS),
                         choices=DEPLOYMENTS, help="which to run (default: all three)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
     try:
         cold_split = {op: int(n) for op, n in parse_pairs(args.cold_split, "--cold-split").items()}
         validate_split_chunks(cold_split)
@@ -150,32 +203,37 @@ def main() -> int:
     work_dir = Path(tempfile.mkdtemp(prefix="weaver-bench-"))
     print(f"deployment files and server logs: {work_dir}", flush=True)
     for label in args.deployments:
-        config = work_dir / f"{label}.yaml"
-        config.write_text(deployment_yaml(label, model_dir, args.local_blocks,
-                                          args.remote_blocks, args.offload_ratio, cold_split))
-        print(f"== {label}", flush=True)
-        runs.append(measure(label, config, requests))
-    by_label = {r["label"]: r for r in runs}
-    print(json.dumps(runs, indent=1))
-    if set(by_label) != set(DEPLOYMENTS):
-        return 0
-    base = by_label["dedicated"]["hot_throughput_tok_s"]
-    weave_gain = by_label["weaving"]["hot_throughput_tok_s"] / base - 1
-    upper_gain = by_label["upper-bound"]["hot_throughput_tok_s"] / base - 1
-    cold_ratio = by_label["weaving"]["cold_tpot_mean_s"] / by_label["dedicated"]["cold_tpot_mean_s"]
-    summary = {
-        "weaving_gain": weave_gain,
-        "upper_bound_gain": upper_gain,
-        "weaving_gain_over_upper_bound_gain": weave_gain / upper_gain if upper_gain else None,
-        "cold_tpot_weaving_over_dedicated": cold_ratio,
-    }
-    print(f"\n{'deployment':<12} {'hot tok/s':>10} {'cold TPOT ms':>13}")
+        (work_dir / f"{label}.yaml").write_text(deployment_yaml(
+            label, model_dir, args.local_blocks, args.remote_blocks, args.offload_ratio,
+            cold_split))
+    # Rounds interleave the deployments (D W U D W U ...): this machine's speed drifts by
+    # 10-30 % over minutes, which a single pass turns into a bias of whichever ran when.
+    for round_index in range(args.rounds):
+        for label in args.deployments:
+            print(f"== round {round_index + 1}/{args.rounds}: {label}", flush=True)
+            run = measure(label, work_dir / f"{label}.yaml", requests)
+            run["round"] = round_index + 1
+            runs.append(run)
+            _print_run(run)
+    summary = summarize_rounds(runs) if set(args.deployments) == set(DEPLOYMENTS) else None
+    print(f"\n{'round':<6} {'deployment':<12} {'hot tok/s':>10} {'cold TPOT ms':>13} "
+          f"{'offload wait mean/p99 ms':>25}")
     for run in runs:
-        print(f"{run['label']:<12} {run['hot_throughput_tok_s']:>10.1f} "
-              f"{run['cold_tpot_mean_s'] * 1e3:>13.1f}")
-    print(f"\nhot gain: weaving {weave_gain:+.1%}, upper bound {upper_gain:+.1%}, "
-          f"ratio of gains {summary['weaving_gain_over_upper_bound_gain']:.2f} (target >= 0.85)")
-    print(f"cold TPOT weaving / dedicated: {cold_ratio:.3f} (target <= 1.10)")
+        _print_run(run, with_round=True)
+    if summary is not None:
+        for entry in summary["rounds"]:
+            print(f"round {entry['round']}: weaving gain {entry['weaving_gain']:+.1%}, upper "
+                  f"bound {entry['upper_bound_gain']:+.1%}, ratio of gains "
+                  f"{entry['ratio_of_gains']:.2f}, cold TPOT x{entry['cold_tpot_ratio']:.3f}")
+        print(f"\nmedian over {args.rounds} round(s): hot tok/s dedicated "
+              f"{summary['median_hot_tok_s']['dedicated']:.1f}, weaving "
+              f"{summary['median_hot_tok_s']['weaving']:.1f}, upper bound "
+              f"{summary['median_hot_tok_s']['upper-bound']:.1f}")
+        print(f"hot gain: weaving {summary['weaving_gain']:+.1%}, upper bound "
+              f"{summary['upper_bound_gain']:+.1%}, ratio of gains "
+              f"{summary['weaving_gain_over_upper_bound_gain']:.2f} (target >= 0.85)")
+        print(f"cold TPOT weaving / dedicated: {summary['cold_tpot_weaving_over_dedicated']:.3f}"
+              " (target <= 1.10)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "command": " ".join(sys.argv), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

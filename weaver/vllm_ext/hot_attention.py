@@ -21,6 +21,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
 from weaver.offload.channel import OffloadError, OffloadSender
@@ -53,7 +54,14 @@ class HotWeavingRuntime:
         self.stats = HotWeavingStats()
         self.degraded_reason: str | None = None
         self.step_split: _StepSplit | None = None  # the current step's batch split
+        self._slot_split: _SlotSplit | None = None  # the current step's new-K/V split
         self._lock = threading.Lock()
+
+    def slot_split_of(self, slot_mapping: torch.Tensor, boundary: int) -> _SlotSplit:
+        split = self._slot_split
+        if split is None or not split.is_for(slot_mapping, boundary):
+            split = self._slot_split = _SlotSplit.of(slot_mapping, boundary)
+        return split
 
     def mark_degraded(self, reason: str) -> None:
         if self.degraded_reason is None:
@@ -75,6 +83,38 @@ class HotWeavingRuntime:
             "degraded_reason": self.degraded_reason,
             "wait_seconds": waits,
         }
+
+
+@dataclass
+class _SlotSplit:
+    """Which new tokens' K/V go to the local cache and which to the remote pool (slot ids
+    rebased to it). Every layer of a step gets the same slot_mapping tensor, so this is
+    computed once per step (the hot path ran the masks per layer before)."""
+
+    slot_mapping: torch.Tensor  # held: the cache key is this very tensor (and its version)
+    version: int
+    boundary: int
+    local_tokens: torch.Tensor | None
+    local_slots: torch.Tensor | None
+    remote_tokens: torch.Tensor | None
+    remote_slots: torch.Tensor | None
+
+    @classmethod
+    def of(cls, slot_mapping: torch.Tensor, boundary: int) -> _SlotSplit:
+        is_remote = slot_mapping >= boundary
+        remote = torch.nonzero(is_remote).flatten()
+        local = torch.nonzero(~is_remote).flatten()
+        return cls(slot_mapping, slot_mapping._version, boundary,
+                   local if local.numel() else None,
+                   slot_mapping[local] if local.numel() else None,
+                   remote if remote.numel() else None,
+                   slot_mapping[remote] - boundary if remote.numel() else None)
+
+    def is_for(self, slot_mapping: torch.Tensor, boundary: int) -> bool:
+        # The version counter moves with any in-place write to the tensor or the
+        # persistent buffer it views, so a reused buffer never matches a stale split.
+        return (self.slot_mapping is slot_mapping and self.version == slot_mapping._version
+                and self.boundary == boundary)
 
 
 @dataclass
@@ -127,19 +167,15 @@ class WeaverCPUAttentionImpl(CPUAttentionBackendImpl):
         if runtime is None:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         num_blocks, _, block_size, _ = kv_cache.shape
-        boundary = num_blocks * block_size
-        num_slots = slot_mapping.shape[0]
-        is_remote = slot_mapping >= boundary
-        if not bool(is_remote.any()):
+        slots = runtime.slot_split_of(slot_mapping, num_blocks * block_size)
+        if slots.remote_tokens is None:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        key, value = key[:num_slots], value[:num_slots]
-        is_local = ~is_remote
-        if bool(is_local.any()):
-            super().do_kv_cache_update(layer, key[is_local], value[is_local], kv_cache,
-                                       slot_mapping[is_local])
+        if slots.local_tokens is not None:
+            super().do_kv_cache_update(layer, key[slots.local_tokens], value[slots.local_tokens],
+                                       kv_cache, slots.local_slots)
         remote_pool = runtime.sender.kv_layer(self.weaver_layer_index)
-        super().do_kv_cache_update(layer, key[is_remote], value[is_remote], remote_pool,
-                                   slot_mapping[is_remote] - boundary)
+        super().do_kv_cache_update(layer, key[slots.remote_tokens], value[slots.remote_tokens],
+                                   remote_pool, slots.remote_slots)
         return None
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,

@@ -1,0 +1,57 @@
+"""The pure parts of benchmarks/weaving_throughput.py: deployment files and the summary
+over interleaved rounds (the benchmark itself runs engines for ~7 minutes a round)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import yaml
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "weaving_throughput.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("weaving_throughput_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(label: str, round_index: int, tok_s: float, tpot_s: float) -> dict:
+    return {"label": label, "round": round_index, "hot_throughput_tok_s": tok_s,
+            "cold_tpot_mean_s": tpot_s}
+
+
+def test_summary_per_round_and_over_medians(bench):
+    runs = [_run("dedicated", 1, 50.0, 0.100), _run("weaving", 1, 90.0, 0.105),
+            _run("upper-bound", 1, 100.0, 0.100),
+            _run("dedicated", 2, 60.0, 0.110), _run("weaving", 2, 90.0, 0.110),
+            _run("upper-bound", 2, 96.0, 0.100),
+            _run("dedicated", 3, 55.0, 0.090), _run("weaving", 3, 100.0, 0.100),
+            _run("upper-bound", 3, 110.0, 0.120)]
+    summary = bench.summarize_rounds(runs)
+    first = summary["rounds"][0]
+    assert first["weaving_gain"] == pytest.approx(0.8)
+    assert first["ratio_of_gains"] == pytest.approx(0.8)
+    assert first["cold_tpot_ratio"] == pytest.approx(1.05)
+    assert summary["median_hot_tok_s"] == {"dedicated": 55.0, "weaving": 90.0,
+                                           "upper-bound": 100.0}
+    assert summary["weaving_gain_over_upper_bound_gain"] == pytest.approx(
+        (90 / 55 - 1) / (100 / 55 - 1))
+    assert summary["cold_tpot_weaving_over_dedicated"] == pytest.approx(0.105 / 0.100)
+
+
+def test_only_the_weaving_deployment_lends_and_splits(bench, tmp_path):
+    docs = {label: yaml.safe_load(bench.deployment_yaml(label, tmp_path, 99, 189, 0.66,
+                                                        {"lm_head": 16}))
+            for label in bench.DEPLOYMENTS}
+    cold = {label: doc["models"][1] for label, doc in docs.items()}
+    assert cold["weaving"]["split"] == {"lm_head": 16} and cold["weaving"]["lend_kv_gib"] > 0
+    assert "split" not in cold["dedicated"] and "split" not in cold["upper-bound"]
+    hot_blocks = {label: doc["models"][0]["num_gpu_blocks_override"]
+                  for label, doc in docs.items()}
+    assert hot_blocks == {"dedicated": 100, "weaving": 100, "upper-bound": 289}
+    assert docs["weaving"]["weaving"][0]["offload_ratio"] == 0.66
