@@ -128,3 +128,29 @@ def test_op_profiler_surface():  # weaver/vllm_ext/op_profiler.py, split_profile
         assert "self.output_size_per_partition" in inspect.getsource(cls.__init__)
     assert params(AsyncLLM.generate)[:4] == ["self", "prompt", "sampling_params", "request_id"]
     assert "args" in params(AsyncLLM.collective_rpc)
+
+
+def test_attention_impl_surface():  # weaver/vllm_ext/hot_attention.py, split_attention.py
+    from dataclasses import fields
+
+    from vllm.model_executor.layers.attention import attention
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.attention.backends import cpu_attn
+
+    impl = cpu_attn.CPUAttentionBackendImpl
+    assert params(impl.forward) == ["self", "layer", "query", "key", "value", "kv_cache",
+                                    "attn_metadata", "output", "output_scale",
+                                    "output_block_scale"]
+    assert params(impl.do_kv_cache_update) == ["self", "layer", "key", "value", "kv_cache",
+                                               "slot_mapping"]
+    for attr in ("self.attn_type = attn_type", "self.sinks = sinks",
+                 "self.logits_soft_cap = logits_soft_cap", "self.sliding_window = "):
+        assert attr in inspect.getsource(impl.__init__), attr
+    assert AttentionType.DECODER == "decoder"
+    names = {f.name for f in fields(cpu_attn.CPUAttentionMetadata)}
+    assert {"num_actual_tokens", "query_start_loc", "seq_lens", "block_table", "causal",
+            "dynamic_causal", "scheduler_metadata"} <= names
+    assert cpu_attn.CPUAttentionBackend.get_impl_cls() is impl
+    # One slot_mapping tensor per KV-cache group and step, shared by its layers: the hot
+    # side splits new K/V slots once per step on that identity (a miss only costs time).
+    assert "slot_mapping.get(layer_name)" in inspect.getsource(attention.get_attention_context)

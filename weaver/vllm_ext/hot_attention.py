@@ -12,6 +12,9 @@ layer and step (Weaver §3, architecture part 5):
   batch order;
 - if the cold side times out or is gone, the pair turns degraded and the remote rows are
   computed here from the shared pool: logged once, counted every time.
+
+On a cold engine whose split plan cuts attention (``attn: n``), the same impl runs its
+own batch as groups of sequences with a poll between them (split_attention.py).
 """
 
 from __future__ import annotations

@@ -89,11 +89,10 @@ class AttentionChunks:
 
     op_name = ATTN_OP_NAME
 
-    def __init__(self, num_chunks: int, layer_name: str = "") -> None:
+    def __init__(self, num_chunks: int) -> None:
         if num_chunks < 2:
             raise ValueError(f"an attention split needs >= 2 chunks, not {num_chunks}")
         self.num_chunks = num_chunks
-        self.layer_name = layer_name
         self.poll: Callable[[], Any] | None = None  # set by the cold worker
         self.num_calls = 0
         self.num_chunk_calls = 0
