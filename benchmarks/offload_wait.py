@@ -74,6 +74,7 @@ from weaver.splitting.algorithm import (  # noqa: E402
     DEFAULT_THRESHOLD_FRAC,
     SplitConfig,
     SplitPlan,
+    chunk_bounds,
     plan_split,
     plan_wait,
 )
@@ -371,20 +372,6 @@ def chunk_counts(chunks: Mapping[str, int]) -> dict[str, int]:
     return {name: chunks.get(name, 1) for name in COLD_OP_NAMES}
 
 
-def even_bounds(size: int, num_chunks: int) -> list[tuple[int, int]]:
-    """[lo, hi) ranges cutting ``size`` rows into ``num_chunks`` parts that differ by at
-    most one row, larger first: the cut Algorithm 1's chunk_times assumes."""
-    if not 1 <= num_chunks <= size:
-        raise ValueError(f"cannot cut {size} rows into {num_chunks} non-empty chunks")
-    base, num_larger = divmod(size, num_chunks)
-    bounds, lo = [], 0
-    for index in range(num_chunks):
-        hi = lo + base + (1 if index < num_larger else 0)
-        bounds.append((lo, hi))
-        lo = hi
-    return bounds
-
-
 class ColdModel:
     """Random-weight Llama-3-8B decode step; one weight set reused by every layer (each
     layer still streams ~0.9 GB of weights + KV from HBM, far more than L2)."""
@@ -468,7 +455,7 @@ class ColdModel:
             poll()
             return out
         parts = []
-        for lo, hi in even_bounds(w.shape[1], num_chunks):
+        for lo, hi in chunk_bounds(w.shape[1], num_chunks):
             parts.append(x @ w[:, lo:hi])
             poll()
         return torch.cat(parts, dim=1)
@@ -479,7 +466,7 @@ class ColdModel:
         writes the very rows the whole batch would (weaver/vllm_ext/split_attention.py
         splits the engine's attention the same way)."""
         scale = self.shape.head_size**-0.5
-        for lo, hi in even_bounds(q.shape[0], num_groups):
+        for lo, hi in chunk_bounds(q.shape[0], num_groups):
             self._kernels.paged_decode_attention(
                 self._library, q[lo:hi], self.kv_pool, self.seq_lens[lo:hi],
                 self.block_table[lo:hi], scale, out=self.attn_out[lo:hi],

@@ -113,12 +113,12 @@ def test_split_linear_equals_the_whole_product(bench) -> None:
         assert len(polls) == num_chunks
 
 
-def test_even_bounds_cut_like_the_planner(bench) -> None:
-    assert bench.even_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]  # larger chunks first
-    assert bench.even_bounds(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+def test_chunk_bounds_cut_like_the_planner(bench) -> None:
+    assert bench.chunk_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]  # larger chunks first
+    assert bench.chunk_bounds(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
     for size, num_chunks in ((3, 4), (3, 0)):
         with pytest.raises(ValueError, match="cannot cut"):
-            bench.even_bounds(size, num_chunks)
+            bench.chunk_bounds(size, num_chunks)
 
 
 def _fake_attention(library, q, kv_pool, seq_lens, block_table, scale, *, out):

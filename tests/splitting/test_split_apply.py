@@ -63,7 +63,8 @@ def test_chunked_gemm_equals_the_packed_whole_and_polls_between_chunks():
     torch = pytest.importorskip("torch")
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-    from weaver.vllm_ext.split_layers import ChunkedLinear, chunk_bounds
+    from weaver.splitting.algorithm import chunk_bounds
+    from weaver.vllm_ext.split_layers import ChunkedLinear
 
     assert chunk_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
     gen = torch.Generator().manual_seed(0)

@@ -198,6 +198,21 @@ class SplitPlan:
         return cls.from_json(Path(path).read_text())
 
 
+def chunk_bounds(size: int, num_chunks: int) -> list[tuple[int, int]]:
+    """``num_chunks`` contiguous [lo, hi) ranges covering ``range(size)`` whose sizes differ
+    by at most one, the larger ones first: the cut :func:`chunk_times` assumes, and the one
+    the engines (weaver/vllm_ext/split_layers.py) and the GPU benchmark apply."""
+    if not 1 <= num_chunks <= size:
+        raise ValueError(f"cannot cut a dimension of {size} into {num_chunks} non-empty chunks")
+    base, num_larger = divmod(size, num_chunks)
+    bounds, lo = [], 0
+    for index in range(num_chunks):
+        hi = lo + base + (1 if index < num_larger else 0)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
 def chunk_times(op: OperatorSpec, num_chunks: int, overhead_s: float = 0.0) -> list[float]:
     """Durations of the ``num_chunks`` chunks of one instance of ``op``.
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from weaver.splitting.algorithm import chunk_bounds
 from weaver.splitting.deploy import validate_split_chunks
 from weaver.splitting.profile import LM_HEAD_NAME
 
@@ -36,20 +37,6 @@ LINEAR_OP_KINDS = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up",
                    "down_proj": "down"}
 
 Poll = Callable[[], Any]
-
-
-def chunk_bounds(size: int, num_chunks: int) -> list[tuple[int, int]]:
-    """``num_chunks`` contiguous ranges covering ``range(size)``, the larger ones first
-    (the same cut as :func:`weaver.splitting.algorithm.chunk_times`)."""
-    if not 1 <= num_chunks <= size:
-        raise ValueError(f"cannot cut a dimension of {size} into {num_chunks} chunks")
-    base, num_larger = divmod(size, num_chunks)
-    bounds, start = [], 0
-    for i in range(num_chunks):
-        end = start + base + (1 if i < num_larger else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
 
 
 def split_chunks_of(vllm_config: Any) -> dict[str, int]:
