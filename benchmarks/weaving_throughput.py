@@ -127,6 +127,10 @@ def _print_run(run: dict, with_round: bool = False) -> None:
           f"{run['cold_tpot_mean_s'] * 1e3:>13.1f} {wait_text:>25}", flush=True)
 
 
+def _ratio_text(ratio: float | None) -> str:
+    return "n/a (the upper bound gained nothing)" if ratio is None else f"{ratio:.2f}"
+
+
 def summarize_rounds(runs: list[dict]) -> dict:
     """Per round and over rounds (medians of each deployment's figures): the gains over
     dedicated, their ratio (weaving's gain / the upper bound's) and cold TPOT's ratio."""
@@ -224,14 +228,15 @@ def main() -> int:
         for entry in summary["rounds"]:
             print(f"round {entry['round']}: weaving gain {entry['weaving_gain']:+.1%}, upper "
                   f"bound {entry['upper_bound_gain']:+.1%}, ratio of gains "
-                  f"{entry['ratio_of_gains']:.2f}, cold TPOT x{entry['cold_tpot_ratio']:.3f}")
+                  f"{_ratio_text(entry['ratio_of_gains'])}, cold TPOT "
+                  f"x{entry['cold_tpot_ratio']:.3f}")
         print(f"\nmedian over {args.rounds} round(s): hot tok/s dedicated "
               f"{summary['median_hot_tok_s']['dedicated']:.1f}, weaving "
               f"{summary['median_hot_tok_s']['weaving']:.1f}, upper bound "
               f"{summary['median_hot_tok_s']['upper-bound']:.1f}")
         print(f"hot gain: weaving {summary['weaving_gain']:+.1%}, upper bound "
               f"{summary['upper_bound_gain']:+.1%}, ratio of gains "
-              f"{summary['weaving_gain_over_upper_bound_gain']:.2f} (target >= 0.85)")
+              f"{_ratio_text(summary['weaving_gain_over_upper_bound_gain'])} (target >= 0.85)")
         print(f"cold TPOT weaving / dedicated: {summary['cold_tpot_weaving_over_dedicated']:.3f}"
               " (target <= 1.10)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
