@@ -14,6 +14,7 @@ from weaver.bench import serving_probe
 from weaver.bench.results import RequestRecord, RequestStatus
 from weaver.cli import simulate as cli
 from weaver.config.deployment import parse_deployment
+from weaver.sim.engine_profile import least_squares
 from weaver.sim.perf_model import PerfModel
 from weaver.sim.profile import Profile
 from weaver.sim.serving_calibration import (
@@ -23,7 +24,6 @@ from weaver.sim.serving_calibration import (
     ServingPrefillPoint,
     apply_serving_overhead,
     fit_serving_overhead,
-    least_squares,
 )
 
 SMOLLM2_PROFILE = (Path(__file__).resolve().parents[2] / "benchmarks" / "profiles"

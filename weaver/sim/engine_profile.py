@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -85,16 +86,22 @@ class EngineTimings:
     notes: dict[str, str] = field(default_factory=dict)
 
 
+def least_squares(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Ordinary least-squares (intercept, slope); ValueError without two distinct x."""
+    if len(xs) != len(ys) or len(set(xs)) < 2:
+        raise ValueError("a line needs points at >= 2 distinct x values")
+    slope, intercept = statistics.linear_regression(xs, ys)
+    return intercept, slope
+
+
 def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     """Least-squares (intercept, slope) with the slope clamped at >= 0: a longer context
-    never makes a step faster, so a negative slope is timing noise."""
-    if len(xs) < 2 or len(set(xs)) < 2:
-        raise ValueError("a line needs at least two distinct x values")
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx)
-    return my - slope * mx, slope
+    never makes a step faster, so a negative slope is timing noise (the flat line through
+    the mean is then the best fit)."""
+    intercept, slope = least_squares(xs, ys)
+    if slope < 0:
+        return statistics.fmean(ys), 0.0
+    return intercept, slope
 
 
 def decode_grid(grid: EngineGrid, points: Sequence[DecodePoint]) -> list[list[float]]:

@@ -37,6 +37,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
+from weaver.sim.engine_profile import least_squares
 from weaver.sim.perf_model import PerfModel
 from weaver.sim.profile import Profile, blocks_for
 
@@ -129,6 +130,9 @@ def fit_serving_overhead(profile: Profile, decode: Sequence[ServingDecodePoint],
                        for p in decode)
     prefill_cmp = tuple(PrefillComparison(p, perf.prefill_time(p.prompt_tokens))
                         for p in prefill)
+    # Unclamped coefficients: the clamp applies to the line's values
+    # (ServingFit.decode_overhead_s), so a line falling with the batch size is kept where
+    # it stays >= 0.
     intercept, slope = least_squares([c.point.batch_size for c in decode_cmp],
                                      [c.overhead_s for c in decode_cmp])
     # Clamped at 0 for the same reason as the decode overhead (see decode_overhead_s).
@@ -142,16 +146,6 @@ def require_in_process(profile: Profile) -> None:
     if NOTES_KEY in profile.notes:
         raise ValueError("this profile is already serving-calibrated (notes."
                          f"{NOTES_KEY}); calibrate the in-process profile it came from")
-
-
-def least_squares(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """Ordinary least-squares (intercept, slope), unclamped: the clamp is applied to the
-    line's values (`ServingFit.decode_overhead_s`), not to its coefficients, so that a
-    line falling with the batch size is kept where it stays >= 0."""
-    if len(xs) != len(ys) or len(set(xs)) < 2:
-        raise ValueError("a line needs points at >= 2 distinct x values")
-    slope, intercept = statistics.linear_regression(xs, ys)
-    return intercept, slope
 
 
 def apply_serving_overhead(profile: Profile, fit: ServingFit, *, measured_at: str,
