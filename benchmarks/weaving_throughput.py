@@ -12,7 +12,10 @@ other, each in its own `weaver serve`:
 The hot model gets NUM_HOT requests at once (long outputs, ignore_eos) and the cold model
 a steady trickle; both engines are pinned to their own core so that the cold core is the
 one that also serves offloaded attention. Prints hot output-token throughput and cold
-TPOT per deployment and the ratios, and writes JSON.
+TPOT per deployment and the ratios, and writes JSON. For weaving it also prints the hot
+side's offload wait and the cold core's time on offloaded tasks at its poll points per
+cold output token (from `weaver_offload_cold_busy_seconds`): the part of the cold TPOT
+increase that is the offloaded work itself.
 
     python benchmarks/weaving_throughput.py --out benchmarks/results/weaving_throughput.json
 """
@@ -31,7 +34,7 @@ from pathlib import Path
 import httpx
 
 from weaver.bench.loadgen import LoadGenConfig, run_load_sync
-from weaver.bench.prom_histogram import read_histogram
+from weaver.bench.prom_histogram import read_counter, read_histogram
 from weaver.bench.results import RequestStatus
 from weaver.cli.pairs import parse_pairs
 from weaver.models.registry import prepare_model
@@ -95,8 +98,10 @@ def measure(label: str, config: Path, requests: list[TraceRequest]) -> dict:
         run_load_sync(warm, LoadGenConfig(server.base_url, show_progress=False))
         outcome = run_load_sync(requests, LoadGenConfig(server.base_url))
         health = server.health().json()
-        wait = read_histogram(httpx.get(f"{server.base_url}/metrics", timeout=30).text,
-                              "weaver_offload_wait_seconds")
+        metrics_text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+        wait = read_histogram(metrics_text, "weaver_offload_wait_seconds")
+        busy = {where: read_counter(metrics_text, "weaver_offload_cold_busy_seconds",
+                                    {"where": where}) for where in ("poll_point", "idle")}
     hot = [r for r in outcome.records if r.model == "hot"]
     cold = [r for r in outcome.records if r.model == "cold"]
     failed = [r for r in outcome.records if r.status is not RequestStatus.OK]
@@ -104,6 +109,7 @@ def measure(label: str, config: Path, requests: list[TraceRequest]) -> dict:
         raise RuntimeError(f"{label}: {len(failed)} requests failed: {failed[0].error}")
     hot_span = max(r.sent_at_s + r.e2e_s for r in hot) - min(r.sent_at_s for r in hot)
     cold_tpots = sorted(r.tpot_s for r in cold)
+    cold_tokens = sum(r.num_output_tokens for r in cold)
     return {
         "label": label,
         "hot_output_tokens": sum(r.num_output_tokens for r in hot),
@@ -116,15 +122,24 @@ def measure(label: str, config: Path, requests: list[TraceRequest]) -> dict:
         "offload_wait": None if wait is None or not wait.count else {
             "num_tasks": wait.count, "mean_s": wait.mean, "p50_s": wait.quantile(0.5),
             "p99_s": wait.quantile(0.99)},
+        # The cold core's time on the hot model's tasks. At poll points it lands inside the
+        # cold model's own steps, so per cold output token it is what weaving adds to the
+        # cold TPOT by work alone (its batches are mostly one request here).
+        "cold_busy_s": None if busy["poll_point"] is None else busy,
+        "cold_busy_at_poll_points_per_cold_token_s": (
+            None if busy["poll_point"] is None else busy["poll_point"] / cold_tokens),
     }
 
 
 def _print_run(run: dict, with_round: bool = False) -> None:
     wait = run["offload_wait"]
     wait_text = "-" if wait is None else f"{wait['mean_s'] * 1e3:.2f} / {wait['p99_s'] * 1e3:.2f}"
+    busy = run.get("cold_busy_at_poll_points_per_cold_token_s")
+    busy_text = "-" if busy is None else f"{busy * 1e3:.1f}"
     prefix = f"{run['round']:<6} " if with_round else ""
     print(f"{prefix}{run['label']:<12} {run['hot_throughput_tok_s']:>10.1f} "
-          f"{run['cold_tpot_mean_s'] * 1e3:>13.1f} {wait_text:>25}", flush=True)
+          f"{run['cold_tpot_mean_s'] * 1e3:>13.1f} {wait_text:>25} {busy_text:>22}",
+          flush=True)
 
 
 def _ratio_text(ratio: float | None) -> str:
@@ -221,7 +236,7 @@ def main() -> int:
             _print_run(run)
     summary = summarize_rounds(runs) if set(args.deployments) == set(DEPLOYMENTS) else None
     print(f"\n{'round':<6} {'deployment':<12} {'hot tok/s':>10} {'cold TPOT ms':>13} "
-          f"{'offload wait mean/p99 ms':>25}")
+          f"{'offload wait mean/p99 ms':>25} {'cold ms/token on tasks':>22}")
     for run in runs:
         _print_run(run, with_round=True)
     if summary is not None:

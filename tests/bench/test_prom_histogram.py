@@ -1,12 +1,12 @@
-"""Reading a histogram back from /metrics text (weaver/bench/prom_histogram.py)."""
+"""Reading a histogram or a counter back from /metrics text (weaver/bench/prom_histogram.py)."""
 
 from __future__ import annotations
 
 import pytest
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import generate_latest
 
-from weaver.bench.prom_histogram import read_histogram
+from weaver.bench.prom_histogram import read_counter, read_histogram
 
 
 def _text(observations: dict[str, list[float]]) -> str:
@@ -48,3 +48,17 @@ def test_beyond_the_last_bucket_and_empty():
     assert read_histogram(empty, "weaver_offload_wait_seconds") is None
     with pytest.raises(ValueError, match="quantile"):
         reading.quantile(1.5)
+
+
+def test_counter_selected_by_labels_and_summed_over_the_rest():
+    registry = CollectorRegistry()
+    busy = Counter("weaver_offload_cold_busy_seconds", "busy", ["hot", "cold", "where"],
+                   registry=registry)
+    busy.labels(hot="h", cold="c", where="poll_point").inc(1.5)
+    busy.labels(hot="h", cold="c", where="idle").inc(4.0)
+    text = generate_latest(registry).decode()
+    name = "weaver_offload_cold_busy_seconds"
+    assert read_counter(text, name, {"where": "poll_point"}) == pytest.approx(1.5)
+    assert read_counter(text, name) == pytest.approx(5.5)
+    assert read_counter(text, name, {"where": "elsewhere"}) is None
+    assert read_counter(text, "weaver_offload_wait_seconds") is None

@@ -84,6 +84,7 @@ def test_round_trip_through_idle_poller(shm_name):
             assert result.output.shape == (num_seqs, 4, 32)
             assert result.round_trip_s >= result.wait_s >= 0
         assert recv.stats.num_served == 6 and recv.stats.num_served_by_idle_poller == 6
+        assert recv.stats.busy_by_idle_poller_s > 0 and recv.stats.busy_at_poll_points_s == 0
         assert sender.stats.num_completed == 6 and sender.stats.num_submitted == 6
 
 
@@ -98,6 +99,12 @@ def test_poll_point_serves_without_idle_thread(shm_name):
         assert recv.poll() is False
         torch.testing.assert_close(sender.wait(ticket, timeout_s=1), expected)
         assert recv.stats.num_served_at_poll_points == 1
+        assert recv.stats.busy_at_poll_points_s > 0 and recv.stats.busy_by_idle_poller_s == 0
+        # An idle loop of the caller's own (the worker extension's) counts as idle serving.
+        ticket, expected = submit_random(sender, 0, 2, gen)
+        assert recv.poll(by_idle_poller=True) is True
+        torch.testing.assert_close(sender.wait(ticket, timeout_s=1), expected)
+        assert recv.stats.num_served_by_idle_poller == 1 and recv.stats.busy_by_idle_poller_s > 0
 
 
 def test_poll_points_and_idle_thread_serve_each_task_once(shm_name):
@@ -132,6 +139,8 @@ def test_poll_points_and_idle_thread_serve_each_task_once(shm_name):
         stats = recv.stats
         assert stats.num_served == 30
         assert stats.num_served_at_poll_points + stats.num_served_by_idle_poller == 30
+        assert stats.busy_at_poll_points_s + stats.busy_by_idle_poller_s == pytest.approx(
+            stats.total_busy_s)
 
 
 def test_wait_times_out_without_receiver_then_recovers(shm_name):

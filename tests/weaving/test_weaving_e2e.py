@@ -120,6 +120,8 @@ def test_half_remote_is_token_exact_and_runs_larger_batches(server, client, refe
     assert outputs == reference["outputs"]
     assert metric(server, 'weaver_offload_sequences_total{model="hot"}') >= NUM_PROMPTS // 2
     assert metric(server, 'weaver_offload_tasks_total{cold="cold",hot="hot"}') > 0
+    # The cold side's time on those tasks, whether at poll points or by its idle poller.
+    assert metric(server, "weaver_offload_cold_busy_seconds_total") > 0
     # Capacity: same local KV, plus the lent blocks (acceptance: >= 1.8x).
     print(f"peak running: ref {reference['peak_running']}, hot {peak}")
     assert reference["peak_running"] > 0

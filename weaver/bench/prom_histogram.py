@@ -1,4 +1,4 @@
-"""A Prometheus histogram read back from a server's /metrics text.
+"""A Prometheus histogram (or counter) read back from a server's /metrics text.
 
 Benchmarks that drive `weaver serve` read Weaver's own series (e.g. the hot side's
 `weaver_offload_wait_seconds`) to report them beside their client-side figures.
@@ -67,3 +67,22 @@ def read_histogram(metrics_text: str, name: str,
     if not found:
         return None
     return HistogramReading(count, total, tuple(sorted(buckets.items())))
+
+
+def read_counter(metrics_text: str, name: str,
+                 labels: dict[str, str] | None = None) -> float | None:
+    """The counter ``name`` (without its ``_total`` suffix) whose labels include
+    ``labels``, summed over any other labels; None when the text has no such series."""
+    labels = labels or {}
+    total, found = 0.0, False
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name != name or family.type != "counter":
+            continue
+        for sample in family.samples:
+            if sample.name != f"{name}_total":
+                continue
+            if any(sample.labels.get(k) != v for k, v in labels.items()):
+                continue
+            found = True
+            total += sample.value
+    return total if found else None

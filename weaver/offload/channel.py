@@ -149,6 +149,10 @@ class ReceiverStats:
     num_served_by_idle_poller: int = 0
     num_idle_wakeups: int = 0
     total_busy_s: float = 0.0
+    # Split by where the task was served: at poll points the time lands inside one of
+    # the cold model's own steps (what its TPOT pays); by the idle poller it does not.
+    busy_at_poll_points_s: float = 0.0
+    busy_by_idle_poller_s: float = 0.0
 
 
 @dataclass
@@ -479,10 +483,12 @@ class OffloadReceiver:
     def has_pending(self) -> bool:
         return int(self._views.task_seq[0]) > self._done_seq
 
-    def poll(self) -> bool:
+    def poll(self, *, by_idle_poller: bool = False) -> bool:
         """Serve a pending task now if no other thread is serving; True if one was served.
 
         Called between every cold operator, so the idle case is one int64 load and compare.
+        by_idle_poller: the caller is an idle loop of its own (the worker extension's, which
+        also takes the engine's step lock), not a poll point; it only changes the stats.
         """
         views = self._views
         if views is None or views.task_seq[0] <= self._done_seq:
@@ -490,7 +496,7 @@ class OffloadReceiver:
         if not self._lock.acquire(blocking=False):
             return False
         try:
-            return self._serve_pending_locked(by_idle_poller=False)
+            return self._serve_pending_locked(by_idle_poller=by_idle_poller)
         finally:
             self._lock.release()
 
@@ -557,12 +563,15 @@ class OffloadReceiver:
             result = TaskResult.FAILED
             self.stats.num_failed += 1
         # Counters first, so a hot side that sees the completion also sees them counted.
+        busy_s = time.monotonic() - start
         self.stats.num_served += 1
         if by_idle_poller:
             self.stats.num_served_by_idle_poller += 1
+            self.stats.busy_by_idle_poller_s += busy_s
         else:
             self.stats.num_served_at_poll_points += 1
-        self.stats.total_busy_s += time.monotonic() - start
+            self.stats.busy_at_poll_points_s += busy_s
+        self.stats.total_busy_s += busy_s
         v.done_result[0] = int(result)
         v.done_seq[0] = seq  # publish completion: the LAST store
         self._done_seq = seq

@@ -50,6 +50,11 @@ class WeavingMetrics:
         self.remote_blocks = Gauge("weaver_remote_kv_blocks_used",
                                    "Remote KV blocks held by running hot sequences",
                                    ["hot", "cold"], registry=registry)
+        self.cold_busy = Counter(
+            "weaver_offload_cold_busy_seconds",
+            "Cold side's time serving a hot model's attention tasks, by where: at poll "
+            "points inside the cold model's own steps (its TPOT pays it) or by the idle "
+            "poller between them", ["hot", "cold", "where"], registry=registry)
         self._last: dict[tuple, float] = {}
 
     def add_total(self, counter: Counter, labels: dict[str, str], total: float) -> None:
@@ -121,6 +126,28 @@ class WeavingSupervisor:
             reason = (stats.get("hot") or {}).get("degraded_reason") or (
                 "cold engine is dead" if cold_dead else None)
             self.state[key].update(status="degraded" if reason else "ok", reason=reason)
+        for cold in sorted({p.cold for p in self.plans}):
+            await self._refresh_cold(cold)
+
+    async def _refresh_cold(self, cold: str) -> None:
+        engine = self.engines[cold]
+        if engine.is_dead:
+            return
+        try:
+            (stats,) = await _rpc(engine, "weaver_stats", STATS_TIMEOUT_S)
+        except Exception as exc:  # a scrape must not fail because one engine did
+            logger.warning("weaving stats of %s unavailable: %r", cold, exc)
+            return
+        by_region = {p.region_name: p for p in self.plans if p.cold == cold}
+        for receiver in stats.get("cold") or ():
+            plan = by_region.get(receiver.get("region"))
+            if plan is None:
+                continue
+            m, pair = self.metrics, {"hot": plan.hot, "cold": plan.cold}
+            m.add_total(m.cold_busy, {**pair, "where": "poll_point"},
+                        receiver.get("busy_at_poll_points_s", 0.0))
+            m.add_total(m.cold_busy, {**pair, "where": "idle"},
+                        receiver.get("busy_by_idle_poller_s", 0.0))
 
     def _record(self, plan: PairPlan, hot: dict[str, Any]) -> None:
         m, pair = self.metrics, {"hot": plan.hot, "cold": plan.cold}

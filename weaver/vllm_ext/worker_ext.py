@@ -184,7 +184,7 @@ class WeaverWorkerExtension:
                 if not wakeup.wait(wait_s) and not receiver.has_pending():
                     continue
                 with self._weaver_step_lock:
-                    if receiver.poll():
+                    if receiver.poll(by_idle_poller=True):
                         self._weaver_idle_served += 1
 
     # --- both ---------------------------------------------------------------------
