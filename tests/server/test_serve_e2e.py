@@ -175,9 +175,16 @@ def test_killing_one_engine_leaves_the_other_serving(server, client):
     assert pair["status"] == "degraded"
 
 
-def test_sigterm_leaves_no_child_process(server):
+def test_sigterm_leaves_no_child_process_nor_shared_memory(server):
     children = server.descendants()
     assert children, "the server should have engine processes to stop"
+    # vLLM's EngineCore and its worker talk through message queues in /dev/shm (psm_*,
+    # sem.mp-*); they are unlinked only if the processes get to tear down.
+    segments = {m.path for child in children for m in child.memory_maps()
+                if m.path.startswith("/dev/shm/")}
+    assert segments, "the engines should map their message queues from /dev/shm"
     assert server.stop(signal.SIGTERM) == 0
     _, alive = psutil.wait_procs(children, timeout=15)
     assert not alive, f"orphaned processes: {[p.pid for p in alive]}"
+    left = sorted(path for path in segments if os.path.exists(path))
+    assert not left, f"shared memory left behind: {left}"
