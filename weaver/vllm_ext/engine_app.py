@@ -160,7 +160,7 @@ async def open_engine(
     with _engine_environment(spec):
         client = await stack.enter_async_context(build_async_engine_client(args))
     # Runs before vLLM's own shutdown in the context above (the stack unwinds last-in
-    # first-out), which is then a no-op.
+    # first-out), which then finds the engine processes already stopped.
     stack.callback(client.shutdown, timeout=ENGINE_TEARDOWN_GRACE_S)
     supported_tasks = await client.get_supported_tasks()
     app = build_app(args, supported_tasks, client.model_config)
