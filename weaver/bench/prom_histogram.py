@@ -9,9 +9,11 @@ them: linear inside the bucket that holds the rank.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 
 @dataclass(frozen=True)
@@ -46,24 +48,18 @@ def read_histogram(metrics_text: str, name: str,
                    labels: dict[str, str] | None = None) -> HistogramReading | None:
     """The histogram ``name`` whose labels include ``labels``, summed over any other
     labels; None when the text has no such series."""
-    labels = labels or {}
     buckets: dict[float, float] = {}
     count = total = 0.0
     found = False
-    for family in text_string_to_metric_families(metrics_text):
-        if family.name != name or family.type != "histogram":
-            continue
-        for sample in family.samples:
-            if any(sample.labels.get(k) != v for k, v in labels.items()):
-                continue
-            found = True
-            if sample.name == f"{name}_bucket":
-                bound = float(sample.labels["le"])
-                buckets[bound] = buckets.get(bound, 0.0) + sample.value
-            elif sample.name == f"{name}_count":
-                count += sample.value
-            elif sample.name == f"{name}_sum":
-                total += sample.value
+    for sample in _samples(metrics_text, name, "histogram", labels or {}):
+        found = True
+        if sample.name == f"{name}_bucket":
+            bound = float(sample.labels["le"])
+            buckets[bound] = buckets.get(bound, 0.0) + sample.value
+        elif sample.name == f"{name}_count":
+            count += sample.value
+        elif sample.name == f"{name}_sum":
+            total += sample.value
     if not found:
         return None
     return HistogramReading(count, total, tuple(sorted(buckets.items())))
@@ -73,16 +69,17 @@ def read_counter(metrics_text: str, name: str,
                  labels: dict[str, str] | None = None) -> float | None:
     """The counter ``name`` (without its ``_total`` suffix) whose labels include
     ``labels``, summed over any other labels; None when the text has no such series."""
-    labels = labels or {}
-    total, found = 0.0, False
+    values = [sample.value for sample in _samples(metrics_text, name, "counter", labels or {})
+              if sample.name == f"{name}_total"]
+    return sum(values) if values else None
+
+
+def _samples(metrics_text: str, name: str, kind: str,
+             labels: dict[str, str]) -> Iterator[Sample]:
+    """The samples of the ``kind`` family ``name`` whose labels include ``labels``."""
     for family in text_string_to_metric_families(metrics_text):
-        if family.name != name or family.type != "counter":
+        if family.name != name or family.type != kind:
             continue
         for sample in family.samples:
-            if sample.name != f"{name}_total":
-                continue
-            if any(sample.labels.get(k) != v for k, v in labels.items()):
-                continue
-            found = True
-            total += sample.value
-    return total if found else None
+            if all(sample.labels.get(k) == v for k, v in labels.items()):
+                yield sample

@@ -116,10 +116,8 @@ class WeavingSupervisor:
             if hot.is_dead:
                 self.state[key].update(status="degraded", reason="hot engine is dead")
                 continue
-            try:
-                (stats,) = await _rpc(hot, "weaver_stats", STATS_TIMEOUT_S)
-            except Exception as exc:  # a scrape must not fail because one engine did
-                logger.warning("weaving stats of %s unavailable: %r", plan.hot, exc)
+            stats = await self._stats_of(plan.hot)
+            if stats is None:
                 continue
             self._record(plan, stats.get("hot") or {})
             cold_dead = self.engines[plan.cold].is_dead
@@ -129,14 +127,20 @@ class WeavingSupervisor:
         for cold in sorted({p.cold for p in self.plans}):
             await self._refresh_cold(cold)
 
-    async def _refresh_cold(self, cold: str) -> None:
-        engine = self.engines[cold]
-        if engine.is_dead:
-            return
+    async def _stats_of(self, name: str) -> dict[str, Any] | None:
+        """The worker's weaving counters, or None (logged) when it does not answer."""
         try:
-            (stats,) = await _rpc(engine, "weaver_stats", STATS_TIMEOUT_S)
+            (stats,) = await _rpc(self.engines[name], "weaver_stats", STATS_TIMEOUT_S)
         except Exception as exc:  # a scrape must not fail because one engine did
-            logger.warning("weaving stats of %s unavailable: %r", cold, exc)
+            logger.warning("weaving stats of %s unavailable: %r", name, exc)
+            return None
+        return stats
+
+    async def _refresh_cold(self, cold: str) -> None:
+        if self.engines[cold].is_dead:
+            return
+        stats = await self._stats_of(cold)
+        if stats is None:
             return
         by_region = {p.region_name: p for p in self.plans if p.cold == cold}
         for receiver in stats.get("cold") or ():
