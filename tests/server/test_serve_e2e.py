@@ -34,6 +34,10 @@ HOT, COLD = DEFAULT.weaving[0].hot, DEFAULT.weaving[0].cold[0]
 MAX_MODEL_LEN = DEFAULT.model(HOT).max_model_len
 
 
+# /dev/shm files of the engine that test_killing_one_engine_leaves_the_other_serving kills.
+KILLED_ENGINE_SHM: set[str] = set()
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_dir):
     root = tmp_path_factory.mktemp("serve")
@@ -157,6 +161,13 @@ def test_killing_one_engine_leaves_the_other_serving(server, client):
     # (its remote sequences' attention falls back to the hot side, visibly).
     victim_pids = server.health().json()["models"][COLD]["engine_pids"]
     assert victim_pids
+    # Killed processes cannot unlink their shared memory; the gateway must (checked at
+    # SIGTERM below).
+    for pid in victim_pids:
+        for proc in (psutil.Process(pid), *psutil.Process(pid).children(recursive=True)):
+            KILLED_ENGINE_SHM.update(m.path for m in proc.memory_maps()
+                                     if m.path.startswith("/dev/shm/"))
+    assert KILLED_ENGINE_SHM
     for pid in victim_pids:
         psutil.Process(pid).kill()
     deadline = time.monotonic() + 60
@@ -186,5 +197,5 @@ def test_sigterm_leaves_no_child_process_nor_shared_memory(server):
     assert server.stop(signal.SIGTERM) == 0
     _, alive = psutil.wait_procs(children, timeout=15)
     assert not alive, f"orphaned processes: {[p.pid for p in alive]}"
-    left = sorted(path for path in segments if os.path.exists(path))
+    left = sorted(path for path in segments | KILLED_ENGINE_SHM if os.path.exists(path))
     assert not left, f"shared memory left behind: {left}"

@@ -137,6 +137,31 @@ def _engine_environment(spec: ModelSpec):
                 os.environ[key] = value
 
 
+def _shm_files_of(pids: list[int]) -> set[str]:
+    """The /dev/shm files that these processes and their children have mapped."""
+    import psutil
+
+    paths: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(pid)
+            for proc in (root, *root.children(recursive=True)):
+                paths.update(m.path for m in proc.memory_maps()
+                             if m.path.startswith("/dev/shm/"))
+    return paths
+
+
+def _remove_left_over_shm(engine_name: str, paths: set[str]) -> None:
+    """Unlink what a dead or killed engine could not (its processes never tore down)."""
+    left = sorted(path for path in paths if os.path.exists(path))
+    for path in left:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    if left:
+        logger.warning("engine %s left %d shared-memory file(s) behind; removed %s",
+                       engine_name, len(left), left)
+
+
 def _engine_process_ids(client: Any) -> list[int]:
     # AsyncLLM → AsyncMPClient → resources.engine_manager (CoreEngineProcManager).
     core = getattr(client, "engine_core", None)
@@ -159,8 +184,11 @@ async def open_engine(
     logger.info("starting engine %s from %s", spec.name, model_path)
     with _engine_environment(spec):
         client = await stack.enter_async_context(build_async_engine_client(args))
-    # Runs before vLLM's own shutdown in the context above (the stack unwinds last-in
-    # first-out), which then finds the engine processes already stopped.
+    # The stack unwinds last-in first-out: first our shutdown (vLLM's own in the context
+    # above then finds the engine processes stopped), then the files of an engine that
+    # could not tear down (killed, crashed) are removed.
+    stack.callback(_remove_left_over_shm, spec.name,
+                   _shm_files_of(_engine_process_ids(client)))
     stack.callback(client.shutdown, timeout=ENGINE_TEARDOWN_GRACE_S)
     supported_tasks = await client.get_supported_tasks()
     app = build_app(args, supported_tasks, client.model_config)
