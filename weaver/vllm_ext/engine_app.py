@@ -187,8 +187,8 @@ async def open_engine(
     # The stack unwinds last-in first-out: first our shutdown (vLLM's own in the context
     # above then finds the engine processes stopped), then the files of an engine that
     # could not tear down (killed, crashed) are removed.
-    stack.callback(_remove_left_over_shm, spec.name,
-                   _shm_files_of(_engine_process_ids(client)))
+    process_ids = _engine_process_ids(client)
+    stack.callback(_remove_left_over_shm, spec.name, _shm_files_of(process_ids))
     stack.callback(client.shutdown, timeout=ENGINE_TEARDOWN_GRACE_S)
     supported_tasks = await client.get_supported_tasks()
     app = build_app(args, supported_tasks, client.model_config)
@@ -199,7 +199,7 @@ async def open_engine(
         app=app,
         max_model_len=client.model_config.max_model_len,
         model_path=model_path,
-        process_ids=_engine_process_ids(client),
+        process_ids=process_ids,
         stats=attach_stats_recorder(client),
     )
     logger.info("engine %s ready (engine processes %s)", spec.name, handle.process_ids)
