@@ -38,6 +38,12 @@ MAX_MODEL_LEN = DEFAULT.model(HOT).max_model_len
 KILLED_ENGINE_SHM: set[str] = set()
 
 
+def shm_files(processes: list[psutil.Process]) -> set[str]:
+    """The /dev/shm files these processes have mapped (vLLM's message queues)."""
+    return {m.path for proc in processes for m in proc.memory_maps()
+            if m.path.startswith("/dev/shm/")}
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_dir):
     root = tmp_path_factory.mktemp("serve")
@@ -164,9 +170,8 @@ def test_killing_one_engine_leaves_the_other_serving(server, client):
     # Killed processes cannot unlink their shared memory; the gateway must (checked at
     # SIGTERM below).
     for pid in victim_pids:
-        for proc in (psutil.Process(pid), *psutil.Process(pid).children(recursive=True)):
-            KILLED_ENGINE_SHM.update(m.path for m in proc.memory_maps()
-                                     if m.path.startswith("/dev/shm/"))
+        victim = psutil.Process(pid)
+        KILLED_ENGINE_SHM.update(shm_files([victim, *victim.children(recursive=True)]))
     assert KILLED_ENGINE_SHM
     for pid in victim_pids:
         psutil.Process(pid).kill()
@@ -191,8 +196,7 @@ def test_sigterm_leaves_no_child_process_nor_shared_memory(server):
     assert children, "the server should have engine processes to stop"
     # vLLM's EngineCore and its worker talk through message queues in /dev/shm (psm_*,
     # sem.mp-*); they are unlinked only if the processes get to tear down.
-    segments = {m.path for child in children for m in child.memory_maps()
-                if m.path.startswith("/dev/shm/")}
+    segments = shm_files(children)
     assert segments, "the engines should map their message queues from /dev/shm"
     assert server.stop(signal.SIGTERM) == 0
     _, alive = psutil.wait_procs(children, timeout=15)
