@@ -3,7 +3,7 @@
 import pytest
 from kv_models import SMOLLM2_135M, TINY_LLAMA
 
-from weaver.kv.pages import TenantShape, choose_page_bytes
+from weaver.kv.pages import TenantShape, choose_page_bytes, headwise_block_size
 
 
 def test_head_block_bytes_is_k_plus_v_of_one_head() -> None:
@@ -52,3 +52,17 @@ def test_bad_page_bytes_and_empty_shapes_raise() -> None:
         TINY_LLAMA.pages_per_block(0)
     with pytest.raises(ValueError, match="at least one"):
         choose_page_bytes([])
+
+
+def test_headwise_block_size_fills_one_page_per_head_block() -> None:
+    # A 32 KiB page: fp32 head size 64 takes 64 tokens, head size 128 takes 32.
+    assert headwise_block_size(32768, 64, 4) == 64
+    assert headwise_block_size(32768, 128, 4) == 32
+    shape = TenantShape(num_layers=30, num_kv_heads=3, head_size=64, block_size=64, dtype_bytes=4)
+    assert shape.pages_per_head_block(32768) == 1
+    assert shape.num_wasted_bytes_per_block(32768) == 0
+
+
+def test_headwise_block_size_refuses_a_page_that_splits_a_token() -> None:
+    with pytest.raises(ValueError, match="whole number of tokens"):
+        headwise_block_size(1000, 64, 4)

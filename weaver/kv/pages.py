@@ -92,3 +92,21 @@ def choose_page_bytes(shapes: Iterable[TenantShape]) -> int:
     if not sizes:
         raise ValueError("choose_page_bytes needs at least one TenantShape")
     return math.gcd(*sizes)
+
+
+def headwise_block_size(page_bytes: int, head_size: int, dtype_bytes: int) -> int:
+    """The tenant block size (tokens) whose head-block fills exactly one page.
+
+    Kernels that read a head-block as one ``[K | V]`` slab (vLLM's CPU_ATTN, through
+    ``weaver.vllm_ext.headwise_attention``) need one page per head-block; tenants with other
+    head sizes or dtypes then get other block sizes over the same pages (head size 64 at
+    block 64 next to head size 128 at block 32, for instance)."""
+    check_page_bytes(page_bytes)
+    token_bytes = 2 * head_size * dtype_bytes
+    if head_size < 1 or dtype_bytes < 1 or page_bytes % token_bytes:
+        raise ValueError(
+            f"a {page_bytes}-byte page does not hold a whole number of tokens of K+V at "
+            f"head_size {head_size}, {dtype_bytes} bytes per element ({token_bytes} bytes per "
+            "token); pick a page size that is a multiple of it"
+        )
+    return page_bytes // token_bytes

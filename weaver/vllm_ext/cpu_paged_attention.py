@@ -21,7 +21,7 @@ from weaver.offload.layout import HotAttentionShape
 
 logger = logging.getLogger(__name__)
 
-_CPU_ATTN_BLOCK_MULTIPLE = 32  # CPUAttentionBackend.get_supported_kernel_block_sizes
+CPU_ATTN_BLOCK_MULTIPLE = 32  # CPUAttentionBackend.get_supported_kernel_block_sizes
 
 
 def validate_cpu_attn_shape(shape: HotAttentionShape) -> None:
@@ -32,9 +32,9 @@ def validate_cpu_attn_shape(shape: HotAttentionShape) -> None:
             f"head_size {shape.head_size} is not supported by vLLM CPU_ATTN ({head_sizes}); "
             "this hot model cannot be offloaded to a CPU cold side"
         )
-    if shape.block_size % _CPU_ATTN_BLOCK_MULTIPLE:
+    if shape.block_size % CPU_ATTN_BLOCK_MULTIPLE:
         raise ValueError(
-            f"block_size {shape.block_size} must be a multiple of {_CPU_ATTN_BLOCK_MULTIPLE} "
+            f"block_size {shape.block_size} must be a multiple of {CPU_ATTN_BLOCK_MULTIPLE} "
             "for vLLM CPU_ATTN; set the hot engine's --block-size accordingly"
         )
     if TORCH_DTYPES[shape.dtype] not in cpu_attn.CPUAttentionBackend.supported_dtypes:
@@ -56,7 +56,7 @@ def select_cpu_attn_isa(shape: HotAttentionShape) -> str:
     return get_isa(TORCH_DTYPES[shape.dtype], shape.block_size, shape.head_size, "auto")
 
 
-def _key_value_caches(kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def key_value_caches(kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # Same reinterpretation as cpu_attn.py forward: each (block, head) page is [K | V].
     num_blocks, num_kv_heads, block_size, _ = kv_layer.shape
     pages = kv_layer.view(num_blocks, num_kv_heads, block_size * 2, -1)
@@ -92,7 +92,7 @@ def write_kv_to_pool(
         raise ValueError(
             f"slots must be in [0, {num_slots}) (or -1 for padding), local to the remote pool"
         )
-    key_cache, value_cache = _key_value_caches(kv_layer)
+    key_cache, value_cache = key_value_caches(kv_layer)
     ops.cpu_attn_reshape_and_cache(
         key, value, key_cache, value_cache, slot_mapping.to(torch.int64), isa
     )
@@ -156,7 +156,7 @@ class CpuPagedAttentionExecutor:
             isa=self.isa,
             enable_kv_split=self._enable_kv_split,
         )
-        key_cache, value_cache = _key_value_caches(kv_layer)
+        key_cache, value_cache = key_value_caches(kv_layer)
         ops.cpu_attention_with_kv_cache(
             query=q,
             key_cache=key_cache,

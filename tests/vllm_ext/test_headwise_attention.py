@@ -1,0 +1,235 @@
+"""vLLM's CPU attention over head-wise pages of the unified pool equals vLLM's own layout.
+
+Two tenants of different shapes share one pool through the real `UnifiedKVAllocator`, their
+blocks allocated interleaved so every tenant's pages are scattered. Each tenant's K/V are
+written twice: by vLLM's op into the tenant's own `[num_blocks, H, N, 2D]` cache (the
+reference: what `CPUAttentionBackendImpl.forward` computes), and by `write_kv_headwise` into
+the pool. Attention of the same queries must be bitwise equal.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from weaver.kv.allocator import UnifiedKVAllocator
+from weaver.kv.pages import TenantShape, headwise_block_size
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM (CPU build) is not installed", allow_module_level=True)
+
+from vllm import _custom_ops as ops  # noqa: E402
+
+from weaver.vllm_ext.cpu_paged_attention import key_value_caches  # noqa: E402
+from weaver.vllm_ext.headwise_attention import (  # noqa: E402
+    HeadwiseBatch,
+    HeadwiseGeometry,
+    page_view,
+)
+
+PAGE_BYTES = 32 * 1024
+DTYPE = torch.float32
+NUM_PAGES = 400
+
+
+def geometry(num_q_heads: int, num_kv_heads: int, head_size: int) -> HeadwiseGeometry:
+    return HeadwiseGeometry(num_q_heads, num_kv_heads, head_size,
+                            headwise_block_size(PAGE_BYTES, head_size, 4), DTYPE)
+
+
+# SmolLM2-135M's attention (9 q / 3 kv heads of 64) and a Llama-like cold model of another
+# shape (8 q / 2 kv heads of 128): block sizes 64 and 32 over the same 32 KiB pages.
+TENANTS = {
+    "hot": (3, geometry(9, 3, 64)),
+    "cold": (2, geometry(8, 2, 128)),
+}
+MAX_BLOCKS = 16
+
+
+class Tenant:
+    """One tenant: its blocks in the pool and, for reference, in vLLM's own layout."""
+
+    def __init__(self, name: str, num_layers: int, geo: HeadwiseGeometry):
+        self.name, self.num_layers, self.geo = name, num_layers, geo
+        self.own_cache = [torch.zeros(MAX_BLOCKS, geo.num_kv_heads, geo.block_size,
+                                      2 * geo.head_size, dtype=DTYPE)
+                          for _ in range(num_layers)]
+        self.page_table = torch.full((MAX_BLOCKS, num_layers * geo.num_kv_heads), -1,
+                                     dtype=torch.int32)
+
+    def shape(self) -> TenantShape:
+        return TenantShape(self.num_layers, self.geo.num_kv_heads, self.geo.head_size,
+                           self.geo.block_size, 4)
+
+
+@pytest.fixture
+def pool_and_tenants():
+    allocator = UnifiedKVAllocator(NUM_PAGES, PAGE_BYTES)
+    tenants = {name: Tenant(name, layers, geo) for name, (layers, geo) in TENANTS.items()}
+    for tenant in tenants.values():
+        allocator.add_tenant(tenant.name, tenant.shape(), NUM_PAGES // 2,
+                             is_owner=tenant.name == "cold")
+        assert allocator.pages_per_block(tenant.name) == tenant.num_layers * (
+            tenant.geo.num_kv_heads)  # one page per head-block
+    for _ in range(MAX_BLOCKS):  # interleaved, so each tenant's pages are scattered
+        for tenant in tenants.values():
+            block = allocator.allocate_block(tenant.name)
+            tenant.page_table[block.block_id] = torch.tensor(block.page_ids)
+    pool = torch.zeros(NUM_PAGES * PAGE_BYTES, dtype=torch.uint8)
+    return pool, tenants
+
+
+def isa_of(geo: HeadwiseGeometry) -> str:
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return _get_attn_isa(geo.dtype, geo.block_size, geo.head_size, "auto")
+
+
+def fill(pool: torch.Tensor, tenant: Tenant, lens: list[int], gen: torch.Generator):
+    """Random K/V for `lens` tokens of each sequence, written both ways (as one prefill step
+    would); returns the block table (sequence i owns blocks in a shuffled order)."""
+    geo, isa = tenant.geo, isa_of(tenant.geo)
+    pages = page_view(pool, geo)
+    order = torch.randperm(MAX_BLOCKS, generator=gen)
+    per_seq = MAX_BLOCKS // len(lens)
+    block_table = order[: per_seq * len(lens)].view(len(lens), per_seq).to(torch.int32)
+    slots = torch.cat([block_table[i, torch.arange(n) // geo.block_size].to(torch.int64)
+                       * geo.block_size + torch.arange(n) % geo.block_size
+                       for i, n in enumerate(lens)])
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    query_start_loc = torch.tensor([0, *seq_lens.cumsum(0).tolist()], dtype=torch.int32)
+    batch = HeadwiseBatch(geo, tenant.num_layers, tenant.page_table, query_start_loc, seq_lens,
+                          block_table, slots, isa=isa)
+    for layer in range(tenant.num_layers):
+        key = torch.randn(len(slots), geo.num_kv_heads, geo.head_size, generator=gen)
+        value = torch.randn(len(slots), geo.num_kv_heads, geo.head_size, generator=gen)
+        own_k, own_v = key_value_caches(tenant.own_cache[layer])
+        ops.cpu_attn_reshape_and_cache(key, value, own_k, own_v, slots, isa)
+        batch.write_kv(pages, layer, key, value)
+    return block_table
+
+
+def reference_attention(tenant: Tenant, layer: int, query, query_start_loc, seq_lens,
+                        block_table, split: bool) -> torch.Tensor:
+    """What vLLM's CPU backend computes over the tenant's own cache layout."""
+    geo, isa = tenant.geo, isa_of(tenant.geo)
+    metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(seq_lens), num_heads=geo.num_q_heads, num_kv_heads=geo.num_kv_heads,
+        head_dim=geo.head_size, seq_lens=seq_lens, dtype=DTYPE,
+        query_start_loc=query_start_loc, causal=True, sliding_window_size=-1, isa=isa,
+        enable_kv_split=split)
+    own_k, own_v = key_value_caches(tenant.own_cache[layer])
+    out = torch.empty_like(query)
+    ops.cpu_attention_with_kv_cache(
+        query=query, key_cache=own_k, value_cache=own_v, output=out,
+        query_start_loc=query_start_loc, seq_lens=seq_lens, scale=geo.head_size ** -0.5,
+        causal=True, alibi_slopes=None, sliding_window=-1, block_table=block_table,
+        softcap=0.0, scheduler_metadata=metadata, s_aux=None)
+    return out
+
+
+# (context length, query length) per sequence: decode only, and chunked prefill mixed with
+# decodes (a first chunk, a later chunk that must see earlier K/V, a one-token prompt).
+BATCHES = {
+    "decode": [(37, 1), (100, 1), (5, 1), (128, 1)],
+    "mixed": [(90, 1), (70, 70), (120, 33), (1, 1)],
+}
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split-kv", "no-split"])
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+@pytest.mark.parametrize("tenant_name", sorted(TENANTS))
+def test_headwise_attention_is_bitwise_vllms(pool_and_tenants, tenant_name, batch, num_threads,
+                                             split):
+    pool, tenants = pool_and_tenants
+    tenant = tenants[tenant_name]
+    geo = tenant.geo
+    gen = torch.Generator().manual_seed(7)
+    lens = [ctx for ctx, _ in BATCHES[batch]]
+    query_lens = [q for _, q in BATCHES[batch]]
+    block_table = fill(pool, tenant, lens, gen)
+    # Also fill the other tenant, so a page mix-up would read its numbers.
+    other = next(t for t in tenants.values() if t is not tenant)
+    fill(pool, other, [64, 64], gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()],
+                                   dtype=torch.int32)
+    num_tokens = int(query_start_loc[-1])
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        headwise = HeadwiseBatch(geo, tenant.num_layers, tenant.page_table, query_start_loc,
+                                 seq_lens, block_table, isa=isa_of(geo), enable_kv_split=split)
+        assert headwise.is_decode == (batch == "decode")
+        pages = page_view(pool, geo)
+        for layer in range(tenant.num_layers):
+            query = torch.randn(num_tokens, geo.num_q_heads, geo.head_size, generator=gen)
+            expected = reference_attention(tenant, layer, query, query_start_loc, seq_lens,
+                                           block_table, split)
+            got = torch.full_like(query, float("nan"))
+            headwise.attention(pages, layer, query, got, scale=geo.head_size ** -0.5)
+            assert torch.equal(got, expected), (layer, (got - expected).abs().max())
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def test_each_tenant_writes_only_its_own_pages(pool_and_tenants):
+    pool, tenants = pool_and_tenants
+    hot, cold = tenants["hot"], tenants["cold"]
+    gen = torch.Generator().manual_seed(3)
+    fill(pool, cold, [128, 64], gen)
+    cold_pages = page_view(pool, cold.geo)[cold.page_table.flatten().long()].clone()
+    before = pool.clone()
+    fill(pool, hot, [200, 56], gen)
+    changed = (pool != before).view(NUM_PAGES, PAGE_BYTES).any(dim=1).nonzero().flatten()
+    assert set(changed.tolist()) <= set(hot.page_table.flatten().tolist())
+    assert torch.equal(page_view(pool, cold.geo)[cold.page_table.flatten().long()], cold_pages)
+
+
+def one_token_batch(tenant: Tenant, page_table: torch.Tensor, slot: int) -> HeadwiseBatch:
+    geo = tenant.geo
+    return HeadwiseBatch(geo, tenant.num_layers, page_table, torch.tensor([0, 1]),
+                         torch.tensor([1]), torch.zeros(1, 1, dtype=torch.int32),
+                         torch.tensor([slot]), isa=isa_of(geo))
+
+
+def test_writing_to_a_block_without_pages_is_refused(pool_and_tenants):
+    _, tenants = pool_and_tenants
+    hot = tenants["hot"]
+    table = hot.page_table.clone()
+    table[2] = -1  # block 2 freed
+    with pytest.raises(ValueError, match="has no pages"):
+        one_token_batch(hot, table, 2 * hot.geo.block_size + 5)
+
+
+def test_padding_slots_are_skipped(pool_and_tenants):
+    pool, tenants = pool_and_tenants
+    hot = tenants["hot"]
+    geo = hot.geo
+    before = pool.clone()
+    key = torch.ones(1, geo.num_kv_heads, geo.head_size)
+    one_token_batch(hot, hot.page_table, -1).write_kv(page_view(pool, geo), 0, key, key)
+    assert torch.equal(pool, before)
+
+
+def test_geometry_and_shape_checks(pool_and_tenants):
+    pool, tenants = pool_and_tenants
+    hot = tenants["hot"]
+    with pytest.raises(ValueError, match="whole groups"):
+        HeadwiseGeometry(9, 2, 64, 64, DTYPE)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        HeadwiseGeometry(9, 3, 64, 48, DTYPE)
+    with pytest.raises(ValueError, match="whole number"):
+        page_view(torch.zeros(PAGE_BYTES + 1, dtype=torch.uint8), hot.geo)
+    with pytest.raises(ValueError, match="one page per"):
+        one_token_batch(hot, torch.zeros(4, 5, dtype=torch.int32), 0)
+    batch = one_token_batch(hot, hot.page_table, 0)
+    wrong = torch.zeros(2, hot.geo.num_kv_heads, hot.geo.head_size)
+    with pytest.raises(ValueError, match="key/value"):
+        batch.write_kv(page_view(pool, hot.geo), 0, wrong, wrong)
+    query = torch.zeros(2, hot.geo.num_q_heads, hot.geo.head_size)
+    with pytest.raises(ValueError, match="query and output"):
+        batch.attention(page_view(pool, hot.geo), 0, query, query, scale=1.0)
