@@ -11,8 +11,11 @@ with ONE KV head and that head's group of query heads: the cache is the pool vie
 ``[num_pages, 1, 2 * block_size, head_size]`` and the pair's block table lists the pages of
 that head in this layer. Heads never mix in attention, and the kernel honours the strides of
 the views it gets, so each head is computed by the same code on the same numbers as in the
-tenant's own layout: the outputs are bitwise equal
-(``tests/vllm_ext/test_headwise_attention.py`` pins it, split-KV included).
+tenant's own layout: the outputs are bitwise equal with one kernel thread (a CPU engine on
+its own pinned core), split-KV on or off, and with several threads without split-KV
+(``tests/vllm_ext/test_headwise_attention.py`` pins it). With several threads AND split-KV
+the kernel cuts a long context by how many sequences the batch has (here S * H, not S), so
+the last bits may differ (3.6e-7 measured); ``PoolAttentionRuntime`` logs that case.
 
 The cost is bookkeeping, not copies: in decode (one query token per sequence) the query
 ``[S, H * G, D]`` already is ``[S * H, G, D]`` and the output likewise. The block tables of
@@ -22,7 +25,7 @@ head) with one gather and one scatter per layer, their indices built once per st
 
 A page must hold exactly one head-block (K then V, as vLLM lays them out): a tenant's
 ``block_size`` is chosen so that ``block_size * 2 * head_size * dtype_bytes`` is the pool's
-page size (``weaver.kv.pages.block_size_for_page``).
+page size (``weaver.kv.pages.headwise_block_size``).
 """
 
 from __future__ import annotations
@@ -85,16 +88,27 @@ def page_view(pool: torch.Tensor, geometry: HeadwiseGeometry) -> torch.Tensor:
     return pages.view(pool.numel() // page_bytes, 1, geometry.block_size, 2 * geometry.head_size)
 
 
+def _layer_pages(page_table: torch.Tensor, num_layers: int, num_kv_heads: int) -> torch.Tensor:
+    """The tenant's page table as ``[max_blocks, num_layers, num_kv_heads]``."""
+    if page_table.dim() != 2 or page_table.shape[1] != num_layers * num_kv_heads:
+        raise ValueError(
+            f"page table must be [max_blocks, {num_layers} * {num_kv_heads}] (one page per "
+            f"head-block), got {tuple(page_table.shape)}"
+        )
+    return page_table.view(-1, num_layers, num_kv_heads)
+
+
 class HeadwiseBatch:
-    """One step of a tenant (vLLM's query_start_loc / seq_lens / block_table of tenant block
-    ids, and the slot_mapping of the tokens it stores) restated as (sequence, KV head)
-    pseudo-sequences over the pool's pages, for every layer at once: the page tables are
-    gathered once per step, so a layer costs only the kernel call (a per-layer gather cost
-    70 us, a tenth of a decode layer's attention, in benchmarks/headwise_attention.py).
+    """One step of a tenant (vLLM's query_start_loc / seq_lens / block_table) restated as
+    (sequence, KV head) pseudo-sequences over the pool's pages, for every layer at once:
+    the page tables are gathered once per step, so a layer costs only the kernel call (a
+    per-layer gather cost 70 us, a tenth of a decode layer's attention).
 
     ``page_table`` is the tenant's ``[max_blocks, num_layers * num_kv_heads]`` page ids, rows
     in (layer, head) order as ``BlockHandle.page_ids`` and ``SharedPageTable`` hold them
-    (one page per head-block), -1 where a block has no pages."""
+    (one page per head-block), -1 where a block has no pages. The scheduler's block id
+    ``b`` is the tenant's block ``b - first_block_id`` (vLLM keeps id 0 as its null block,
+    so a tenant whose ids start at 0 is seen at first_block_id 1)."""
 
     def __init__(
         self,
@@ -104,8 +118,8 @@ class HeadwiseBatch:
         query_start_loc: torch.Tensor,
         seq_lens: torch.Tensor,
         block_table: torch.Tensor,
-        slot_mapping: torch.Tensor | None = None,
         *,
+        first_block_id: int = 0,
         causal: bool = True,
         sliding_window: int = -1,
         isa: str,
@@ -113,11 +127,7 @@ class HeadwiseBatch:
     ) -> None:
         num_seqs = seq_lens.shape[0]
         num_kv_heads = geometry.num_kv_heads
-        if page_table.dim() != 2 or page_table.shape[1] != num_layers * num_kv_heads:
-            raise ValueError(
-                f"page table must be [max_blocks, {num_layers} * {num_kv_heads}] (one page per "
-                f"head-block), got {tuple(page_table.shape)}"
-            )
+        per_layer = _layer_pages(page_table, num_layers, num_kv_heads)
         if query_start_loc.shape != (num_seqs + 1,) or block_table.shape[0] < num_seqs:
             raise ValueError(
                 f"query_start_loc must be [{num_seqs + 1}] and block_table have >= {num_seqs} "
@@ -129,20 +139,18 @@ class HeadwiseBatch:
         self.num_tokens = int(query_start_loc[-1])
         self.causal = causal
         self.sliding_window = sliding_window
-        self.isa = isa
-        per_layer = page_table.view(-1, num_layers, num_kv_heads)
         # vLLM pads block tables to the longest possible sequence: keep the columns in use.
         max_len = int(seq_lens.max()) if num_seqs else 0
         num_columns = max(1, -(-max_len // geometry.block_size))
-        block_ids = block_table[:num_seqs, :num_columns].to(torch.int64)
-        # [S, columns, L, H] -> [L, S * H, columns]. Columns past a sequence's length may
-        # name dead blocks (-1); the kernel never reads them, and they become page 0 so
-        # that no id is out of range.
+        # Columns past a sequence's length hold padding (vLLM's null block 0, or stale
+        # ids) and may name dead blocks (-1 pages); the kernel never reads them, and they
+        # become tenant block 0 / page 0 so that no index is out of range.
+        block_ids = (block_table[:num_seqs, :num_columns].to(torch.int64)
+                     - first_block_id).clamp(min=0)
+        # [S, columns, L, H] -> [L, S * H, columns]
         self._block_tables = (per_layer[block_ids].permute(2, 0, 3, 1)
                               .reshape(num_layers, num_seqs * num_kv_heads, num_columns)
                               .clamp(min=0).to(torch.int32))
-        self._slot_tables = (None if slot_mapping is None
-                             else self._page_slots(per_layer, slot_mapping))
         query_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int64)
         self.is_decode = self.num_tokens == num_seqs and bool((query_lens == 1).all())
         pseudo_lens = query_lens.repeat_interleave(num_kv_heads)
@@ -172,41 +180,6 @@ class HeadwiseBatch:
             isa=isa,
             enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV if enable_kv_split is None
             else enable_kv_split,
-        )
-
-    def _page_slots(self, per_layer: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
-        """``[L, T * H]`` pool slots (``page * block_size + offset``) of each token's K/V
-        per layer and head; -1 stays -1 (padding)."""
-        block_size = self.geometry.block_size
-        slots = slot_mapping.to(torch.int64)
-        is_real = slots >= 0
-        blocks = torch.where(is_real, slots // block_size, 0)
-        page_ids = per_layer[blocks].to(torch.int64)  # [T, L, H]
-        if bool((page_ids[is_real] < 0).any()):
-            raise ValueError("a slot names a block that has no pages: allocate before writing")
-        page_slots = page_ids * block_size + (slots % block_size).view(-1, 1, 1)
-        page_slots = torch.where(is_real.view(-1, 1, 1), page_slots, -1)
-        return page_slots.permute(1, 0, 2).reshape(self.num_layers, -1).contiguous()
-
-    def write_kv(self, pages: torch.Tensor, layer: int, key: torch.Tensor,
-                 value: torch.Tensor) -> None:
-        """Store this step's ``key``/``value`` ``[T, num_kv_heads, head_size]`` of one layer
-        at the slot_mapping's slots, each (token, head) into its page."""
-        if self._slot_tables is None:
-            raise ValueError("this batch was built without a slot_mapping: it cannot write K/V")
-        num_tokens, num_kv_heads, head_size = key.shape
-        expected_tokens = self._slot_tables.shape[1] // self.geometry.num_kv_heads
-        if value.shape != key.shape or num_kv_heads != self.geometry.num_kv_heads or (
-                num_tokens != expected_tokens):
-            raise ValueError(
-                f"key/value must both be [{expected_tokens}, {self.geometry.num_kv_heads}, "
-                f"head_size], got {tuple(key.shape)} and {tuple(value.shape)}"
-            )
-        key_cache, value_cache = key_value_caches(pages)
-        ops.cpu_attn_reshape_and_cache(
-            key.reshape(num_tokens * num_kv_heads, 1, head_size),
-            value.reshape(num_tokens * num_kv_heads, 1, head_size),
-            key_cache, value_cache, self._slot_tables[layer], self.isa,
         )
 
     def attention(
@@ -261,3 +234,58 @@ class HeadwiseBatch:
             output.view(per_head)[self._rows] = pseudo_output
         elif pseudo_output.data_ptr() != output.data_ptr():
             output.copy_(pseudo_output.view(expected))
+
+
+class HeadwiseSlots:
+    """Where one step's new K/V go: vLLM's slot_mapping (``block_id * block_size + offset``,
+    -1 = padding) turned into pool slots (``page * block_size + offset``) for every layer
+    and head at once, so a layer's write is one call of vLLM's reshape-and-cache op."""
+
+    def __init__(
+        self,
+        geometry: HeadwiseGeometry,
+        num_layers: int,
+        page_table: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        *,
+        first_block_id: int = 0,
+        isa: str,
+    ) -> None:
+        self.geometry = geometry
+        self.isa = isa
+        per_layer = _layer_pages(page_table, num_layers, geometry.num_kv_heads)
+        block_size = geometry.block_size
+        slots = slot_mapping.to(torch.int64)
+        is_real = slots >= 0
+        blocks = torch.where(is_real, slots // block_size - first_block_id, 0)
+        if bool((blocks < 0).any()) or bool((blocks >= per_layer.shape[0]).any()):
+            raise ValueError(
+                f"a slot names a block outside the tenant's ids [{first_block_id}, "
+                f"{first_block_id + per_layer.shape[0]})"
+            )
+        page_ids = per_layer[blocks].to(torch.int64)  # [T, L, H]
+        if bool((page_ids[is_real] < 0).any()):
+            raise ValueError("a slot names a block that has no pages: allocate before writing")
+        page_slots = page_ids * block_size + (slots % block_size).view(-1, 1, 1)
+        page_slots = torch.where(is_real.view(-1, 1, 1), page_slots, -1)
+        # [T, L, H] -> [L, T * H]: token-major within a layer, as key.reshape(T * H, ...)
+        self.num_tokens = slots.shape[0]
+        self._slot_tables = page_slots.permute(1, 0, 2).reshape(num_layers, -1).contiguous()
+
+    def write_kv(self, pages: torch.Tensor, layer: int, key: torch.Tensor,
+                 value: torch.Tensor) -> None:
+        """Store this step's ``key``/``value`` ``[T, num_kv_heads, head_size]`` of one layer,
+        each (token, head) into its page."""
+        num_tokens, num_kv_heads, head_size = key.shape
+        if value.shape != key.shape or num_kv_heads != self.geometry.num_kv_heads or (
+                num_tokens != self.num_tokens):
+            raise ValueError(
+                f"key/value must both be [{self.num_tokens}, {self.geometry.num_kv_heads}, "
+                f"head_size], got {tuple(key.shape)} and {tuple(value.shape)}"
+            )
+        key_cache, value_cache = key_value_caches(pages)
+        ops.cpu_attn_reshape_and_cache(
+            key.reshape(num_tokens * num_kv_heads, 1, head_size),
+            value.reshape(num_tokens * num_kv_heads, 1, head_size),
+            key_cache, value_cache, self._slot_tables[layer], self.isa,
+        )
