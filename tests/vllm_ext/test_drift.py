@@ -154,3 +154,38 @@ def test_attention_impl_surface():  # weaver/vllm_ext/hot_attention.py, split_at
     # One slot_mapping tensor per KV-cache group and step, shared by its layers: the hot
     # side splits new K/V slots once per step on that identity (a miss only costs time).
     assert "slot_mapping.get(layer_name)" in inspect.getsource(attention.get_attention_context)
+
+
+def test_unified_pool_kv_allocation_surface():  # weaver/vllm_ext/pool_worker.py
+    from vllm.v1.worker import utils as worker_utils
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    # The wrapped method and the one vLLM calls it through.
+    assert params(GPUModelRunner.initialize_kv_cache_tensors)[1:] == [
+        "kv_cache_config", "kernel_block_sizes", "kv_cache_allocation_context"]
+    assert "initialize_kv_cache_tensors" in inspect.getsource(GPUModelRunner.initialize_kv_cache)
+    assert hasattr(CPUModelRunner, "initialize_kv_cache_tensors")
+    # vLLM's cache buffer is the one torch.zeros of allocate_kv_cache, looked up through the
+    # module's `torch` (that lookup is what the pool swaps for one call).
+    source = inspect.getsource(worker_utils.allocate_kv_cache)
+    assert source.count("torch.zeros(") == 1 and "buf = torch.zeros(buf_size" in source
+    # KV zeroing, which would write through vLLM's views, is only for Mamba/mixed precision.
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    assert "has_mamba_layers or self.has_mixed_precision_kv_cache" in inspect.getsource(
+        KVCacheConfig.needs_kv_cache_zeroing.fget)
+
+
+def test_block_pool_surface():  # weaver/vllm_ext/pool_scheduler.py
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    for name in ("get_num_free_blocks", "get_new_blocks", "free_blocks"):
+        assert callable(getattr(BlockPool, name))
+    assert params(BlockPool.get_new_blocks) == ["self", "num_blocks"]
+    assert params(BlockPool.free_blocks) == ["self", "ordered_blocks"]
+    assert params(FreeKVCacheBlockQueue.remove) == ["self", "block"]
+    assert "self.kv_cache_manager = KVCacheManager(" in inspect.getsource(Scheduler.__init__)
+    assert callable(Scheduler.shutdown)

@@ -144,6 +144,10 @@ def reference_attention(tenant: Tenant, layer: int, query, query_start_loc, seq_
 BATCHES = {
     "decode": [(37, 1), (100, 1), (5, 1), (128, 1)],
     "mixed": [(90, 1), (70, 70), (120, 33), (1, 1)],
+    # One sequence over several blocks: its [S * H, columns] table is a transposed view
+    # before it is made contiguous (the kernel read it wrongly, found in the engine test).
+    "single": [(100, 1)],
+    "single-prefill": [(70, 40)],
 }
 
 
@@ -174,7 +178,7 @@ def test_headwise_attention_is_bitwise_vllms(pool_and_tenants, tenant_name, batc
     with torch_threads(num_threads):
         headwise = HeadwiseBatch(geo, tenant.num_layers, tenant.page_table, query_start_loc,
                                  seq_lens, block_table, isa=isa_of(geo), enable_kv_split=split)
-        assert headwise.is_decode == (batch == "decode")
+        assert headwise.is_decode == all(q == 1 for q in query_lens)
         pages = page_view(pool, geo)
         for layer in range(tenant.num_layers):
             query = torch.randn(num_tokens, geo.num_q_heads, geo.head_size, generator=gen)

@@ -62,23 +62,33 @@ class SharedPageTable:
             for entry in layout["tenants"]
         }
 
+    @staticmethod
+    def layout_for(name: str, tenants: list[tuple[str, int, int]]) -> dict[str, Any]:
+        """The segment's layout for ``(tenant, max_blocks, pages_per_block)`` in order: what
+        ``create`` builds and ``attach`` reads, computable by any process that knows the
+        pool's plan (so a reader needs nothing from the owner but the segment)."""
+        entries, offset = [], 0
+        for tenant, max_blocks, pages_per_block in tenants:
+            entries.append({"name": tenant, "offset": offset, "max_blocks": max_blocks,
+                            "pages_per_block": pages_per_block})
+            offset += max_blocks * pages_per_block * np.dtype(_DTYPE).itemsize
+        return {"name": name, "tenants": entries, "num_bytes": offset}
+
     @classmethod
     def create(cls, name: str, allocator: UnifiedKVAllocator) -> SharedPageTable:
         """Create the segment for the allocator's current tenants and fill it from them."""
         if np.iinfo(_DTYPE).max < allocator.num_pages:
             raise ValueError(f"{allocator.num_pages} pages do not fit int32 page ids")
-        tenants, offset = [], 0
-        for tenant in allocator.tenant_names:
-            max_blocks, ppb = allocator.max_blocks(tenant), allocator.pages_per_block(tenant)
-            tenants.append(
-                {"name": tenant, "offset": offset, "max_blocks": max_blocks, "pages_per_block": ppb}
-            )
-            offset += max_blocks * ppb * np.dtype(_DTYPE).itemsize
-        shm = shared_memory.SharedMemory(name=name, create=True, size=max(offset, 1))
-        layout = {"name": shm.name, "tenants": tenants}
+        layout = cls.layout_for(name, [(tenant, allocator.max_blocks(tenant),
+                                        allocator.pages_per_block(tenant))
+                                       for tenant in allocator.tenant_names])
+        shm = shared_memory.SharedMemory(name=name, create=True,
+                                         size=max(layout["num_bytes"], 1))
+        layout["name"] = shm.name
         table = cls(layout, cls._views(layout, shm.buf), shm)
         table.sync(allocator)
-        logger.info("shared KV page table %s: %d bytes, %d tenants", name, offset, len(tenants))
+        logger.info("shared KV page table %s: %d bytes, %d tenants", name, layout["num_bytes"],
+                    len(layout["tenants"]))
         return table
 
     @classmethod
@@ -114,6 +124,14 @@ class SharedPageTable:
             table.fill(-1)
             for block in allocator.live_blocks(tenant):
                 self.publish(block)
+
+    def table(self, tenant: str) -> np.ndarray:
+        """The tenant's whole ``[max_blocks, pages_per_block]`` table: a live view of the
+        segment (read-only in a reader), for kernels that gather rows themselves."""
+        table = self._tables.get(tenant)
+        if table is None:
+            raise ValueError(f"unknown tenant {tenant!r}; the table has {sorted(self._tables)}")
+        return table
 
     def page_ids(self, tenant: str, block_id: int) -> np.ndarray:
         """A copy of the block's page ids (all -1 when the block is not live)."""

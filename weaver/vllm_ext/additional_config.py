@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from weaver.kv.pool_plan import PoolPlan
 from weaver.weaving.plan import PairPlan
 
 KEY = "weaver"
@@ -32,8 +33,16 @@ def split_section(vllm_config: Any) -> dict:
     return section.get("split") or {}
 
 
+def pool_section(vllm_config: Any) -> tuple[PoolPlan, str] | None:
+    """The unified KV pool this engine keeps its KV in, and its tenant name there."""
+    section = (getattr(vllm_config, "additional_config", None) or {}).get(KEY) or {}
+    data = section.get("pool")
+    return (PoolPlan.from_dict(data["plan"]), data["tenant"]) if data else None
+
+
 def make_additional_config(hot: PairPlan | None, cold: list[PairPlan],
-                           split_chunks: dict[str, int] | None = None) -> dict:
+                           split_chunks: dict[str, int] | None = None,
+                           pool: tuple[PoolPlan, str] | None = None) -> dict:
     section: dict[str, Any] = {}
     if hot is not None:
         section["hot"] = hot.to_dict()
@@ -41,4 +50,8 @@ def make_additional_config(hot: PairPlan | None, cold: list[PairPlan],
         section["cold"] = [p.to_dict() for p in cold]
     if split_chunks and any(n > 1 for n in split_chunks.values()):
         section["split"] = {"chunks": dict(split_chunks)}
+    if pool is not None:
+        plan, tenant = pool
+        plan.tenant(tenant)  # ValueError now rather than in the engine
+        section["pool"] = {"plan": plan.to_dict(), "tenant": tenant}
     return {KEY: section} if section else {}

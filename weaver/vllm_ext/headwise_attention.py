@@ -147,10 +147,11 @@ class HeadwiseBatch:
         # become tenant block 0 / page 0 so that no index is out of range.
         block_ids = (block_table[:num_seqs, :num_columns].to(torch.int64)
                      - first_block_id).clamp(min=0)
-        # [S, columns, L, H] -> [L, S * H, columns]
+        # [S, columns, L, H] -> [L, S * H, columns]. Contiguous: the kernel reads block
+        # table rows densely (with one sequence the reshape is a transposed view).
         self._block_tables = (per_layer[block_ids].permute(2, 0, 3, 1)
                               .reshape(num_layers, num_seqs * num_kv_heads, num_columns)
-                              .clamp(min=0).to(torch.int32))
+                              .clamp(min=0).to(torch.int32).contiguous())
         query_lens = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int64)
         self.is_decode = self.num_tokens == num_seqs and bool((query_lens == 1).all())
         pseudo_lens = query_lens.repeat_interleave(num_kv_heads)

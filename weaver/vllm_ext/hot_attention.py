@@ -151,6 +151,9 @@ class WeaverCPUAttentionImpl(CPUAttentionBackendImpl):
     # Set by the worker extension when a hot worker attaches its region.
     weaving_runtime: HotWeavingRuntime | None = None
     weaver_layer_index: int = -1
+    # Set at KV-cache initialisation when the engine keeps its KV in a unified pool
+    # (pool_worker.py): then vLLM's own cache views are never used.
+    weaver_pool: Any = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -166,6 +169,9 @@ class WeaverCPUAttentionImpl(CPUAttentionBackendImpl):
                                    else None)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        if self.weaver_pool is not None:
+            return self.weaver_pool.write(layer, self.weaver_layer_index, key, value,
+                                          slot_mapping)
         runtime = self.weaving_runtime
         if runtime is None:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
@@ -185,6 +191,11 @@ class WeaverCPUAttentionImpl(CPUAttentionBackendImpl):
                 output_scale=None, output_block_scale=None):
         runtime = self.weaving_runtime
         md = attn_metadata
+        if self.weaver_pool is not None and md is not None:
+            if output_scale is not None or output_block_scale is not None:
+                raise NotImplementedError("fused output quantization is not supported")
+            return self.weaver_pool.attend(self, layer, self.weaver_layer_index, query,
+                                           output, md)
         if (runtime is None and md is not None and self.weaver_attn_chunks is not None
                 and output_scale is None and md.dynamic_causal is None):
             return self.weaver_attn_chunks.run(self, layer, query, output, kv_cache, md)

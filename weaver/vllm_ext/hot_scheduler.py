@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from weaver.vllm_ext.additional_config import hot_plan
+from weaver.vllm_ext.additional_config import hot_plan, pool_section
 from weaver.weaving.placement import Placement, RatioPlacement
 
 if TYPE_CHECKING:
@@ -118,11 +118,19 @@ class RoutingKVCacheManager:
 
 
 class WeaverHotScheduler(Scheduler):
-    """vLLM's scheduler with a remote block pool when the engine is a weaving hot model;
-    exactly vLLM's scheduler otherwise."""
+    """vLLM's scheduler with a remote block pool when the engine is a weaving hot model,
+    allocating through the unified KV pool when the engine keeps its KV there (cold
+    engines, pool_scheduler.py); exactly vLLM's scheduler otherwise."""
+
+    weaver_pool: Any = None  # PoolOwner of an engine whose KV lives in a unified pool
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        pool = pool_section(self.vllm_config)
+        if pool is not None:
+            from weaver.vllm_ext.pool_scheduler import PoolOwner
+
+            self.weaver_pool = PoolOwner(pool[0], pool[1], self.kv_cache_manager.block_pool)
         plan = hot_plan(self.vllm_config)
         if plan is None:
             return
@@ -147,3 +155,8 @@ class WeaverHotScheduler(Scheduler):
             "weaving %s -> %s: %d local + %d remote KV blocks, offload ratio %.2f",
             plan.hot, plan.cold, num_local, plan.num_remote_blocks, plan.offload_ratio,
         )
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self.weaver_pool is not None:
+            self.weaver_pool.close()

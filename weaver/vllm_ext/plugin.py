@@ -7,7 +7,9 @@ CPU_ATTN (the CPU platform ignores any other backend choice, vllm-notes §1). Th
 is vLLM's own until a hot worker attaches a weaving region, so dedicated and cold
 engines run unchanged. It also registers Weaver's out-of-tree linear layers and logits
 processor (weaver/vllm_ext/split_layers.py), which are vLLM's own unless the engine's
-additional_config carries a split plan (cold engines only).
+additional_config carries a split plan (cold engines only), and wraps the CPU model
+runner's KV-cache allocation, which is vLLM's own unless the engine keeps its KV in a
+unified pool (weaver/vllm_ext/pool_worker.py).
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ def register() -> None:
     from weaver.vllm_ext.split_layers import register_split_layers
 
     register_split_layers()
+
+    from weaver.vllm_ext.pool_worker import install_pool_kv_allocation
+
+    install_pool_kv_allocation()
 
     if current_platform.is_cpu():
         from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend

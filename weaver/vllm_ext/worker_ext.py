@@ -187,6 +187,14 @@ class WeaverWorkerExtension:
                     if receiver.poll(by_idle_poller=True):
                         self._weaver_idle_served += 1
 
+    # --- unified KV pool (pool_worker.py) ------------------------------------------
+    def weaver_pool_stats(self) -> dict:
+        """The engine's tenant of its unified KV pool: steps, writes, live/peak blocks."""
+        pool = getattr(self.model_runner, "weaver_pool", None)
+        if pool is None:
+            raise RuntimeError("this engine does not keep its KV in a unified pool")
+        return pool.stats()
+
     # --- both ---------------------------------------------------------------------
     def weaver_info(self) -> dict:
         """Which Weaver this worker runs (a checkout or the installed one) and its pid."""

@@ -1,0 +1,92 @@
+"""One vLLM engine of tiny-llama-a, plain or keeping its KV in a unified pool, for
+test_pool_engine.py (not a test).
+
+Usage: python pool_engine_run.py MODEL_DIR plain|pool SHM_PREFIX QUOTA_BLOCKS
+Prints one JSON line on the real stdout: greedy outputs (token ids), the worker's pid and
+resident memory after the run, the pool's stats and its segment names (pool mode).
+
+The pool holds two tenants: the engine ("cold", owner, a quota of QUOTA_BLOCKS blocks) and
+a second model's shape ("hot", tiny-llama-b's KV geometry) holding the rest of the quota,
+as on a cold device lending memory. The pool engine gets the pool's whole size as KV budget
+(ids for every block it may ever hold) and is limited by its quota; the plain engine gets
+exactly QUOTA_BLOCKS blocks (num_gpu_blocks_override), so both run under the same memory
+and vLLM schedules, preempts and recomputes them alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+NUM_PROMPTS = 8
+MAX_TOKENS = 24
+# vLLM insists on memory for one request of max_model_len: 3 blocks here, the quota used.
+MAX_MODEL_LEN = 96
+PAGE_BYTES = 8 * 1024  # one head-block of tiny-llama-a (block 32 x K+V x 32 x fp32)
+NUM_PAGES = 65536  # 512 MiB: vLLM's untouched buffer of that size must not cost memory
+
+
+def pool_plan(shm_prefix: str, quota_blocks: int):
+    from weaver.kv.pages import TenantShape, headwise_block_size
+    from weaver.kv.pool_plan import PoolPlan, PoolTenantPlan
+
+    cold = TenantShape(num_layers=2, num_kv_heads=2, head_size=32,
+                       block_size=headwise_block_size(PAGE_BYTES, 32, 4), dtype_bytes=4)
+    hot = TenantShape(num_layers=3, num_kv_heads=1, head_size=64,
+                      block_size=headwise_block_size(PAGE_BYTES, 64, 4), dtype_bytes=4)
+    cold_pages = quota_blocks * cold.pages_per_block(PAGE_BYTES)
+    return PoolPlan(
+        pool_name=f"{shm_prefix}_pool", table_name=f"{shm_prefix}_table",
+        page_bytes=PAGE_BYTES, num_pages=NUM_PAGES,
+        tenants=(PoolTenantPlan("cold", cold, cold_pages, is_owner=True),
+                 PoolTenantPlan("hot", hot, NUM_PAGES - cold_pages)))
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def main() -> int:
+    protocol = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    model_dir, mode, shm_prefix, quota_blocks = sys.argv[1:5]
+
+    from vllm import LLM, SamplingParams
+
+    from weaver.vllm_ext.additional_config import make_additional_config
+    from weaver.vllm_ext.engine_app import HOT_SCHEDULER
+
+    plan = pool_plan(shm_prefix, int(quota_blocks))
+    pool = (plan, "cold") if mode == "pool" else None
+    blocks = {} if pool else {"num_gpu_blocks_override": int(quota_blocks) + 1}  # + null block
+    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN,
+              max_num_seqs=NUM_PROMPTS, block_size=plan.tenant("cold").shape.block_size,
+              kv_cache_memory_bytes=plan.engine_kv_bytes("cold"), **blocks,
+              enable_prefix_caching=False, scheduler_cls=HOT_SCHEDULER,
+              worker_extension_cls="weaver.vllm_ext.worker_ext.WeaverWorkerExtension",
+              additional_config=make_additional_config(None, [], pool=pool))
+    # Prompts of 5 to 40 tokens; 24 new tokens each: one or two blocks of 32.
+    prompts = [{"prompt_token_ids": list(range(10 + i, 10 + i + 5 + 5 * i))}
+               for i in range(NUM_PROMPTS)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    (info,) = llm.collective_rpc("weaver_info")
+    result = {"outputs": [list(o) for o in outputs], "worker_pid": info["pid"],
+              "worker_rss_bytes": rss_bytes(info["pid"]), "weaver_file": info["weaver_file"],
+              "kv_budget_bytes": plan.engine_kv_bytes("cold")}
+    if pool is not None:
+        (result["pool_stats"],) = llm.collective_rpc("weaver_pool_stats")
+        result["segments"] = [plan.pool_name, plan.table_name]
+        result["segments_while_running"] = [os.path.exists(f"/dev/shm/{name}")
+                                            for name in result["segments"]]
+    protocol.write(json.dumps(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""What every process of a cold device needs to agree on about its unified KV pool.
+
+The pool's bytes and its page table are shared-memory segments; the allocator lives in
+one process (the cold engine's scheduler), and its readers (the cold worker's attention,
+later the hot workers) map the segments. They must agree on the page size, the pool's
+size, the tenants, their shapes and where each tenant's block ids start in its
+scheduler's numbering. A `PoolPlan` says all of it; it travels as JSON in the engines'
+``additional_config`` (``weaver/vllm_ext/additional_config.py``), like the weaving plan.
+
+Pure Python: no torch, no vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from weaver.kv.allocator import UnifiedKVAllocator
+from weaver.kv.pages import TenantShape, check_page_bytes
+
+
+@dataclass(frozen=True)
+class PoolTenantPlan:
+    """One model that keeps KV blocks in the pool."""
+
+    name: str
+    shape: TenantShape
+    quota_pages: int
+    is_owner: bool = False
+    # The scheduler's id of the tenant's block 0: vLLM keeps id 0 as its null block, so a
+    # cold engine whose whole cache is the tenant sees its blocks at ids 1, 2, ...
+    first_block_id: int = 1
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    pool_name: str  # shared-memory segment of the pool's bytes
+    table_name: str  # shared-memory segment of the block -> page table
+    page_bytes: int
+    num_pages: int
+    tenants: tuple[PoolTenantPlan, ...]
+
+    def __post_init__(self) -> None:
+        check_page_bytes(self.page_bytes)
+        if self.num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {self.num_pages}")
+        names = [t.name for t in self.tenants]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"a pool needs tenants with distinct names, got {names}")
+        if sum(t.is_owner for t in self.tenants) > 1:
+            raise ValueError("a pool has at most one owner tenant (the cold model)")
+        for tenant in self.tenants:
+            # The kernels read a head-block as one [K | V] page
+            # (weaver/vllm_ext/headwise_attention.py).
+            if tenant.shape.head_block_bytes != self.page_bytes:
+                raise ValueError(
+                    f"tenant {tenant.name!r}: a head-block is {tenant.shape.head_block_bytes} "
+                    f"bytes but a page is {self.page_bytes}; set its block_size to "
+                    "weaver.kv.pages.headwise_block_size(page_bytes, head_size, dtype_bytes)"
+                )
+        if sum(t.quota_pages for t in self.tenants) > self.num_pages:
+            raise ValueError(
+                f"tenant quotas add up to {sum(t.quota_pages for t in self.tenants)} pages but "
+                f"the pool has {self.num_pages}"
+            )
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    def tenant(self, name: str) -> PoolTenantPlan:
+        for tenant in self.tenants:
+            if tenant.name == name:
+                return tenant
+        raise ValueError(f"pool {self.pool_name!r} has no tenant {name!r}; it has "
+                         f"{[t.name for t in self.tenants]}")
+
+    def max_blocks(self, name: str) -> int:
+        """The tenant's block ids stay below this (as `UnifiedKVAllocator.max_blocks`)."""
+        return self.num_pages // self.tenant(name).shape.pages_per_block(self.page_bytes)
+
+    def engine_kv_bytes(self, name: str) -> int:
+        """The KV budget to give the tenant's engine so that its scheduler has an id for
+        every block the tenant may ever hold (plus the ids below ``first_block_id``)."""
+        tenant = self.tenant(name)
+        return (self.max_blocks(name) + tenant.first_block_id) * tenant.shape.block_bytes()
+
+    def build_allocator(self) -> UnifiedKVAllocator:
+        allocator = UnifiedKVAllocator(self.num_pages, self.page_bytes)
+        for tenant in self.tenants:
+            allocator.add_tenant(tenant.name, tenant.shape, tenant.quota_pages,
+                                 is_owner=tenant.is_owner)
+        return allocator
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PoolPlan:
+        tenants = tuple(PoolTenantPlan(**{**t, "shape": TenantShape(**t["shape"])})
+                        for t in data["tenants"])
+        return cls(**{**data, "tenants": tenants})

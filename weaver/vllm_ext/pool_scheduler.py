@@ -1,0 +1,126 @@
+"""The cold engine's scheduler allocates its KV blocks through the unified pool (issue 6).
+
+vLLM's scheduler hands out block ids from its `BlockPool` (``vllm/v1/core/block_pool.py``).
+For an engine whose KV lives in the unified pool, every block it takes must also get pages
+from the pool's `UnifiedKVAllocator`, within the tenant's quota, and give them back when
+vLLM frees it. `AllocatorBlockPool` does that by adopting the engine's own `BlockPool`
+(composed, not copied: vLLM's free queue, ref counts and null block stay as they are):
+
+- ``get_num_free_blocks`` is the smaller of vLLM's count and the allocator's (quota and
+  pool both allow), so admission and preemption follow the quota;
+- ``get_new_blocks`` asks the allocator for pages and hands out exactly the block ids it
+  returned (the tenant's block b is vLLM's ``first_block_id + b``);
+- ``free_blocks`` returns the pages of every block whose last reference went away.
+
+The allocator lives in this process (the scheduler is its main client) behind the
+``LockedKVAllocator``, which mirrors every block's pages into the shared page table that
+the workers map. Prefix caching must be off: a cached block keeps its contents after vLLM
+frees it, and the pool would hand its pages to someone else.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import asdict
+
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+from weaver.kv.pool_plan import PoolPlan
+from weaver.kv.service import LockedKVAllocator
+from weaver.kv.shared_table import SharedPageTable
+
+logger = logging.getLogger(__name__)
+
+
+class AllocatorBlockPool(BlockPool):
+    """vLLM's BlockPool whose blocks are backed by pages of the unified pool."""
+
+    weaver_allocator: LockedKVAllocator
+    weaver_tenant: str
+    weaver_first_block_id: int
+
+    @classmethod
+    def adopt(cls, pool: BlockPool, allocator: LockedKVAllocator, tenant: str,
+              first_block_id: int) -> AllocatorBlockPool:
+        if pool.enable_caching:
+            raise ValueError(
+                f"tenant {tenant!r}: prefix caching keeps freed blocks' contents, which the "
+                "unified pool would hand to another tenant; start the engine with "
+                "--no-enable-prefix-caching"
+            )
+        num_ids = pool.num_gpu_blocks - first_block_id
+        if first_block_id < 1 or num_ids < allocator.max_blocks(tenant):
+            raise ValueError(
+                f"tenant {tenant!r} may hold {allocator.max_blocks(tenant)} blocks but the "
+                f"engine has ids [{first_block_id}, {pool.num_gpu_blocks}) for them; give the "
+                "engine a KV budget of the whole pool"
+            )
+        pool.__class__ = cls
+        pool.weaver_allocator = allocator
+        pool.weaver_tenant = tenant
+        pool.weaver_first_block_id = first_block_id
+        return pool  # type: ignore[return-value]
+
+    def get_num_free_blocks(self) -> int:
+        return min(super().get_num_free_blocks(),
+                   self.weaver_allocator.num_allocatable_blocks(self.weaver_tenant))
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        handles = self.weaver_allocator.allocate_blocks(self.weaver_tenant, num_blocks)
+        if handles is None:  # vLLM checks get_num_free_blocks first, so this is a bug
+            raise ValueError(
+                f"cannot get {num_blocks} blocks for tenant {self.weaver_tenant!r} from the "
+                f"unified pool ({self.get_num_free_blocks()} free)"
+            )
+        blocks = [self.blocks[self.weaver_first_block_id + h.block_id] for h in handles]
+        for block in blocks:
+            if block.ref_cnt != 0 or block.is_null:
+                raise RuntimeError(
+                    f"the allocator handed out block {block.block_id}, which vLLM holds "
+                    f"(ref_cnt {block.ref_cnt}): the pool and the engine disagree"
+                )
+            self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+            if self.metrics_collector:
+                self.metrics_collector.on_block_allocated(block)
+        return blocks
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        ordered = list(ordered_blocks)
+        super().free_blocks(ordered)
+        released = sorted({b.block_id for b in ordered
+                           if b.ref_cnt == 0 and not b.is_null and b.pool in (None, self)})
+        if released:
+            self.weaver_allocator.free_blocks(
+                self.weaver_tenant, [b - self.weaver_first_block_id for b in released])
+
+
+class PoolOwner:
+    """The allocator of one cold device's pool, its shared page table, and the engine
+    block pool that allocates through it (in the cold engine's scheduler process)."""
+
+    def __init__(self, plan: PoolPlan, tenant: str, block_pool: BlockPool) -> None:
+        self.plan = plan
+        self.tenant = tenant
+        allocator = plan.build_allocator()
+        self.page_table = SharedPageTable.create(plan.table_name, allocator)
+        self.allocator = LockedKVAllocator(allocator, self.page_table)
+        try:
+            self.block_pool = AllocatorBlockPool.adopt(
+                block_pool, self.allocator, tenant, plan.tenant(tenant).first_block_id)
+        except Exception:
+            self.page_table.close()
+            raise
+        logger.info(
+            "unified KV pool %s: %d pages of %d bytes; tenant %s allocates through it "
+            "(quota %d pages = %d blocks)", plan.pool_name, plan.num_pages, plan.page_bytes,
+            tenant, plan.tenant(tenant).quota_pages,
+            plan.tenant(tenant).quota_pages // allocator.pages_per_block(tenant))
+
+    def stats(self) -> dict:
+        return {"pool": self.plan.pool_name, **asdict(self.allocator.stats())}
+
+    def close(self) -> None:
+        self.page_table.close()

@@ -1,0 +1,255 @@
+"""The cold worker keeps its own KV cache in the unified pool's pages (issue 6).
+
+At KV-cache initialisation (``CPUModelRunner.initialize_kv_cache_tensors``, wrapped by the
+plugin in every process; a no-op for engines without a pool), an engine whose
+``additional_config`` carries a pool plan:
+
+- creates the pool: one shared-memory segment of ``num_pages * page_bytes`` bytes, named by
+  the plan, unlinked when the worker closes or exits;
+- lets vLLM build its usual per-layer cache views over a buffer that is never touched, so it
+  costs address space but no memory (vLLM would zero-fill it: the only ``torch.zeros`` in
+  ``allocate_kv_cache`` becomes ``torch.empty`` for that call; a drift test pins the line);
+- hands every attention layer a `PoolAttentionRuntime`, which writes new K/V into the
+  tenant's pages and runs attention over them (`headwise_attention`), translating block
+  ids through the shared page table the scheduler's allocator keeps (pool_scheduler.py).
+
+vLLM's own views are then never read or written: the engine's attention (Weaver's CPU_ATTN
+impl, hot_attention.py) goes to the runtime instead.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import warnings
+from multiprocessing import shared_memory
+from typing import Any
+
+import torch
+
+from weaver.kv.pool_plan import PoolPlan
+from weaver.kv.shared_table import SharedPageTable
+from weaver.vllm_ext.headwise_attention import (
+    HeadwiseBatch,
+    HeadwiseGeometry,
+    HeadwiseSlots,
+    page_view,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class PoolAttentionRuntime:
+    """One engine's tenant of the pool, as its attention layers use it."""
+
+    def __init__(self, plan: PoolPlan, tenant: str, geometry: HeadwiseGeometry,
+                 num_layers: int) -> None:
+        self.plan = plan
+        self.tenant = tenant
+        self.geometry = geometry
+        self.num_layers = num_layers
+        self.first_block_id = plan.tenant(tenant).first_block_id
+        self._shm = shared_memory.SharedMemory(name=plan.pool_name, create=True,
+                                               size=plan.pool_bytes)
+        self.pages = page_view(torch.frombuffer(self._shm.buf, dtype=torch.uint8), geometry)
+        self._table: SharedPageTable | None = None
+        self._page_table: torch.Tensor | None = None
+        self._batch: tuple[Any, HeadwiseBatch] | None = None
+        self._slots: tuple[torch.Tensor, int, HeadwiseSlots] | None = None
+        self.num_steps = 0  # attention batches served from the pool
+        self.num_kv_writes = 0  # layer-level K/V writes into the pool
+        self.peak_live_blocks = 0  # the tenant's blocks with pages, at step starts
+        # Resident memory that vLLM's own (unused) cache buffer and the pool's creation
+        # added at KV initialisation: near 0 unless vLLM touched its buffer.
+        self.vllm_buffer_rss_bytes: int | None = None
+        self._threads_checked = False
+        atexit.register(self.close)
+        logger.info("unified KV pool %s created: %d pages of %d bytes for tenant %s",
+                    plan.pool_name, plan.num_pages, plan.page_bytes, tenant)
+
+    def page_table(self) -> torch.Tensor:
+        """The tenant's live page table (mapped once; the scheduler's allocator owns it and
+        creates it after this worker's KV initialisation, before the first step)."""
+        if self._page_table is None:
+            tenants = [(t.name, self.plan.max_blocks(t.name),
+                        t.shape.pages_per_block(self.plan.page_bytes))
+                       for t in self.plan.tenants]
+            self._table = SharedPageTable.attach(
+                SharedPageTable.layout_for(self.plan.table_name, tenants))
+            with warnings.catch_warnings():  # a read-only mapping: torch warns, never writes
+                warnings.simplefilter("ignore", UserWarning)
+                self._page_table = torch.from_numpy(self._table.table(self.tenant))
+        return self._page_table
+
+    def write(self, layer: Any, layer_index: int, key: torch.Tensor, value: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        cached = self._slots
+        # Every layer of a step gets the same slot_mapping tensor; its version counter moves
+        # with any in-place reuse of the buffer, so a stale translation never matches.
+        if cached is None or cached[0] is not slot_mapping or cached[1] != slot_mapping._version:
+            slots = HeadwiseSlots(self.geometry, self.num_layers, self.page_table(),
+                                  slot_mapping, first_block_id=self.first_block_id,
+                                  isa=layer.isa)
+            cached = self._slots = (slot_mapping, slot_mapping._version, slots)
+        num_tokens = cached[2].num_tokens
+        cached[2].write_kv(self.pages, layer_index, key[:num_tokens], value[:num_tokens])
+        self.num_kv_writes += 1
+
+    def attend(self, impl: Any, layer: Any, layer_index: int, query: torch.Tensor,
+               output: torch.Tensor, md: Any) -> torch.Tensor:
+        if self._batch is None or self._batch[0] is not md:
+            if not self._threads_checked:  # vLLM binds the worker's threads after KV init
+                self._threads_checked = True
+                self._warn_if_split_kv_may_differ()
+            num_reqs = md.seq_lens.shape[0]
+            batch = HeadwiseBatch(
+                self.geometry, self.num_layers, self.page_table(),
+                md.query_start_loc[: num_reqs + 1], md.seq_lens, md.block_table,
+                first_block_id=self.first_block_id, causal=md.causal,
+                sliding_window=impl.sliding_window, isa=layer.isa)
+            self._batch = (md, batch)
+            self.num_steps += 1
+            self.peak_live_blocks = max(self.peak_live_blocks, self._num_live_blocks())
+        num_tokens = md.num_actual_tokens
+        self._batch[1].attention(self.pages, layer_index, query[:num_tokens],
+                                 output[:num_tokens], scale=impl.scale,
+                                 softcap=float(impl.logits_soft_cap or 0.0))
+        return output
+
+    def _warn_if_split_kv_may_differ(self) -> None:
+        from vllm import envs
+
+        if torch.get_num_threads() > 1 and envs.VLLM_CPU_ATTN_SPLIT_KV:
+            logger.warning(
+                "pool attention runs vLLM's kernel with %d threads and split-KV on: it may cut "
+                "a short batch's contexts differently from a plain engine, so outputs can "
+                "differ in the last bits (greedy tokens too, rarely); pin the engine to one "
+                "core (VLLM_CPU_OMP_THREADS_BIND) or set VLLM_CPU_ATTN_SPLIT_KV=0 to match",
+                torch.get_num_threads())
+
+    def _num_live_blocks(self) -> int:
+        return int((self.page_table()[:, 0] >= 0).sum())
+
+    def stats(self) -> dict[str, Any]:
+        return {"pool": self.plan.pool_name, "tenant": self.tenant,
+                "attention_steps": self.num_steps, "kv_writes": self.num_kv_writes,
+                "live_blocks": self._num_live_blocks(),
+                "peak_live_blocks": self.peak_live_blocks,
+                "vllm_buffer_rss_bytes": self.vllm_buffer_rss_bytes}
+
+    def close(self) -> None:
+        """Unlink the pool (once); the mapping goes with the process."""
+        if self._shm is None:
+            return
+        shm, self._shm = self._shm, None
+        self._batch = self._slots = None
+        if self._table is not None:
+            self._page_table = None
+            self._table.close()
+        with contextlib.suppress(FileNotFoundError):
+            shm.unlink()
+        logger.info("unified KV pool %s removed", self.plan.pool_name)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _TorchZerosAsEmpty:
+    """``torch`` for one call of vLLM's ``allocate_kv_cache``: its zero-filled buffer is
+    allocated but never touched, so the OS backs none of it."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.empty(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _kv_buffer_left_untouched():
+    from vllm.v1.worker import utils as worker_utils
+
+    real = worker_utils.torch
+    worker_utils.torch = _TorchZerosAsEmpty()
+    try:
+        yield
+    finally:
+        worker_utils.torch = real
+
+
+def _attention_layers(runner: Any) -> dict[str, Any]:
+    from vllm.model_executor.layers.attention import Attention
+
+    context = runner.compilation_config.static_forward_context
+    return {name: layer for name, layer in context.items() if isinstance(layer, Attention)}
+
+
+def open_pool(runner: Any, plan: PoolPlan, tenant: str) -> PoolAttentionRuntime:
+    """Create the pool and hand it to every attention layer of the runner's model."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    layers = _attention_layers(runner)
+    if not layers:
+        raise ValueError("the model has no attention layers to keep KV in the pool")
+    impls = [layer.impl for layer in layers.values()]
+    first = impls[0]
+    shape = plan.tenant(tenant).shape
+    geometry = HeadwiseGeometry(first.num_heads, first.num_kv_heads, first.head_size,
+                                shape.block_size, runner.model_config.dtype)
+    problems = []
+    if (shape.num_layers, shape.num_kv_heads, shape.head_size) != (
+            len(layers), first.num_kv_heads, first.head_size):
+        problems.append(f"the plan's shape {shape} is not the model's ({len(layers)} layers, "
+                        f"{first.num_kv_heads} KV heads of {first.head_size})")
+    if runner.cache_config.block_size != shape.block_size:
+        problems.append(f"the engine's block size is {runner.cache_config.block_size}, the "
+                        f"plan's {shape.block_size}")
+    for impl in impls:
+        if getattr(impl, "weaver_attn_chunks", None) is not None:
+            problems.append("split attention (a split plan's attn) cannot run on the pool yet")
+            break
+        if impl.alibi_slopes is not None or impl.sinks is not None:
+            problems.append("ALiBi and attention sinks are not supported on the pool")
+            break
+    if problems:
+        raise ValueError(f"engine cannot keep its KV in pool {plan.pool_name!r}: "
+                         + "; ".join(problems))
+    runtime = PoolAttentionRuntime(plan, tenant, geometry, len(layers))
+    for name, layer in layers.items():
+        layer.impl.weaver_pool = runtime
+        layer.impl.weaver_layer_index = extract_layer_index(name)
+    return runtime
+
+
+def install_pool_kv_allocation() -> None:
+    """Wrap ``CPUModelRunner.initialize_kv_cache_tensors`` once per process (plugin)."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    original = CPUModelRunner.initialize_kv_cache_tensors
+    if getattr(original, "weaver_wrapped", False):
+        return
+
+    def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes,
+                                    kv_cache_allocation_context=None):
+        from weaver.vllm_ext.additional_config import pool_section
+
+        section = pool_section(self.vllm_config)
+        if section is None:
+            return original(self, kv_cache_config, kernel_block_sizes,
+                            kv_cache_allocation_context)
+        plan, tenant = section
+        rss_before = _resident_bytes()
+        with _kv_buffer_left_untouched():
+            kv_caches = original(self, kv_cache_config, kernel_block_sizes,
+                                 kv_cache_allocation_context)
+        self.weaver_pool = open_pool(self, plan, tenant)
+        self.weaver_pool.vllm_buffer_rss_bytes = _resident_bytes() - rss_before
+        return kv_caches
+
+    initialize_kv_cache_tensors.weaver_wrapped = True
+    CPUModelRunner.initialize_kv_cache_tensors = initialize_kv_cache_tensors
