@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import uuid
+from multiprocessing.connection import Client
 
 import pytest
 
+from weaver.kv.lease import LeasedTenantAllocator
 from weaver.kv.pages import TenantShape
 from weaver.kv.pool_plan import PoolPlan, PoolTenantPlan
-from weaver.kv.service import LockedKVAllocator
+from weaver.kv.service import KVAllocatorClient, LockedKVAllocator
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM (CPU build) is not installed", allow_module_level=True)
@@ -23,12 +25,14 @@ PAGE = SHAPE.head_block_bytes
 OTHER = TenantShape(num_layers=1, num_kv_heads=1, head_size=32, block_size=32, dtype_bytes=4)
 
 
-def make_plan(quota_blocks: int, num_pages: int = 40) -> PoolPlan:
+def make_plan(quota_blocks: int, num_pages: int = 40, service: bool = False) -> PoolPlan:
     name = f"wtest{uuid.uuid4().hex[:8]}"
+    extra = {"service_address": f"\0{name}", "authkey_hex": uuid.uuid4().hex} if service else {}
     return PoolPlan(pool_name=f"{name}_pool", table_name=f"{name}_table", page_bytes=PAGE,
                     num_pages=num_pages,
                     tenants=(PoolTenantPlan("cold", SHAPE, 4 * quota_blocks, is_owner=True),
-                             PoolTenantPlan("hot", OTHER, num_pages - 4 * quota_blocks)))
+                             PoolTenantPlan("hot", OTHER, num_pages - 4 * quota_blocks)),
+                    **extra)
 
 
 @pytest.fixture
@@ -93,3 +97,57 @@ def test_an_engine_without_ids_for_the_whole_pool_is_refused():
 def test_the_locked_allocator_is_what_the_pool_uses(owner):
     assert isinstance(owner.allocator, LockedKVAllocator)
     assert owner.block_pool.weaver_allocator is owner.allocator
+
+
+# --- a remote tenant (the hot engine's scheduler) leasing blocks over the connection ------
+NUM_LOCAL = 5  # the hot engine's own blocks: its remote ids start here
+
+
+@pytest.fixture
+def remote():
+    """The owner (quota: cold 3 blocks, hot the other 28 pages = 28 blocks of 1 page) and a
+    hot-side block pool leasing 4 blocks at a time through a real socket connection."""
+    plan = make_plan(quota_blocks=3, service=True)
+    owner = PoolOwner(plan, "cold", BlockPool(plan.max_blocks("cold") + 1,
+                                              enable_caching=False, hash_block_size=32))
+    conn = Client(plan.service_address, family="AF_UNIX",
+                  authkey=bytes.fromhex(plan.authkey_hex))
+    lease = LeasedTenantAllocator(KVAllocatorClient(conn), "hot", plan.max_blocks("hot"), 4)
+    hot_pool = BlockPool(NUM_LOCAL + plan.max_blocks("hot"), enable_caching=False,
+                         hash_block_size=32)
+    hot_pool.get_new_blocks(NUM_LOCAL - 1)  # the local range, as WeaverHotScheduler pins it
+    hot_pool = AllocatorBlockPool.adopt(hot_pool, lease, "hot", NUM_LOCAL)
+    yield owner, lease, hot_pool
+    lease.client.close()
+    owner.close()
+
+
+def test_a_remote_tenant_allocates_from_its_lease(remote):
+    owner, lease, hot_pool = remote
+    assert hot_pool.get_num_free_blocks() == 0  # nothing leased before the first step
+    lease.sync()
+    assert hot_pool.get_num_free_blocks() == 4
+    blocks = hot_pool.get_new_blocks(3)
+    assert [b.block_id for b in blocks] == [NUM_LOCAL, NUM_LOCAL + 1, NUM_LOCAL + 2]
+    # the owner published their pages before the lease answered
+    for block in blocks:
+        assert owner.page_table.page_ids("hot", block.block_id - NUM_LOCAL).min() >= 0
+    hot_pool.free_blocks(blocks)
+    assert hot_pool.get_num_free_blocks() == 4
+    lease.sync()  # 4 spare blocks: nothing to take, nothing to give back
+    assert lease.num_held_blocks == 4
+    assert owner.stats()["tenants"][1]["num_blocks"] == 4
+
+
+def test_a_shrink_takes_the_lease_back_first(remote):
+    owner, lease, hot_pool = remote
+    lease.sync()
+    held = hot_pool.get_new_blocks(2)
+    # The cold model needs memory: the hot tenant may keep only 1 block.
+    owner.allocator.request_shrink("hot", 1)
+    # 3 blocks are due: the 2 spares go back at once, 1 of the 2 in use is still owed
+    assert lease.sync() == 1
+    assert hot_pool.get_num_free_blocks() == 0 and lease.num_held_blocks == 2
+    hot_pool.free_blocks(held[:1])
+    assert lease.sync() == 0
+    assert owner.allocator.num_blocks_to_release("hot") == 0

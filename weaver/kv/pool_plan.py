@@ -39,6 +39,12 @@ class PoolPlan:
     page_bytes: int
     num_pages: int
     tenants: tuple[PoolTenantPlan, ...]
+    # Where the owner answers other processes' allocation requests (weaver.kv.service,
+    # weaver.kv.lease): an AF_UNIX address ("\0name" is Linux's abstract namespace, no
+    # file), and the key both sides authenticate the connection with. Empty: no remote
+    # tenant allocates, no listener.
+    service_address: str = ""
+    authkey_hex: str = ""
 
     def __post_init__(self) -> None:
         check_page_bytes(self.page_bytes)
@@ -58,6 +64,8 @@ class PoolPlan:
                     f"bytes but a page is {self.page_bytes}; set its block_size to "
                     "weaver.kv.pages.headwise_block_size(page_bytes, head_size, dtype_bytes)"
                 )
+        if self.service_address and len(self.authkey_hex) < 32:
+            raise ValueError("a pool with a service_address needs an authkey_hex of >= 16 bytes")
         if sum(t.quota_pages for t in self.tenants) > self.num_pages:
             raise ValueError(
                 f"tenant quotas add up to {sum(t.quota_pages for t in self.tenants)} pages but "

@@ -176,6 +176,18 @@ class KVAllocatorService:
     def _op_stats(self, request: dict[str, Any]) -> dict[str, Any]:
         return asdict(self.allocator.stats())
 
+    def _op_sync_lease(self, request: dict[str, Any]) -> dict[str, Any]:
+        """One round trip per scheduler step of a remote tenant (``weaver.kv.lease``): give
+        back ``release`` block ids, take up to ``want`` new blocks as far as the quota and the
+        pool allow, and learn how many blocks a shrink still asks for."""
+        tenant = request["tenant"]
+        if request["release"]:
+            self.allocator.free_blocks(tenant, list(request["release"]))
+        num_new = min(int(request["want"]), self.allocator.num_allocatable_blocks(tenant))
+        blocks = self.allocator.allocate_blocks(tenant, num_new) if num_new > 0 else []
+        return {"blocks": [[b.block_id, list(b.page_ids)] for b in blocks or []],
+                "to_release": self.allocator.num_blocks_to_release(tenant)}
+
 
 def serve_connection(service: KVAllocatorService, conn: Connection) -> int:
     """Answer requests on ``conn`` until the peer sends None or hangs up; returns how many."""

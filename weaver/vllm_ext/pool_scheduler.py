@@ -21,14 +21,16 @@ frees it, and the pool would hand its pages to someone else.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable
 from dataclasses import asdict
+from multiprocessing.connection import Listener
 
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from weaver.kv.pool_plan import PoolPlan
-from weaver.kv.service import LockedKVAllocator
+from weaver.kv.service import KVAllocatorService, LockedKVAllocator, serve_connection
 from weaver.kv.shared_table import SharedPageTable
 
 logger = logging.getLogger(__name__)
@@ -98,8 +100,9 @@ class AllocatorBlockPool(BlockPool):
 
 
 class PoolOwner:
-    """The allocator of one cold device's pool, its shared page table, and the engine
-    block pool that allocates through it (in the cold engine's scheduler process)."""
+    """The allocator of one cold device's pool, its shared page table, the engine block
+    pool that allocates through it (in the cold engine's scheduler process), and, when the
+    plan names a service address, the listener that serves the other tenants' leases."""
 
     def __init__(self, plan: PoolPlan, tenant: str, block_pool: BlockPool) -> None:
         self.plan = plan
@@ -107,9 +110,15 @@ class PoolOwner:
         allocator = plan.build_allocator()
         self.page_table = SharedPageTable.create(plan.table_name, allocator)
         self.allocator = LockedKVAllocator(allocator, self.page_table)
+        self._listener: Listener | None = None
         try:
             self.block_pool = AllocatorBlockPool.adopt(
                 block_pool, self.allocator, tenant, plan.tenant(tenant).first_block_id)
+            if plan.service_address:
+                self._listener = Listener(plan.service_address, family="AF_UNIX",
+                                          authkey=bytes.fromhex(plan.authkey_hex))
+                threading.Thread(target=self._accept, name="weaver-kv-pool-service",
+                                 daemon=True).start()
         except Exception:
             self.page_table.close()
             raise
@@ -119,8 +128,25 @@ class PoolOwner:
             tenant, plan.tenant(tenant).quota_pages,
             plan.tenant(tenant).quota_pages // allocator.pages_per_block(tenant))
 
+    def _accept(self) -> None:
+        service = KVAllocatorService(self.allocator)
+        while True:
+            try:
+                conn = self._listener.accept()
+            except (OSError, EOFError):  # closed, or a peer that failed authentication
+                if self._listener is None:
+                    return
+                logger.warning("unified KV pool %s: a connection was refused or broken",
+                               self.plan.pool_name)
+                continue
+            threading.Thread(target=serve_connection, args=(service, conn),
+                             name="weaver-kv-pool-client", daemon=True).start()
+
     def stats(self) -> dict:
         return {"pool": self.plan.pool_name, **asdict(self.allocator.stats())}
 
     def close(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
         self.page_table.close()

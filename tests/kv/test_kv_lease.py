@@ -1,0 +1,66 @@
+"""LeasedTenantAllocator against the real allocator service, in process (the socket path is
+tests/vllm_ext/test_pool_scheduler.py)."""
+
+import pytest
+from kv_models import SMOLLM2_135M, TINY_LLAMA
+
+from weaver.kv.allocator import UnifiedKVAllocator
+from weaver.kv.lease import LeasedTenantAllocator
+from weaver.kv.pages import choose_page_bytes
+from weaver.kv.service import KVAllocatorService, LockedKVAllocator
+
+
+class InProcess:
+    """The client's `call` straight into the service (same requests and answers)."""
+
+    def __init__(self, service: KVAllocatorService):
+        self.service = service
+
+    def call(self, op, **kwargs):
+        answer = self.service.handle({"op": op, **kwargs})
+        if not answer["ok"]:
+            raise ValueError(answer["error"])
+        return answer["result"]
+
+
+@pytest.fixture
+def parts():
+    allocator = UnifiedKVAllocator(1000, choose_page_bytes([SMOLLM2_135M, TINY_LLAMA]))
+    allocator.add_tenant("cold", TINY_LLAMA, 280, is_owner=True)
+    allocator.add_tenant("hot", SMOLLM2_135M, 720)  # 4 blocks of 180 pages
+    locked = LockedKVAllocator(allocator)
+    lease = LeasedTenantAllocator(InProcess(KVAllocatorService(locked)), "hot",
+                                  allocator.max_blocks("hot"), lease_blocks=3)
+    return locked, lease
+
+
+def test_lease_tops_up_within_the_quota(parts):
+    locked, lease = parts
+    assert lease.sync() == 0 and lease.num_allocatable_blocks("hot") == 3
+    blocks = lease.allocate_blocks("hot", 3)
+    assert [b.block_id for b in blocks] == [0, 1, 2]
+    assert lease.allocate_blocks("hot", 1) is None
+    lease.sync()  # the quota has room for one more block only
+    assert lease.num_allocatable_blocks("hot") == 1
+    assert locked.stats().tenants[1].num_blocks == 4
+
+
+def test_freed_blocks_are_spares_and_the_excess_goes_back(parts):
+    locked, lease = parts
+    lease.sync()
+    blocks = lease.allocate_blocks("hot", 3)
+    lease.sync()  # + 1
+    lease.free_blocks("hot", [b.block_id for b in blocks])
+    assert lease.num_allocatable_blocks("hot") == 4
+    lease.sync()
+    assert lease.num_held_blocks == 3 and locked.stats().tenants[1].num_blocks == 3
+
+
+def test_mistakes_are_named(parts):
+    _, lease = parts
+    with pytest.raises(ValueError, match="not held by this lease"):
+        lease.free_blocks("hot", [7])
+    with pytest.raises(ValueError, match="'hot''s, not 'cold''s"):
+        lease.num_allocatable_blocks("cold")
+    with pytest.raises(ValueError, match="lease_blocks"):
+        LeasedTenantAllocator(lease.client, "hot", 4, 0)

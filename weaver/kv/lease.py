@@ -1,0 +1,113 @@
+"""A remote tenant's blocks, leased from the pool's allocator a step at a time.
+
+The allocator lives in the cold engine's scheduler process; a hot engine's scheduler is in
+another process and allocates remote blocks many times per step (every admission, every
+block a decode fills). A round trip for each would put the cold process on the hot
+scheduler's critical path, and an allocation refused in the middle of vLLM's
+``allocate_slots`` (after it checked the free count) cannot be undone. So the hot side
+keeps a *lease*: a few blocks allocated ahead (pages and page-table rows included), from
+which vLLM's block pool takes blocks locally; blocks vLLM frees go back to the lease.
+Once per scheduler step, ``sync`` tops the lease up to its target, gives back what is
+above it, and learns how many blocks a shrink of the tenant's quota asks for
+(``to_release``): those are given back from the lease first; what the lease cannot cover
+must be freed by the scheduler (by preempting remote requests).
+
+The lease has the methods of ``LockedKVAllocator`` that
+``weaver.vllm_ext.pool_scheduler.AllocatorBlockPool`` calls. Pure Python.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+logger = logging.getLogger(__name__)
+
+
+class _Caller(Protocol):
+    def call(self, op: str, **kwargs: Any) -> Any: ...
+
+
+@dataclass(frozen=True)
+class LeasedBlock:
+    block_id: int
+    page_ids: tuple[int, ...]
+
+
+class LeasedTenantAllocator:
+    """A tenant's spare blocks on this side of the allocator's connection."""
+
+    def __init__(self, client: _Caller, tenant: str, max_blocks: int, lease_blocks: int):
+        if lease_blocks < 1:
+            raise ValueError(f"lease_blocks must be >= 1, got {lease_blocks}")
+        self.client = client
+        self.tenant = tenant
+        self._max_blocks = max_blocks
+        self.lease_blocks = lease_blocks
+        self._spare: list[LeasedBlock] = []
+        self._pages: dict[int, tuple[int, ...]] = {}  # every block this side holds
+        self.num_to_release = 0  # blocks a shrink asks for beyond what the lease gave back
+        self.num_syncs = 0
+
+    # --- what AllocatorBlockPool calls ------------------------------------------------
+    def max_blocks(self, tenant: str) -> int:
+        self._check(tenant)
+        return self._max_blocks
+
+    def num_allocatable_blocks(self, tenant: str) -> int:
+        self._check(tenant)
+        return len(self._spare)
+
+    def allocate_blocks(self, tenant: str, num_blocks: int) -> list[LeasedBlock] | None:
+        self._check(tenant)
+        if num_blocks > len(self._spare):
+            return None
+        # Lowest ids first, as the allocator itself would hand them out.
+        self._spare.sort(key=lambda b: b.block_id, reverse=True)
+        return [self._spare.pop() for _ in range(num_blocks)]
+
+    def free_blocks(self, tenant: str, block_ids: list[int]) -> None:
+        self._check(tenant)
+        for block_id in block_ids:
+            if block_id not in self._pages:
+                raise ValueError(f"block {block_id} of {tenant!r} is not held by this lease")
+            self._spare.append(LeasedBlock(block_id, self._pages[block_id]))
+
+    # --- once per scheduler step --------------------------------------------------------
+    @property
+    def num_held_blocks(self) -> int:
+        return len(self._pages)
+
+    def sync(self) -> int:
+        """Top up / trim the lease; returns the blocks the scheduler still has to free for
+        a shrink (0 almost always). One round trip, two when a shrink is pending and the
+        lease has spares to give back at once."""
+        excess = len(self._spare) - self.lease_blocks
+        to_release = self._round_trip(release=self._take_spares(excess),
+                                      want=max(0, -excess))
+        if to_release and self._spare:
+            to_release = self._round_trip(release=self._take_spares(to_release), want=0)
+        self.num_to_release = to_release
+        self.num_syncs += 1
+        return to_release
+
+    def _take_spares(self, num: int) -> list[LeasedBlock]:
+        """Up to ``num`` spare blocks, highest ids first (the allocator hands out low ids)."""
+        self._spare.sort(key=lambda b: b.block_id)
+        return [self._spare.pop() for _ in range(min(max(num, 0), len(self._spare)))]
+
+    def _round_trip(self, release: list[LeasedBlock], want: int) -> int:
+        answer = self.client.call("sync_lease", tenant=self.tenant,
+                                  release=[b.block_id for b in release], want=want)
+        for block in release:
+            del self._pages[block.block_id]
+        for block_id, pages in answer["blocks"]:
+            block = LeasedBlock(block_id, tuple(pages))
+            self._pages[block_id] = block.page_ids
+            self._spare.append(block)
+        return answer["to_release"]
+
+    def _check(self, tenant: str) -> None:
+        if tenant != self.tenant:
+            raise ValueError(f"this lease is {self.tenant!r}'s, not {tenant!r}'s")
