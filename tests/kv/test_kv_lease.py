@@ -64,3 +64,20 @@ def test_mistakes_are_named(parts):
         lease.num_allocatable_blocks("cold")
     with pytest.raises(ValueError, match="lease_blocks"):
         LeasedTenantAllocator(lease.client, "hot", 4, 0)
+
+
+class Gone:
+    def call(self, op, **kwargs):
+        raise ConnectionResetError("owner died")
+
+
+def test_a_lost_owner_stops_new_blocks_but_keeps_the_engine_running(parts):
+    _, lease = parts
+    lease.sync()
+    (block,) = lease.allocate_blocks("hot", 1)
+    lease.client = Gone()
+    assert lease.sync() == 0
+    assert lease.broken_reason == "ConnectionResetError: owner died"
+    assert lease.num_allocatable_blocks("hot") == 0
+    lease.free_blocks("hot", [block.block_id])  # no error: the request just finished
+    assert lease.num_held_blocks == 0

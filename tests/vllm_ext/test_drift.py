@@ -189,3 +189,5 @@ def test_block_pool_surface():  # weaver/vllm_ext/pool_scheduler.py
     assert params(FreeKVCacheBlockQueue.remove) == ["self", "block"]
     assert "self.kv_cache_manager = KVCacheManager(" in inspect.getsource(Scheduler.__init__)
     assert callable(Scheduler.shutdown)
+    # WeaverHotScheduler.schedule syncs the lease, then passes its arguments through.
+    assert params(Scheduler.schedule) == ["self", "throttle_prefills"]

@@ -62,6 +62,13 @@ class ModelSpec(BaseModel):
     split_profile: str | None = Field(
         None, description="cold role with split: auto: the operator profile JSON to plan from"
     )
+    unified_kv: bool = Field(
+        False,
+        description="cold role: keep the model's own KV cache and the memory it lends in one "
+        "pool (kv_cache_gib + lend_kv_gib) whose pages go to the cold model or its hot "
+        "models by quota (architecture.md part 8). Pages hold one head-block of the cold "
+        "model; each hot model's block_size must make its head-blocks the same size",
+    )
 
     @field_validator("name")
     @classmethod
@@ -109,6 +116,11 @@ class ModelSpec(BaseModel):
                 f"model {self.name!r}: lend_kv_gib is set but role is {self.role.value!r}; "
                 "only a cold model lends memory (set role: cold or remove lend_kv_gib)"
             )
+        if self.unified_kv and self.role is not Role.COLD:
+            raise ValueError(f"model {self.name!r}: unified_kv is for cold models only")
+        if self.unified_kv and self.num_gpu_blocks_override is not None:
+            raise ValueError(f"model {self.name!r}: with unified_kv the pool's quota, not "
+                             "num_gpu_blocks_override, bounds the model's KV")
         return self
 
 

@@ -49,6 +49,9 @@ class LeasedTenantAllocator:
         self._pages: dict[int, tuple[int, ...]] = {}  # every block this side holds
         self.num_to_release = 0  # blocks a shrink asks for beyond what the lease gave back
         self.num_syncs = 0
+        # Set when the owner cannot be reached: no new blocks from then on; the blocks in
+        # use stay readable where they are mapped (the requests holding them can finish).
+        self.broken_reason: str | None = None
 
     # --- what AllocatorBlockPool calls ------------------------------------------------
     def max_blocks(self, tenant: str) -> int:
@@ -69,6 +72,10 @@ class LeasedTenantAllocator:
 
     def free_blocks(self, tenant: str, block_ids: list[int]) -> None:
         self._check(tenant)
+        if self.broken_reason is not None:  # nobody to give them back to
+            for block_id in block_ids:
+                self._pages.pop(block_id, None)
+            return
         for block_id in block_ids:
             if block_id not in self._pages:
                 raise ValueError(f"block {block_id} of {tenant!r} is not held by this lease")
@@ -83,11 +90,22 @@ class LeasedTenantAllocator:
         """Top up / trim the lease; returns the blocks the scheduler still has to free for
         a shrink (0 almost always). One round trip, two when a shrink is pending and the
         lease has spares to give back at once."""
-        excess = len(self._spare) - self.lease_blocks
-        to_release = self._round_trip(release=self._take_spares(excess),
-                                      want=max(0, -excess))
-        if to_release and self._spare:
-            to_release = self._round_trip(release=self._take_spares(to_release), want=0)
+        if self.broken_reason is not None:
+            return 0
+        try:
+            excess = len(self._spare) - self.lease_blocks
+            to_release = self._round_trip(release=self._take_spares(excess),
+                                          want=max(0, -excess))
+            if to_release and self._spare:
+                to_release = self._round_trip(release=self._take_spares(to_release), want=0)
+        except (OSError, EOFError) as exc:  # the owner (the cold engine) is gone
+            self.broken_reason = f"{type(exc).__name__}: {exc}"
+            for block in self._spare:
+                self._pages.pop(block.block_id, None)
+            self._spare.clear()
+            logger.error("KV pool lease of %r broken (%s): no new remote blocks",
+                         self.tenant, self.broken_reason)
+            return 0
         self.num_to_release = to_release
         self.num_syncs += 1
         return to_release

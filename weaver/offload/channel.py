@@ -194,8 +194,10 @@ class _RegionViews:
             ),
             q=tensor(layout.q_offset, layout.staging_shape, dtype),
             out=tensor(layout.out_offset, layout.staging_shape, dtype),
+            # No KV section when the remote blocks live in the unified pool (kv_in_pool).
             kv_layers=[
                 tensor(layout.kv_layer_offset(i), layout.kv_layer_shape, dtype)
+                if not layout.kv_in_pool else torch.empty(layout.kv_layer_shape, dtype=dtype)
                 for i in range(layout.shape.num_layers)
             ],
         )

@@ -24,7 +24,7 @@ from enum import IntEnum
 
 CACHE_LINE_BYTES = 64
 REGION_MAGIC = b"WEAVRGN\x00"
-REGION_VERSION = 1
+REGION_VERSION = 2  # 2: kv_in_pool
 INT64_MAX = 2**63 - 1
 
 # dtype name -> (code stored in the header, bytes per element)
@@ -107,6 +107,7 @@ _LAYOUT_FIELDS = (
     "num_remote_blocks",
     "max_seqs_per_task",
     "max_blocks_per_seq",
+    "kv_in_pool",
 )
 _LAYOUT_STRUCT = struct.Struct("<8s" + "q" * len(_LAYOUT_FIELDS))
 # Counters, each on its own cache line: the hot side writes task_seq, the cold side
@@ -138,6 +139,10 @@ class RegionLayout:
     num_remote_blocks: int
     max_seqs_per_task: int
     max_blocks_per_seq: int
+    # The remote blocks' K/V live in the cold device's unified KV pool (weaver.kv), not in
+    # this region: the region then has no KV section, and num_remote_blocks is the remote
+    # tenant's block-id space.
+    kv_in_pool: bool = False
     # derived
     meta_offset: int = field(init=False)
     meta_floats_offset: int = field(init=False)
@@ -169,7 +174,8 @@ class RegionLayout:
         derived["out_offset"] = offset
         offset = align_up(offset + self.staging_bytes)
         derived["kv_offset"] = offset
-        derived["kv_layer_bytes"] = align_up(self.num_remote_blocks * self.kv_block_bytes)
+        derived["kv_layer_bytes"] = (0 if self.kv_in_pool else
+                                     align_up(self.num_remote_blocks * self.kv_block_bytes))
         derived["total_bytes"] = offset + self.shape.num_layers * derived["kv_layer_bytes"]
         for name, value in derived.items():
             object.__setattr__(self, name, value)
@@ -186,9 +192,11 @@ class RegionLayout:
 
     @property
     def kv_layer_shape(self) -> tuple[int, int, int, int]:
-        """vLLM CPU_ATTN per-layer cache view [num_blocks, num_kv_heads, block_size, 2*D]."""
+        """vLLM CPU_ATTN per-layer cache view [num_blocks, num_kv_heads, block_size, 2*D]
+        (no blocks when the KV lives in the unified pool)."""
         s = self.shape
-        return (self.num_remote_blocks, s.num_kv_heads, s.block_size, 2 * s.head_size)
+        num_blocks = 0 if self.kv_in_pool else self.num_remote_blocks
+        return (num_blocks, s.num_kv_heads, s.block_size, 2 * s.head_size)
 
     @property
     def kv_block_bytes(self) -> int:
@@ -218,6 +226,7 @@ class RegionLayout:
             "num_remote_blocks": self.num_remote_blocks,
             "max_seqs_per_task": self.max_seqs_per_task,
             "max_blocks_per_seq": self.max_blocks_per_seq,
+            "kv_in_pool": int(self.kv_in_pool),
         }
 
     def pack_header(self) -> bytes:

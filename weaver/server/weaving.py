@@ -81,7 +81,8 @@ def additional_configs(deployment: Deployment, plans: list[PairPlan]) -> dict[st
         if spec.role is Role.HOT and hot is None:
             raise ValueError(f"hot model {spec.name!r} is in no weaving entry; add one or "
                              "make it dedicated")
-        configs[spec.name] = make_additional_config(hot, colds, split_chunks_for(spec))
+        pool = next(((p.pool, spec.name) for p in colds if p.pool is not None), None)
+        configs[spec.name] = make_additional_config(hot, colds, split_chunks_for(spec), pool)
     return configs
 
 
@@ -187,7 +188,11 @@ async def _rpc(engine: Any, method: str, timeout_s: float, *args: Any) -> list:
 def remove_leftover_regions(plans: list[PairPlan]) -> None:
     """Unlink regions whose owner could not (it died); ours by name, from the plans."""
     for plan in plans:
-        for path in region_paths(plan.region_name):
+        paths = region_paths(plan.region_name)
+        if plan.pool is not None:  # the cold engine's unified KV pool and its page table
+            paths += [os.path.join("/dev/shm", plan.pool.pool_name),
+                      os.path.join("/dev/shm", plan.pool.table_name)]
+        for path in paths:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
                 logger.warning("removed leftover shared region file %s", path)

@@ -35,8 +35,11 @@ def split_section(vllm_config: Any) -> dict:
 
 def pool_section(vllm_config: Any) -> tuple[PoolPlan, str] | None:
     """The unified KV pool this engine keeps its KV in, and its tenant name there."""
-    section = (getattr(vllm_config, "additional_config", None) or {}).get(KEY) or {}
-    data = section.get("pool")
+    return pool_of(getattr(vllm_config, "additional_config", None) or {})
+
+
+def pool_of(additional_config: dict) -> tuple[PoolPlan, str] | None:
+    data = (additional_config.get(KEY) or {}).get("pool")
     return (PoolPlan.from_dict(data["plan"]), data["tenant"]) if data else None
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from weaver.config.deployment import ModelSpec, Role
+from weaver.vllm_ext.additional_config import pool_of
 from weaver.vllm_ext.engine_stats import EngineStatsRecorder, attach_stats_recorder
 from weaver.weaving.plan import block_size_of
 
@@ -95,11 +96,25 @@ def engine_cli_args(
         # and the remote pool's block size must be the one the plan was computed with.
         args += ["--scheduler-cls", HOT_SCHEDULER, "--no-enable-prefix-caching",
                  "--block-size", str(block_size_of(spec))]
+    pool = pool_of(additional_config or {})
+    if pool is not None:
+        # A cold engine whose KV lives in the unified pool: its scheduler allocates through
+        # the pool's allocator (the quota, not the KV budget, bounds it) and needs an id for
+        # every block it may ever hold; freed blocks' pages go to other tenants at once.
+        plan, tenant = pool
+        args = _replace_arg(args, "--kv-cache-memory-bytes", str(plan.engine_kv_bytes(tenant)))
+        args += ["--scheduler-cls", HOT_SCHEDULER, "--no-enable-prefix-caching",
+                 "--block-size", str(plan.tenant(tenant).shape.block_size)]
     if additional_config:
         args += ["--additional-config", json.dumps(additional_config)]
     if spec.num_gpu_blocks_override is not None:
         args += ["--num-gpu-blocks-override", str(spec.num_gpu_blocks_override)]
     return args
+
+
+def _replace_arg(args: list[str], flag: str, value: str) -> list[str]:
+    index = args.index(flag)
+    return [*args[: index + 1], value, *args[index + 2:]]
 
 
 def parse_engine_args(

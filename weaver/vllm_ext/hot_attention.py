@@ -5,7 +5,8 @@ and behaves exactly like it until a hot worker attaches a `HotWeavingRuntime`. T
 layer and step (Weaver §3, architecture part 5):
 
 - new K/V of remote sequences are written into the remote pool (slots at or above
-  `num_local_blocks * block_size` belong to it), the rest into vLLM's own cache;
+  `num_local_blocks * block_size` belong to it: the region's KV section, or the cold
+  device's unified pool when the pair's plan has one), the rest into vLLM's own cache;
 - remote *decode* rows are published to the cold side first, local rows and remote
   *prefill* rows (which need the prompt's K/V just written to the shared pool, chunked
   prefill included) run here meanwhile, then the cold side's output is merged back in
@@ -48,12 +49,30 @@ class HotWeavingStats:
     wait_seconds: list[float] = field(default_factory=list)  # drained by the metrics scrape
 
 
-class HotWeavingRuntime:
-    """Per hot worker: the attached region and the pair's health."""
+class RegionKV:
+    """Remote blocks whose K/V live in the region's own KV section (vLLM's layout)."""
 
-    def __init__(self, plan: PairPlan, sender: OffloadSender) -> None:
+    def __init__(self, sender: OffloadSender) -> None:
+        self.sender = sender
+
+    def write(self, impl: Any, layer: Any, layer_index: int, key: torch.Tensor,
+              value: torch.Tensor, slots: torch.Tensor) -> None:
+        CPUAttentionBackendImpl.do_kv_cache_update(impl, layer, key, value,
+                                                   self.sender.kv_layer(layer_index), slots)
+
+    def attend(self, impl: Any, layer: Any, layer_index: int, query: torch.Tensor,
+               output: torch.Tensor, md: Any, rows: BatchRows) -> None:
+        attend_rows(impl, layer, query, output, self.sender.kv_layer(layer_index), md, rows)
+
+
+class HotWeavingRuntime:
+    """Per hot worker: the attached region, where the remote blocks' K/V live (the region,
+    or the cold device's unified pool: pool_worker.RemotePoolKV) and the pair's health."""
+
+    def __init__(self, plan: PairPlan, sender: OffloadSender, remote_kv: Any = None) -> None:
         self.plan = plan
         self.sender = sender
+        self.remote_kv = remote_kv if remote_kv is not None else RegionKV(sender)
         self.stats = HotWeavingStats()
         self.degraded_reason: str | None = None
         self.step_split: _StepSplit | None = None  # the current step's batch split
@@ -182,9 +201,8 @@ class WeaverCPUAttentionImpl(CPUAttentionBackendImpl):
         if slots.local_tokens is not None:
             super().do_kv_cache_update(layer, key[slots.local_tokens], value[slots.local_tokens],
                                        kv_cache, slots.local_slots)
-        remote_pool = runtime.sender.kv_layer(self.weaver_layer_index)
-        super().do_kv_cache_update(layer, key[slots.remote_tokens], value[slots.remote_tokens],
-                                   remote_pool, slots.remote_slots)
+        runtime.remote_kv.write(self, layer, self.weaver_layer_index, key[slots.remote_tokens],
+                                value[slots.remote_tokens], slots.remote_slots)
         return None
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
@@ -209,7 +227,6 @@ class WeaverCPUAttentionImpl(CPUAttentionBackendImpl):
         if split.remote_prefill is None and split.remote_decode is None:
             return super().forward(layer, query, key, value, kv_cache, md, output,
                                    output_scale, output_block_scale)
-        remote_pool = runtime.sender.kv_layer(self.weaver_layer_index)
         decode = split.remote_decode
         ticket = None
         if decode is not None and runtime.degraded_reason is None:
@@ -218,11 +235,13 @@ class WeaverCPUAttentionImpl(CPUAttentionBackendImpl):
             attend_rows(self, layer, query, output, kv_cache, md, split.local)
         if split.remote_prefill is not None:
             runtime.stats.num_remote_prefill_rows += len(split.remote_prefill.requests)
-            attend_rows(self, layer, query, output, remote_pool, md, split.remote_prefill)
+            runtime.remote_kv.attend(self, layer, self.weaver_layer_index, query, output, md,
+                                     split.remote_prefill)
         if decode is not None and (ticket is None
                                    or not self._collect(runtime, ticket, output, decode)):
             runtime.stats.num_fallback_tasks += 1
-            attend_rows(self, layer, query, output, remote_pool, md, decode)
+            runtime.remote_kv.attend(self, layer, self.weaver_layer_index, query, output, md,
+                                     decode)
         return output
 
     def _submit(self, runtime, query, rows: BatchRows):

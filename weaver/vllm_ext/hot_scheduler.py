@@ -123,6 +123,7 @@ class WeaverHotScheduler(Scheduler):
     engines, pool_scheduler.py); exactly vLLM's scheduler otherwise."""
 
     weaver_pool: Any = None  # PoolOwner of an engine whose KV lives in a unified pool
+    weaver_lease: Any = None  # a hot engine's lease of remote blocks in a unified pool
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -149,12 +150,33 @@ class WeaverHotScheduler(Scheduler):
         # Block 0 is the pool's null block; pin 1..num_local-1 so that the remote pool
         # hands out only ids above the local range.
         remote.block_pool.get_new_blocks(num_local - 1)
+        if plan.pool is not None:
+            # The remote blocks are the hot tenant's blocks of the cold device's unified
+            # pool: leased from its allocator (in the cold engine), synced every step.
+            from weaver.kv.lease import LeasedTenantAllocator
+            from weaver.vllm_ext.pool_scheduler import AllocatorBlockPool, PoolClient
+
+            self.weaver_lease = LeasedTenantAllocator(
+                PoolClient(plan.pool), plan.hot, plan.pool.max_blocks(plan.hot),
+                lease_blocks=max(8, 2 * plan.max_blocks_per_seq))
+            AllocatorBlockPool.adopt(remote.block_pool, self.weaver_lease, plan.hot, num_local)
         self.kv_cache_manager = RoutingKVCacheManager(
             local, remote, num_local, RatioPlacement(plan.offload_ratio))
         logger.info(
             "weaving %s -> %s: %d local + %d remote KV blocks, offload ratio %.2f",
             plan.hot, plan.cold, num_local, plan.num_remote_blocks, plan.offload_ratio,
         )
+
+    def schedule(self, *args: Any, **kwargs: Any):
+        if self.weaver_lease is not None:
+            to_release = self.weaver_lease.sync()
+            if to_release:
+                # Reclaiming remote sequences for the cold model is the allocator's next
+                # step (issue 6); until then the blocks stay with their requests.
+                logger.warning("the cold side asks %s for %d remote blocks back; they are "
+                               "released as their requests finish", self.weaver_lease.tenant,
+                               to_release)
+        return super().schedule(*args, **kwargs)
 
     def shutdown(self) -> None:
         super().shutdown()

@@ -22,15 +22,21 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import asdict
-from multiprocessing.connection import Listener
+from multiprocessing.connection import Client, Listener
 
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from weaver.kv.pool_plan import PoolPlan
-from weaver.kv.service import KVAllocatorService, LockedKVAllocator, serve_connection
+from weaver.kv.service import (
+    KVAllocatorClient,
+    KVAllocatorService,
+    LockedKVAllocator,
+    serve_connection,
+)
 from weaver.kv.shared_table import SharedPageTable
 
 logger = logging.getLogger(__name__)
@@ -150,3 +156,36 @@ class PoolOwner:
         if listener is not None:
             listener.close()
         self.page_table.close()
+
+
+class PoolClient:
+    """A remote tenant's connection to the owner's allocator service, opened at the first
+    call (the owner, the cold engine, may start after the hot engine's scheduler exists;
+    the first call comes with the first request, when every engine is up)."""
+
+    CONNECT_TIMEOUT_S = 30.0
+
+    def __init__(self, plan: PoolPlan) -> None:
+        self.plan = plan
+        self._client: KVAllocatorClient | None = None
+
+    def call(self, op: str, **kwargs):
+        if self._client is None:
+            self._client = KVAllocatorClient(self._connect())
+        return self._client.call(op, **kwargs)
+
+    def _connect(self):
+        deadline = time.monotonic() + self.CONNECT_TIMEOUT_S
+        while True:
+            try:
+                return Client(self.plan.service_address, family="AF_UNIX",
+                              authkey=bytes.fromhex(self.plan.authkey_hex))
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None

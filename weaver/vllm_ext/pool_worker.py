@@ -73,15 +73,12 @@ class PoolAttentionRuntime:
         """The tenant's live page table (mapped once; the scheduler's allocator owns it and
         creates it after this worker's KV initialisation, before the first step)."""
         if self._page_table is None:
-            tenants = [(t.name, self.plan.max_blocks(t.name),
-                        t.shape.pages_per_block(self.plan.page_bytes))
-                       for t in self.plan.tenants]
-            self._table = SharedPageTable.attach(
-                SharedPageTable.layout_for(self.plan.table_name, tenants))
-            with warnings.catch_warnings():  # a read-only mapping: torch warns, never writes
-                warnings.simplefilter("ignore", UserWarning)
-                self._page_table = torch.from_numpy(self._table.table(self.tenant))
+            self._table, self._page_table = attach_page_table(self.plan, self.tenant)
         return self._page_table
+
+    def pages_for(self, geometry: HeadwiseGeometry) -> torch.Tensor:
+        """The pool as another tenant's pages (the hot models' tasks run over them)."""
+        return page_view(torch.frombuffer(self._shm.buf, dtype=torch.uint8), geometry)
 
     def write(self, layer: Any, layer_index: int, key: torch.Tensor, value: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
@@ -156,6 +153,114 @@ class PoolAttentionRuntime:
 def _resident_bytes() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def attach_page_table(plan: PoolPlan, tenant: str) -> tuple[SharedPageTable, torch.Tensor]:
+    """Map the pool's page table (read-only) and view the tenant's rows as a tensor."""
+    tenants = [(t.name, plan.max_blocks(t.name), t.shape.pages_per_block(plan.page_bytes))
+               for t in plan.tenants]
+    table = SharedPageTable.attach(SharedPageTable.layout_for(plan.table_name, tenants))
+    with warnings.catch_warnings():  # a read-only mapping: torch warns, nobody writes
+        warnings.simplefilter("ignore", UserWarning)
+        return table, torch.from_numpy(table.table(tenant))
+
+
+def hot_geometry(shape: Any) -> HeadwiseGeometry:
+    """The head-wise geometry of a weaving plan's hot attention shape."""
+    from weaver.offload.channel import TORCH_DTYPES
+
+    return HeadwiseGeometry(shape.num_q_heads, shape.num_kv_heads, shape.head_size,
+                            shape.block_size, TORCH_DTYPES[shape.dtype])
+
+
+class RemotePoolKV:
+    """A hot worker's remote blocks in the cold device's unified pool: it writes their new
+    K/V into the pool's pages and, for the rows the hot side computes itself (remote
+    prefill; fallback when the cold side failed), runs attention over them. Block and slot
+    ids are the hot tenant's (the remote range rebased to 0, as the channel sends them)."""
+
+    def __init__(self, plan: Any) -> None:
+        pool = plan.pool
+        self.tenant = plan.hot
+        self.geometry = hot_geometry(plan.shape)
+        self.num_layers = plan.shape.num_layers
+        self._shm = shared_memory.SharedMemory(name=pool.pool_name)
+        _unregister_from_resource_tracker(self._shm)
+        self.pages = page_view(torch.frombuffer(self._shm.buf, dtype=torch.uint8),
+                               self.geometry)
+        self._table, self.page_table = attach_page_table(pool, plan.hot)
+        self._slots: tuple[torch.Tensor, HeadwiseSlots] | None = None
+        self._batches: dict[int, tuple[Any, HeadwiseBatch]] = {}
+
+    def write(self, impl: Any, layer: Any, layer_index: int, key: torch.Tensor,
+              value: torch.Tensor, slots: torch.Tensor) -> None:
+        # The step's remote slots are one tensor for every layer (hot_attention._SlotSplit).
+        if self._slots is None or self._slots[0] is not slots:
+            self._slots = (slots, HeadwiseSlots(self.geometry, self.num_layers,
+                                                self.page_table, slots, isa=layer.isa))
+        self._slots[1].write_kv(self.pages, layer_index, key, value)
+
+    def attend(self, impl: Any, layer: Any, layer_index: int, query: torch.Tensor,
+               output: torch.Tensor, md: Any, rows: Any) -> None:
+        cached = self._batches.get(id(rows))
+        if cached is None or cached[0] is not rows:
+            if len(self._batches) > 8:  # rows of earlier steps
+                self._batches.clear()
+            cached = (rows, HeadwiseBatch(
+                self.geometry, self.num_layers, self.page_table, rows.query_start_loc,
+                rows.seq_lens, rows.block_table, causal=md.causal,
+                sliding_window=impl.sliding_window, isa=layer.isa))
+            self._batches[id(rows)] = cached
+        sub_out = torch.empty_like(output[rows.tokens])
+        cached[1].attention(self.pages, layer_index, query[rows.tokens], sub_out,
+                            scale=impl.scale, softcap=float(impl.logits_soft_cap or 0.0))
+        output[rows.tokens] = sub_out
+
+
+class PoolTaskExecutor:
+    """The cold side's executor of a hot model's offloaded decode attention when the hot
+    model's remote blocks live in the unified pool (the cold worker's own pool)."""
+
+    def __init__(self, plan: Any, runtime: PoolAttentionRuntime) -> None:
+        from vllm.v1.attention.backends import cpu_attn
+
+        from weaver.vllm_ext.cpu_paged_attention import validate_cpu_attn_shape
+
+        validate_cpu_attn_shape(plan.shape)
+        self.tenant = plan.hot
+        self.geometry = hot_geometry(plan.shape)
+        self.num_layers = plan.shape.num_layers
+        self.pages = runtime.pages_for(self.geometry)
+        self._table, self.page_table = attach_page_table(plan.pool, plan.hot)
+        self.isa = cpu_attn._get_attn_isa(self.geometry.dtype, self.geometry.block_size,
+                                          self.geometry.head_size, "auto")
+        self._query_start_loc = torch.arange(0, plan.max_seqs_per_task + 1, dtype=torch.int32)
+
+    def __call__(self, task: Any) -> None:
+        num_seqs = task.q.shape[0]
+        block_size = self.geometry.block_size
+        # A block id the hot side sends must have pages: page 0 would be another model's.
+        num_used = (task.seq_lens.to(torch.int64) + block_size - 1) // block_size
+        used = task.block_table[torch.arange(task.block_table.shape[1])[None, :]
+                                < num_used[:, None]].to(torch.int64)
+        if bool((self.page_table[used, 0] < 0).any()):
+            raise ValueError(f"task {task.seq} names blocks of {self.tenant!r} that have no "
+                             "pages in the unified pool")
+        batch = HeadwiseBatch(self.geometry, self.num_layers, self.page_table,
+                              self._query_start_loc[: num_seqs + 1], task.seq_lens,
+                              task.block_table, sliding_window=task.sliding_window,
+                              isa=self.isa)
+        batch.attention(self.pages, task.layer, task.q, task.out, scale=task.scale,
+                        softcap=task.softcap)
+
+
+def _unregister_from_resource_tracker(shm: shared_memory.SharedMemory) -> None:
+    """An attached segment must not be unlinked by this process's resource tracker when it
+    exits (Python < 3.13 registers attachments too); the owner unlinks it."""
+    from multiprocessing import resource_tracker
+
+    with contextlib.suppress(Exception):
+        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
 
 
 class _TorchZerosAsEmpty:

@@ -79,7 +79,12 @@ class WeaverWorkerExtension:
         plan = PairPlan.from_dict(plan_data)
         region = ShmRegion.attach(plan.layout(), plan.region_name, wait_s=ATTACH_TIMEOUT_S)
         spin_s = _hot_spin_s(region)
-        runtime = HotWeavingRuntime(plan, OffloadSender(region, spin_s=spin_s))
+        remote_kv = None
+        if plan.pool is not None:  # the region exists, so the cold side's pool does too
+            from weaver.vllm_ext.pool_worker import RemotePoolKV
+
+            remote_kv = RemotePoolKV(plan)
+        runtime = HotWeavingRuntime(plan, OffloadSender(region, spin_s=spin_s), remote_kv)
         layers = _attention_layers(self)
         for name, layer in layers.items():
             if not isinstance(layer.impl, WeaverCPUAttentionImpl):
@@ -100,8 +105,19 @@ class WeaverWorkerExtension:
         receivers = []
         for data in plans_data:
             plan = PairPlan.from_dict(data)
+            if plan.pool is not None:
+                from weaver.vllm_ext.pool_worker import PoolTaskExecutor
+
+                pool = getattr(self.model_runner, "weaver_pool", None)
+                if pool is None:
+                    raise RuntimeError(
+                        f"weaving {plan.hot} -> {plan.cold} keeps remote KV in the unified "
+                        "pool, but this cold engine was not started with one")
+                executor = PoolTaskExecutor(plan, pool)
+            else:
+                executor = CpuPagedAttentionExecutor(plan.shape)
             region = ShmRegion.create(plan.layout(), plan.region_name)
-            receiver = OffloadReceiver(region, CpuPagedAttentionExecutor(plan.shape))
+            receiver = OffloadReceiver(region, executor)
             receivers.append((plan.region_name, receiver, region.task_wakeup))
         self._weaver_receivers = receivers
         model = self.model_runner.get_model()

@@ -11,10 +11,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from weaver.config.deployment import Deployment, ModelSpec
+from weaver.kv.pages import TenantShape, headwise_block_size
+from weaver.kv.pool_plan import PoolPlan, PoolTenantPlan
 from weaver.offload.layout import HotAttentionShape, RegionLayout
 from weaver.offload.naming import region_name
 
@@ -34,6 +37,9 @@ class PairPlan:
     max_blocks_per_seq: int
     offload_ratio: float
     timeout_s: float
+    # The cold device's unified KV pool, when the remote blocks live there (the hot model
+    # is the tenant named `hot`); None: they live in the region.
+    pool: PoolPlan | None = None
 
     def layout(self) -> RegionLayout:
         return RegionLayout(
@@ -41,6 +47,7 @@ class PairPlan:
             num_remote_blocks=self.num_remote_blocks,
             max_seqs_per_task=self.max_seqs_per_task,
             max_blocks_per_seq=self.max_blocks_per_seq,
+            kv_in_pool=self.pool is not None,
         )
 
     def to_dict(self) -> dict:
@@ -48,7 +55,9 @@ class PairPlan:
 
     @classmethod
     def from_dict(cls, data: dict) -> PairPlan:
-        return cls(**{**data, "shape": HotAttentionShape(**data["shape"])})
+        pool = data.get("pool")
+        return cls(**{**data, "shape": HotAttentionShape(**data["shape"]),
+                      "pool": PoolPlan.from_dict(pool) if pool else None})
 
 
 def block_size_of(spec: ModelSpec) -> int:
@@ -91,6 +100,7 @@ def plan_pairs(
     deployment: Deployment, model_dirs: dict[str, Path], shm_prefix: str
 ) -> list[PairPlan]:
     plans = []
+    pools: dict[str, PoolPlan] = {}
     for pair in deployment.weaving:
         hot = deployment.model(pair.hot)
         if len(pair.cold) != 1:
@@ -105,6 +115,12 @@ def plan_pairs(
         # kv_block_bytes is one layer's share of a block; a block spans every layer.
         block_bytes = probe.kv_block_bytes * shape.num_layers
         num_remote_blocks = int(cold.lend_kv_gib * GiB) // block_bytes
+        pool = None
+        if cold.unified_kv:
+            if cold.name not in pools:
+                pools[cold.name] = plan_pool(deployment, cold, model_dirs, shm_prefix)
+            pool = pools[cold.name]
+            num_remote_blocks = pool.max_blocks(hot.name)  # the id space; quota bounds use
         max_blocks_per_seq = math.ceil(hot.max_model_len / shape.block_size)
         if num_remote_blocks < max_blocks_per_seq:
             raise ValueError(
@@ -122,5 +138,42 @@ def plan_pairs(
             max_blocks_per_seq=max_blocks_per_seq,
             offload_ratio=pair.offload_ratio,
             timeout_s=pair.timeout_s,
+            pool=pool,
         ))
     return plans
+
+
+def tenant_shape(model_dir: Path, spec: ModelSpec) -> TenantShape:
+    shape = read_attention_shape(model_dir, spec.dtype, block_size_of(spec))
+    return TenantShape(shape.num_layers, shape.num_kv_heads, shape.head_size,
+                       shape.block_size, shape.itemsize)
+
+
+def plan_pool(deployment: Deployment, cold: ModelSpec, model_dirs: dict[str, Path],
+              shm_prefix: str) -> PoolPlan:
+    """The unified KV pool of a cold model with `unified_kv` (weaver/kv/pool_plan.py): its
+    own KV budget plus what it lends, in pages of one of its head-blocks; the cold model's
+    quota starts at its own budget, the hot models share the lent part evenly (the allocator
+    moves quota between them from there)."""
+    cold_shape = tenant_shape(model_dirs[cold.name], cold)
+    page_bytes = cold_shape.head_block_bytes
+    num_pages = int((cold.kv_cache_gib + cold.lend_kv_gib) * GiB) // page_bytes
+    hots = [deployment.model(w.hot) for w in deployment.weaving if cold.name in w.cold]
+    tenants = [PoolTenantPlan(cold.name, cold_shape, int(cold.kv_cache_gib * GiB) // page_bytes,
+                              is_owner=True)]
+    hot_quota = (num_pages - tenants[0].quota_pages) // max(1, len(hots))
+    for hot in hots:
+        shape = tenant_shape(model_dirs[hot.name], hot)
+        if shape.head_block_bytes != page_bytes:
+            wanted = headwise_block_size(page_bytes, shape.head_size, shape.dtype_bytes)
+            raise ValueError(
+                f"cold model {cold.name!r} keeps a unified KV pool of {page_bytes}-byte pages "
+                f"(one head-block at its block_size {cold_shape.block_size}); hot model "
+                f"{hot.name!r} needs block_size: {wanted} to fill them (it has "
+                f"{shape.block_size})"
+            )
+        tenants.append(PoolTenantPlan(hot.name, shape, hot_quota, first_block_id=0))
+    name = region_name(shm_prefix, cold.name, "kvpool")
+    return PoolPlan(pool_name=name, table_name=f"{name}.table", page_bytes=page_bytes,
+                    num_pages=num_pages, tenants=tuple(tenants),
+                    service_address=f"\0{name}.alloc", authkey_hex=secrets.token_hex(16))
