@@ -81,3 +81,29 @@ def test_a_lost_owner_stops_new_blocks_but_keeps_the_engine_running(parts):
     assert lease.num_allocatable_blocks("hot") == 0
     lease.free_blocks("hot", [block.block_id])  # no error: the request just finished
     assert lease.num_held_blocks == 0
+
+
+def test_wanting_more_than_the_quota_marks_the_tenant_starved_for_adbs(parts):
+    locked, lease = parts
+    lease.lease_blocks = 6  # the quota holds 4 blocks
+    lease.sync()
+    assert lease.num_allocatable_blocks("hot") == 4
+    hot = locked.stats().tenants[1]
+    assert hot.num_failed_allocations == 1
+    # ADBS: the idle owner donates half its unused quota per rebalance, the starved hot
+    # tenant takes it in whole blocks of 180 pages: 140 pages are not one, 140 + 70 are.
+    assert locked.rebalance() == {"cold": -140, "hot": 0}
+    assert locked.rebalance() == {"cold": -70, "hot": 180}
+
+
+def test_a_shrink_completes_once_the_blocks_are_back_and_reports_travel(parts):
+    locked, lease = parts
+    lease.sync()
+    blocks = lease.allocate_blocks("hot", 3)
+    locked.request_shrink("hot", 180)  # keep 1 block of 4
+    lease.report["reclaim_preemptions"] = 2
+    assert lease.sync() == 2  # the spare went back; 2 of the 3 in use are due
+    assert locked.tenant_reports == {"hot": {"reclaim_preemptions": 2}}
+    lease.free_blocks("hot", [b.block_id for b in blocks[1:]])
+    assert lease.sync() == 0
+    assert locked.stats().num_shrinks_completed == 1

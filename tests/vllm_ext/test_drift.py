@@ -191,3 +191,12 @@ def test_block_pool_surface():  # weaver/vllm_ext/pool_scheduler.py
     assert callable(Scheduler.shutdown)
     # WeaverHotScheduler.schedule syncs the lease, then passes its arguments through.
     assert params(Scheduler.schedule) == ["self", "throttle_prefills"]
+    # ... and may preempt remote requests first (popped from `running` by the caller, as
+    # vLLM's own preemption does) and size the owner's next step from the queues.
+    assert params(Scheduler._preempt_request)[:3] == ["self", "request", "timestamp"]
+    assert "should be popped from the running queue" in inspect.getsource(
+        Scheduler._preempt_request)
+    assert "self.running: list[Request] = []" in inspect.getsource(Scheduler.__init__)
+    from vllm.v1.core.sched.request_queue import RequestQueue
+
+    assert callable(RequestQueue.peek_request)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import json
+import os
+import time
 import uuid
 from multiprocessing.connection import Client
 
@@ -32,7 +36,7 @@ def make_plan(quota_blocks: int, num_pages: int = 40, service: bool = False) -> 
                     num_pages=num_pages,
                     tenants=(PoolTenantPlan("cold", SHAPE, 4 * quota_blocks, is_owner=True),
                              PoolTenantPlan("hot", OTHER, num_pages - 4 * quota_blocks)),
-                    **extra)
+                    rebalance_interval_s=0.0, **extra)  # quotas move only when a test says
 
 
 @pytest.fixture
@@ -151,3 +155,42 @@ def test_a_shrink_takes_the_lease_back_first(remote):
     hot_pool.free_blocks(held[:1])
     assert lease.sync() == 0
     assert owner.allocator.num_blocks_to_release("hot") == 0
+
+
+def test_the_owner_reclaims_what_its_next_step_needs(remote):
+    owner, lease, hot_pool = remote
+    lease.sync()  # the hot tenant holds 4 of its 28 blocks (28 pages of quota)
+    hot_blocks = hot_pool.get_new_blocks(4)
+    assert owner.ensure_owner_blocks(3) == 0  # the owner's own quota covers 3 blocks
+    # 8 owner blocks = 32 pages: 20 more than its quota; the hot tenant's unused quota
+    # (24 pages) pays without any shrink.
+    assert owner.ensure_owner_blocks(8) == 5
+    assert owner.allocator.num_allocatable_blocks("cold") == 8
+    assert owner.allocator.num_blocks_to_release("hot") == 0
+    # Everything: the hot tenant must give back all but what the pool still has free.
+    owner.ensure_owner_blocks(owner.plan.max_blocks("cold"))
+    assert owner.allocator.num_blocks_to_release("hot") == 4
+    assert lease.sync() == 4  # no spares; the scheduler preempts to pay the rest
+    hot_pool.free_blocks(hot_blocks)
+    assert lease.sync() == 0
+    assert owner.allocator.num_allocatable_blocks("cold") == owner.plan.max_blocks("cold")
+    stats = owner.stats()
+    assert stats["num_reclaims"] == 2 and stats["num_shrinks_completed"] == 1
+
+
+def test_the_owner_rebalances_and_publishes_its_stats():
+    plan = dataclasses.replace(make_plan(quota_blocks=3), rebalance_interval_s=0.05)
+    owner = PoolOwner(plan, "cold", BlockPool(plan.max_blocks("cold") + 1,
+                                              enable_caching=False, hash_block_size=32))
+    try:
+        deadline = time.monotonic() + 10
+        while not os.path.exists(plan.stats_path):
+            assert time.monotonic() < deadline, "no stats published"
+            time.sleep(0.05)
+        with open(plan.stats_path) as stats_file:
+            stats = json.load(stats_file)
+        assert stats["pool"] == plan.pool_name and stats["num_pages"] == 40
+        assert [t["name"] for t in stats["tenants"]] == ["cold", "hot"]
+    finally:
+        owner.close()
+    assert not os.path.exists(plan.stats_path)

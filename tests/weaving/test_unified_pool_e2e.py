@@ -2,19 +2,27 @@
 engines through the OpenAI endpoint.
 
 `cold` (tiny-llama-c: 4 layers, 4 KV heads of 128) keeps its own KV cache and the memory it
-lends in one pool of 32 KiB pages (one of its head-blocks at block size 32). `hot` (SmolLM2:
-30 layers, 3 KV heads of 64, block size 64 so that its head-blocks fill the same pages)
-weaves half its sequences into it: their blocks are leased from the pool's allocator in the
-cold engine's scheduler, their K/V written into pool pages, their decode attention run by
-the cold worker over those pages. `ref` and `cold-ref` are the same models dedicated. The
-SmolLM2 engines have the same capped local KV (8 usable blocks of 64 tokens) and a 64-token
-prefill chunk, so long prompts span several chunks.
+lends in one pool of 32 KiB pages (one of its head-blocks at block size 32): 0.02 + 0.02 GiB,
+1310 pages, room for 14 blocks of `hot`, whose 16 requests want ~5 blocks each. `hot`
+(SmolLM2: 30 layers, 3 KV heads of 64, block size 64 so that its head-blocks fill the same
+pages) places every sequence remotely: its
+blocks are leased from the pool's allocator in the cold engine's scheduler, their K/V written
+into pool pages, their decode attention run by the cold worker. `ref` and `cold-ref` are the
+same models dedicated, with the same local KV. The SmolLM2 engines have 8 usable local
+blocks of 64 tokens and a 64-token prefill chunk.
+
+The scenario is issue 6's in small: with the cold model idle, ADBS moves its quota to the
+hot model, which fills most of the pool; then the cold model gets requests, takes its
+memory back (the hot scheduler preempts remote requests and recomputes them later), and
+every request of both models completes with the tokens of the dedicated engines.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import signal
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -25,8 +33,10 @@ from weaver.server.process import weaver_server
 
 pytestmark = pytest.mark.engine
 
-NUM_PROMPTS = 24
+NUM_PROMPTS = 16
+NUM_COLD_PROMPTS = 4
 MAX_TOKENS = 24
+POOL = 'pool="'  # label prefix of the pool gauges
 SMOLLM2_ENGINE = """
     model: {smollm2}
     kv_cache_gib: 0.25
@@ -53,11 +63,11 @@ models:
     kv_cache_gib: 0.05
   - name: cold
     role: cold{tiny}
-    kv_cache_gib: 0.05
-    lend_kv_gib: 0.2
+    kv_cache_gib: 0.02
+    lend_kv_gib: 0.02
     unified_kv: true
 weaving:
-  - {{hot: hot, cold: [cold], offload_ratio: 0.5, timeout_s: 5.0}}
+  - {{hot: hot, cold: [cold], offload_ratio: 1.0, timeout_s: 10.0}}
 """
 
 
@@ -108,23 +118,75 @@ def metric(server, name: str) -> float:
     return total
 
 
-def test_hot_weaving_through_the_pool_is_token_exact(server, client):
-    prompts = make_prompts(NUM_PROMPTS)
-    reference = complete_all(client, "ref", prompts)
-    assert complete_all(client, "hot", prompts) == reference
-    assert metric(server, 'weaver_offload_sequences_total{model="hot"}') >= NUM_PROMPTS // 2
+def pool_share_of_hot(server) -> float:
+    """The hot tenant's pages over the pool's, from one scrape (0 before the first stats)."""
+    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    hot = size = 0.0
+    for line in text.splitlines():
+        if line.startswith("weaver_kv_pool_pages{") and 'tenant="hot"' in line:
+            hot += float(line.split()[-1])
+        elif line.startswith("weaver_kv_pool_size_pages{"):
+            size += float(line.split()[-1])
+    return hot / size if size else 0.0
+
+
+class PoolWatcher:
+    """Polls the pool gauges while requests run: the hot tenant's peak share of the pool."""
+
+    def __init__(self, server) -> None:
+        self.server = server
+        self.peak_hot_share = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> PoolWatcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            self.peak_hot_share = max(self.peak_hot_share, pool_share_of_hot(self.server))
+
+
+@pytest.fixture(scope="module")
+def hot_reference(client) -> list[str]:
+    return complete_all(client, "ref", make_prompts(NUM_PROMPTS))
+
+
+def test_hot_fills_the_idle_cold_pool_and_is_token_exact(server, client, hot_reference):
+    with PoolWatcher(server) as watcher:
+        assert complete_all(client, "hot", make_prompts(NUM_PROMPTS)) == hot_reference
+    print(f"hot tenant's peak share of the pool: {watcher.peak_hot_share:.2f}")
+    # Acceptance: with the cold model idle, hot tenants use >= 80 % of the pool (its
+    # planned share is half: ADBS moved the idle cold model's quota).
+    assert watcher.peak_hot_share >= 0.8
+    assert metric(server, "weaver_kv_pool_rebalances_total") > 0
+    assert metric(server, 'weaver_offload_sequences_total{model="hot"}') >= NUM_PROMPTS
     assert metric(server, 'weaver_offload_tasks_total{cold="cold",hot="hot"}') > 0
     assert metric(server, 'weaver_offload_fallbacks_total{model="hot"}') == 0
 
 
-def test_cold_model_on_the_pool_is_token_exact_while_hot_weaves(server, client):
-    prompts = make_prompts(8)
-    reference = complete_all(client, "cold-ref", prompts)
+def test_cold_takes_its_memory_back_and_no_request_is_lost(server, client, hot_reference):
+    hot_prompts = make_prompts(NUM_PROMPTS)
+    cold_prompts = make_prompts(NUM_COLD_PROMPTS)
+    cold_reference = complete_all(client, "cold-ref", cold_prompts)
     with cf.ThreadPoolExecutor(2) as pool:
-        hot = pool.submit(complete_all, client, "hot", make_prompts(NUM_PROMPTS))
-        cold = pool.submit(complete_all, client, "cold", prompts)
-        assert cold.result(timeout=600) == reference
-        hot.result(timeout=600)
+        hot = pool.submit(complete_all, client, "hot", hot_prompts)
+        deadline = time.monotonic() + 120
+        while pool_share_of_hot(server) < 0.8:  # the hot model fills the pool
+            assert time.monotonic() < deadline and not hot.done()
+            time.sleep(0.5)
+        cold = pool.submit(complete_all, client, "cold", cold_prompts)
+        assert cold.result(timeout=600) == cold_reference
+        assert hot.result(timeout=600) == hot_reference
+    assert metric(server, "weaver_kv_pool_reclaims_total") > 0
+    preempted = metric(server, 'weaver_kv_pool_reclaim_preemptions_total{model="hot"}')
+    print(f"remote requests preempted to give memory back: {preempted:.0f}")
+    assert preempted > 0
 
 
 def test_no_shared_memory_left_after_sigterm(server):

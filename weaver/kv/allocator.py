@@ -249,6 +249,10 @@ class UnifiedKVAllocator:
     def is_shrinking(self, tenant: str) -> bool:
         return self._tenant(tenant).shrink is not None
 
+    def open_shrink(self, tenant: str) -> ShrinkTicket | None:
+        """The tenant's open shrink ticket, if any."""
+        return self._tenant(tenant).shrink
+
     def complete_shrink(self, ticket: ShrinkTicket) -> None:
         state = self._tenant(ticket.tenant)
         if state.shrink != ticket:

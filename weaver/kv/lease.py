@@ -52,6 +52,7 @@ class LeasedTenantAllocator:
         # Set when the owner cannot be reached: no new blocks from then on; the blocks in
         # use stay readable where they are mapped (the requests holding them can finish).
         self.broken_reason: str | None = None
+        self.report: dict[str, Any] = {}  # sent with every sync: the tenant's own counters
 
     # --- what AllocatorBlockPool calls ------------------------------------------------
     def max_blocks(self, tenant: str) -> int:
@@ -86,14 +87,16 @@ class LeasedTenantAllocator:
     def num_held_blocks(self) -> int:
         return len(self._pages)
 
-    def sync(self) -> int:
-        """Top up / trim the lease; returns the blocks the scheduler still has to free for
-        a shrink (0 almost always). One round trip, two when a shrink is pending and the
-        lease has spares to give back at once."""
+    def sync(self, target: int | None = None) -> int:
+        """Top up / trim the spares to ``target`` blocks (default ``lease_blocks``; the
+        scheduler passes what its next step may take, so that few pages idle here); returns
+        the blocks the scheduler still has to free for a shrink (0 almost always). One round
+        trip, two when a shrink is pending and the lease has spares to give back at once."""
         if self.broken_reason is not None:
             return 0
+        target = self.lease_blocks if target is None else max(0, target)
         try:
-            excess = len(self._spare) - self.lease_blocks
+            excess = len(self._spare) - target
             to_release = self._round_trip(release=self._take_spares(excess),
                                           want=max(0, -excess))
             if to_release and self._spare:
@@ -117,7 +120,8 @@ class LeasedTenantAllocator:
 
     def _round_trip(self, release: list[LeasedBlock], want: int) -> int:
         answer = self.client.call("sync_lease", tenant=self.tenant,
-                                  release=[b.block_id for b in release], want=want)
+                                  release=[b.block_id for b in release], want=want,
+                                  report=self.report)
         for block in release:
             del self._pages[block.block_id]
         for block_id, pages in answer["blocks"]:

@@ -45,6 +45,15 @@ class PoolPlan:
     # tenant allocates, no listener.
     service_address: str = ""
     authkey_hex: str = ""
+    # How often the owner re-balances quotas by ADBS (weaver.kv.adbs) and publishes its
+    # stats; 0 turns both off (quotas stay as planned).
+    rebalance_interval_s: float = 1.0
+
+    @property
+    def stats_path(self) -> str:
+        """Where the owner publishes the allocator's stats (JSON, replaced atomically) for
+        the gateway's metrics: next to the pool's segment in /dev/shm."""
+        return f"/dev/shm/{self.pool_name}.stats.json"
 
     def __post_init__(self) -> None:
         check_page_bytes(self.page_bytes)

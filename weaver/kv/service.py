@@ -53,6 +53,9 @@ class LockedKVAllocator:
         self._allocator = allocator
         self._page_table = page_table
         self._lock = threading.Lock()
+        # What remote tenants report about themselves with each lease sync (counters their
+        # schedulers keep, e.g. requests preempted to give memory back), for the metrics.
+        self.tenant_reports: dict[str, dict[str, Any]] = {}
         self.page_bytes = allocator.page_bytes
         self.num_pages = allocator.num_pages
 
@@ -116,6 +119,15 @@ class LockedKVAllocator:
     def complete_shrink(self, ticket: ShrinkTicket) -> None:
         with self._lock:
             self._allocator.complete_shrink(ticket)
+
+    def complete_shrink_if_released(self, tenant: str) -> bool:
+        """Close the tenant's open shrink once it holds no block above its quota."""
+        with self._lock:
+            ticket = self._allocator.open_shrink(tenant)
+            if ticket is None or self._allocator.num_blocks_to_release(tenant):
+                return False
+            self._allocator.complete_shrink(ticket)
+            return True
 
     def reclaim_for_owner(self, num_pages: int) -> list[ShrinkTicket]:
         with self._lock:
@@ -181,9 +193,15 @@ class KVAllocatorService:
         back ``release`` block ids, take up to ``want`` new blocks as far as the quota and the
         pool allow, and learn how many blocks a shrink still asks for."""
         tenant = request["tenant"]
+        if request.get("report"):
+            self.allocator.tenant_reports[tenant] = dict(request["report"])
         if request["release"]:
             self.allocator.free_blocks(tenant, list(request["release"]))
-        num_new = min(int(request["want"]), self.allocator.num_allocatable_blocks(tenant))
+        self.allocator.complete_shrink_if_released(tenant)
+        want = int(request["want"])
+        num_new = min(want, self.allocator.num_allocatable_blocks(tenant))
+        if want > num_new:  # recorded as a failed allocation: ADBS sees the tenant starved
+            self.allocator.allocate_blocks(tenant, want)
         blocks = self.allocator.allocate_blocks(tenant, num_new) if num_new > 0 else []
         return {"blocks": [[b.block_id, list(b.page_ids)] for b in blocks or []],
                 "to_release": self.allocator.num_blocks_to_release(tenant)}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 from collections.abc import Mapping
@@ -55,6 +56,25 @@ class WeavingMetrics:
             "Cold side's time serving a hot model's attention tasks, by where: at poll "
             "points inside the cold model's own steps (its TPOT pays it) or by the idle "
             "poller between them", ["hot", "cold", "where"], registry=registry)
+        # The unified KV pools of cold models with unified_kv (weaver/kv; issue 6), as
+        # their owners publish the allocator's stats.
+        self.pool_pages = Gauge("weaver_kv_pool_pages", "Pages a tenant's live blocks hold "
+                                "in a cold device's unified KV pool (leased spares included)",
+                                ["pool", "tenant"], registry=registry)
+        self.pool_quota = Gauge("weaver_kv_pool_quota_pages", "A tenant's quota of the pool",
+                                ["pool", "tenant"], registry=registry)
+        self.pool_size = Gauge("weaver_kv_pool_size_pages", "Pages in the pool", ["pool"],
+                               registry=registry)
+        self.pool_rebalances = Counter("weaver_kv_pool_rebalances",
+                                       "ADBS rebalances that moved quota", ["pool"],
+                                       registry=registry)
+        self.pool_reclaims = Counter("weaver_kv_pool_reclaims", "Times the cold model took "
+                                     "quota back for its own requests", ["pool"],
+                                     registry=registry)
+        self.pool_reclaim_preemptions = Counter(
+            "weaver_kv_pool_reclaim_preemptions", "Remote requests a hot model preempted "
+            "(and recomputes) to give pool memory back to the cold model", ["model"],
+            registry=registry)
         self._last: dict[tuple, float] = {}
 
     def add_total(self, counter: Counter, labels: dict[str, str], total: float) -> None:
@@ -127,6 +147,28 @@ class WeavingSupervisor:
             self.state[key].update(status="degraded" if reason else "ok", reason=reason)
         for cold in sorted({p.cold for p in self.plans}):
             await self._refresh_cold(cold)
+        for pool in {p.pool.pool_name: p.pool for p in self.plans if p.pool}.values():
+            self._refresh_pool(pool)
+
+    def _refresh_pool(self, pool: Any) -> None:
+        """The owner (the cold engine's scheduler) publishes its allocator's stats as a JSON
+        file next to the pool; a missing or half-written one is skipped (logged)."""
+        try:
+            with open(pool.stats_path) as stats_file:
+                stats = json.load(stats_file)
+        except (OSError, ValueError) as exc:
+            logger.debug("unified KV pool stats %s unavailable: %r", pool.stats_path, exc)
+            return
+        m, name = self.metrics, pool.pool_name
+        m.pool_size.labels(pool=name).set(stats["num_pages"])
+        for tenant in stats["tenants"]:
+            m.pool_pages.labels(pool=name, tenant=tenant["name"]).set(tenant["num_used_pages"])
+            m.pool_quota.labels(pool=name, tenant=tenant["name"]).set(tenant["quota_pages"])
+        m.add_total(m.pool_rebalances, {"pool": name}, stats["num_rebalances"])
+        m.add_total(m.pool_reclaims, {"pool": name}, stats["num_reclaims"])
+        for tenant, report in stats.get("tenant_reports", {}).items():
+            m.add_total(m.pool_reclaim_preemptions, {"model": tenant},
+                        report.get("reclaim_preemptions", 0))
 
     async def _stats_of(self, name: str) -> dict[str, Any] | None:
         """The worker's weaving counters, or None (logged) when it does not answer."""
@@ -189,9 +231,9 @@ def remove_leftover_regions(plans: list[PairPlan]) -> None:
     """Unlink regions whose owner could not (it died); ours by name, from the plans."""
     for plan in plans:
         paths = region_paths(plan.region_name)
-        if plan.pool is not None:  # the cold engine's unified KV pool and its page table
+        if plan.pool is not None:  # the cold engine's unified KV pool, table and stats
             paths += [os.path.join("/dev/shm", plan.pool.pool_name),
-                      os.path.join("/dev/shm", plan.pool.table_name)]
+                      os.path.join("/dev/shm", plan.pool.table_name), plan.pool.stats_path]
         for path in paths:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)

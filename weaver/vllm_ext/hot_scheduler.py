@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
+
+LEASE_SLACK_BLOCKS = 2  # spare remote blocks beyond what the next step is known to need
 
 
 class RoutingKVCacheManager:
@@ -124,6 +127,7 @@ class WeaverHotScheduler(Scheduler):
 
     weaver_pool: Any = None  # PoolOwner of an engine whose KV lives in a unified pool
     weaver_lease: Any = None  # a hot engine's lease of remote blocks in a unified pool
+    weaver_num_reclaim_preemptions = 0  # remote requests preempted to give memory back
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -158,7 +162,8 @@ class WeaverHotScheduler(Scheduler):
 
             self.weaver_lease = LeasedTenantAllocator(
                 PoolClient(plan.pool), plan.hot, plan.pool.max_blocks(plan.hot),
-                lease_blocks=max(8, 2 * plan.max_blocks_per_seq))
+                # schedule() sets the target every step; this is the first one's.
+                lease_blocks=plan.max_blocks_per_seq)
             AllocatorBlockPool.adopt(remote.block_pool, self.weaver_lease, plan.hot, num_local)
         self.kv_cache_manager = RoutingKVCacheManager(
             local, remote, num_local, RatioPlacement(plan.offload_ratio))
@@ -168,15 +173,54 @@ class WeaverHotScheduler(Scheduler):
         )
 
     def schedule(self, *args: Any, **kwargs: Any):
+        if self.weaver_pool is not None:
+            # The cold model's own next step comes first: take quota back if it is short.
+            self.weaver_pool.ensure_owner_blocks(self._blocks_for_next_step())
         if self.weaver_lease is not None:
-            to_release = self.weaver_lease.sync()
-            if to_release:
-                # Reclaiming remote sequences for the cold model is the allocator's next
-                # step (issue 6); until then the blocks stay with their requests.
-                logger.warning("the cold side asks %s for %d remote blocks back; they are "
-                               "released as their requests finish", self.weaver_lease.tenant,
-                               to_release)
+            # Spares for what the next step may take (+ slack), no more: idle spares are
+            # pages the cold model and ADBS cannot use.
+            target = self._blocks_for_next_step(remote_only=True) + LEASE_SLACK_BLOCKS
+            if self.weaver_lease.sync(target):
+                self._give_back_remote_blocks(self.weaver_lease.num_to_release)
         return super().schedule(*args, **kwargs)
+
+    def _blocks_for_next_step(self, remote_only: bool = False) -> int:
+        """New blocks the next step needs at most: one per running request that fills its
+        last block, plus the whole prompt of the first waiting request (``remote_only``:
+        counting only the running requests whose KV is remote)."""
+        manager, block_size = self.kv_cache_manager, self.block_size
+        need = 0
+        for request in self.running:
+            if remote_only and manager.placed.get(request.request_id) is not Placement.REMOTE:
+                continue
+            held = len(manager.get_block_ids(request.request_id)[0])
+            need += max(0, -(-(request.num_computed_tokens + 1) // block_size) - held)
+        if self.waiting:
+            request = self.waiting.peek_request()
+            need += -(-request.num_tokens // block_size)
+        return need
+
+    def _give_back_remote_blocks(self, num_blocks: int) -> None:
+        """The cold model reclaims memory: preempt remote requests, newest first, until their
+        blocks cover what its allocator asks back. They return to the waiting queue and are
+        recomputed later (vLLM's own preemption), placed where the memory then is."""
+        manager = self.kv_cache_manager
+        victims, freed = [], 0
+        for request in reversed(self.running):
+            if freed >= num_blocks:
+                break
+            if manager.placed.get(request.request_id) is Placement.REMOTE:
+                victims.append(request)
+                freed += len(manager.get_block_ids(request.request_id)[0])
+        now = time.monotonic()
+        for request in victims:
+            self.running.remove(request)
+            self._preempt_request(request, now)
+        self.weaver_num_reclaim_preemptions += len(victims)
+        self.weaver_lease.report["reclaim_preemptions"] = self.weaver_num_reclaim_preemptions
+        logger.info("gave %d remote blocks back to the cold model: %d remote requests "
+                    "preempted", freed, len(victims))
+        self.weaver_lease.sync(0)  # hand the freed blocks over now, take none
 
     def shutdown(self) -> None:
         super().shutdown()

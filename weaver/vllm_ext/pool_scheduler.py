@@ -20,7 +20,10 @@ frees it, and the pool would hand its pages to someone else.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterable
@@ -128,6 +131,14 @@ class PoolOwner:
         except Exception:
             self.page_table.close()
             raise
+        self.num_reclaims = 0  # times the owner took quota back for its own requests
+        self.num_reclaimed_blocks = 0
+        self._stop = threading.Event()
+        self._rebalancer: threading.Thread | None = None
+        if plan.rebalance_interval_s > 0:
+            self._rebalancer = threading.Thread(target=self._rebalance_loop,
+                                                name="weaver-kv-pool-adbs", daemon=True)
+            self._rebalancer.start()
         logger.info(
             "unified KV pool %s: %d pages of %d bytes; tenant %s allocates through it "
             "(quota %d pages = %d blocks)", plan.pool_name, plan.num_pages, plan.page_bytes,
@@ -148,14 +159,67 @@ class PoolOwner:
             threading.Thread(target=serve_connection, args=(service, conn),
                              name="weaver-kv-pool-client", daemon=True).start()
 
+    def ensure_owner_blocks(self, num_blocks: int) -> int:
+        """Make room for ``num_blocks`` more blocks of the owner (the cold model's next step):
+        when its quota is short, take quota back from the other tenants
+        (``reclaim_for_owner``: unassigned pages, their unused quota, then shrinks that their
+        schedulers pay by preempting remote requests). Returns the blocks reclaimed."""
+        allocatable = self.allocator.num_allocatable_blocks(self.tenant)
+        deficit = num_blocks - allocatable
+        if deficit <= 0:
+            return 0
+        pages_per_block = self.plan.tenant(self.tenant).shape.pages_per_block(
+            self.plan.page_bytes)
+        stats = self.allocator.stats()
+        owner = next(t for t in stats.tenants if t.name == self.tenant)
+        # Quota the owner already has but cannot use yet: pages other tenants still hold
+        # over their (shrunk) quota; they come back as those tenants release blocks.
+        waiting = max(0, owner.quota_pages - owner.num_used_pages - allocatable * pages_per_block)
+        missing = deficit * pages_per_block - waiting
+        available = stats.num_pages - owner.quota_pages
+        pages = min(max(0, missing), available)
+        if pages <= 0:
+            return 0
+        tickets = self.allocator.reclaim_for_owner(pages)
+        self.num_reclaims += 1
+        self.num_reclaimed_blocks += pages // pages_per_block
+        logger.info("unified KV pool %s: %s reclaims %d pages (%d shrink tickets)",
+                    self.plan.pool_name, self.tenant, pages, len(tickets))
+        return pages // pages_per_block
+
+    def _rebalance_loop(self) -> None:
+        while not self._stop.wait(self.plan.rebalance_interval_s):
+            try:
+                self.allocator.rebalance()
+                if not self._stop.is_set():
+                    self._publish_stats()
+            except Exception:  # a bookkeeping bug must show, not stop the engine
+                logger.exception("unified KV pool %s: rebalance failed", self.plan.pool_name)
+
+    def _publish_stats(self) -> None:
+        path = self.plan.stats_path
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as out:
+            json.dump(self.stats(), out)
+        os.replace(tmp, path)
+
     def stats(self) -> dict:
-        return {"pool": self.plan.pool_name, **asdict(self.allocator.stats())}
+        return {"pool": self.plan.pool_name, "owner": self.tenant,
+                "num_reclaims": self.num_reclaims,
+                "num_reclaimed_blocks": self.num_reclaimed_blocks,
+                "tenant_reports": dict(self.allocator.tenant_reports),
+                **asdict(self.allocator.stats())}
 
     def close(self) -> None:
+        self._stop.set()
+        if self._rebalancer is not None:
+            self._rebalancer.join(timeout=5)
         listener, self._listener = self._listener, None
         if listener is not None:
             listener.close()
         self.page_table.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.plan.stats_path)
 
 
 class PoolClient:
