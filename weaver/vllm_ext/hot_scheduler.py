@@ -11,6 +11,7 @@ which is where the hot model's larger batches come from.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
@@ -226,3 +227,6 @@ class WeaverHotScheduler(Scheduler):
         super().shutdown()
         if self.weaver_pool is not None:
             self.weaver_pool.close()
+        if self.weaver_lease is not None:
+            with contextlib.suppress(OSError, EOFError):  # the owner may be gone already
+                self.weaver_lease.client.close()
