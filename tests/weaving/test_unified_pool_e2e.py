@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from weaving_client import complete_all, make_prompts, metric, openai_client
 
 from weaver.server.process import weaver_server
 
@@ -35,8 +36,6 @@ pytestmark = pytest.mark.engine
 
 NUM_PROMPTS = 16
 NUM_COLD_PROMPTS = 4
-MAX_TOKENS = 24
-POOL = 'pool="'  # label prefix of the pool gauges
 SMOLLM2_ENGINE = """
     model: {smollm2}
     kv_cache_gib: 0.25
@@ -71,15 +70,6 @@ weaving:
 """
 
 
-def make_prompts(num: int) -> list[str]:
-    topics = ["the ocean", "volcanoes", "the moon", "bread", "chess", "rivers", "owls"]
-    prompts = []
-    for i in range(num):
-        topic = topics[i % len(topics)]
-        filler = f" Here is more context about {topic}." * ((i * 7) % 40)
-        prompts.append(f"Write a short note about {topic}.{filler} Note {i}:")
-    return prompts
-
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_dir):
@@ -96,26 +86,9 @@ def server(tmp_path_factory, smollm2_dir):
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0,
-                         timeout=600)
+    return openai_client(server)
 
 
-def complete_all(client: openai.OpenAI, model: str, prompts: list[str]) -> list[str]:
-    def one(prompt: str) -> str:
-        reply = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS,
-                                          temperature=0, extra_body={"ignore_eos": True})
-        return reply.choices[0].text
-
-    with cf.ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(one, prompts))
-
-
-def metric(server, name: str) -> float:
-    total = 0.0
-    for line in httpx.get(f"{server.base_url}/metrics", timeout=30).text.splitlines():
-        if line.startswith(name):
-            total += float(line.split()[-1])
-    return total
 
 
 def pool_share_of_hot(server) -> float:

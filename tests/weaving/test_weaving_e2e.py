@@ -16,17 +16,16 @@ import signal
 import time
 from pathlib import Path
 
-import httpx
 import openai
 import psutil
 import pytest
+from weaving_client import complete_all, make_prompts, metric, openai_client
 
 from weaver.server.process import weaver_server
 
 pytestmark = pytest.mark.engine
 
 NUM_PROMPTS = 32
-MAX_TOKENS = 24
 LOCAL_BLOCKS = 17  # 16 usable: block 0 is vLLM's null block
 SMOLLM2_ENGINE = """
     model: {smollm2}
@@ -57,16 +56,6 @@ weaving:
 """
 
 
-def make_prompts() -> list[str]:
-    # Mixed lengths, from a few tokens to ~300 (several 64-token prefill chunks).
-    topics = ["the ocean", "volcanoes", "the moon", "bread", "chess", "rivers", "owls"]
-    prompts = []
-    for i in range(NUM_PROMPTS):
-        topic = topics[i % len(topics)]
-        filler = f" Here is more context about {topic}." * ((i * 7) % 40)
-        prompts.append(f"Write a short note about {topic}.{filler} Note {i}:")
-    return prompts
-
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_dir):
@@ -83,31 +72,14 @@ def server(tmp_path_factory, smollm2_dir):
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0,
-                         timeout=600)
+    return openai_client(server)
 
 
-def complete_all(client: openai.OpenAI, model: str, prompts: list[str]) -> list[str]:
-    def one(prompt: str) -> str:
-        reply = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS,
-                                          temperature=0, extra_body={"ignore_eos": True})
-        return reply.choices[0].text
-
-    with cf.ThreadPoolExecutor(NUM_PROMPTS) as pool:
-        return list(pool.map(one, prompts))
-
-
-def metric(server, name: str) -> float:
-    total = 0.0
-    for line in httpx.get(f"{server.base_url}/metrics", timeout=30).text.splitlines():
-        if line.startswith(name):
-            total += float(line.split()[-1])
-    return total
 
 
 @pytest.fixture(scope="module")
 def reference(server, client) -> dict:
-    prompts = make_prompts()
+    prompts = make_prompts(NUM_PROMPTS)
     outputs = complete_all(client, "ref", prompts)
     # vLLM's own SchedulerStats, as the gateway exports them per model.
     peak = metric(server, 'weaver_peak_running{model="ref"}')
