@@ -94,3 +94,54 @@ def test_plan_says_one_cold_per_hot_for_now(tmp_path):
     dirs = {"h": write_model(tmp_path, "h", 30, 9, 3, 576)}
     with pytest.raises(ValueError, match="one cold model per hot model"):
         plan_pairs(deployment(0.25, ["c", "d"]), dirs, "pfx")
+
+
+def unified_deployment(hot_block_size: int):
+    return parse_deployment({
+        "models": [
+            {"name": "h", "model": "x", "role": "hot", "block_size": hot_block_size,
+             "max_model_len": 512},
+            {"name": "c", "model": "y", "role": "cold", "block_size": 32, "kv_cache_gib": 0.25,
+             "lend_kv_gib": 0.75, "unified_kv": True},
+        ],
+        "weaving": [{"hot": "h", "cold": ["c"], "offload_ratio": 0.5}],
+    })
+
+
+def test_a_unified_cold_model_plans_one_pool_for_itself_and_its_hot_model(tmp_path):
+    from weaver.vllm_ext.additional_config import pool_of
+    from weaver.vllm_ext.engine_app import engine_cli_args
+
+    # hot: SmolLM2 (head 64), cold: 4 layers x 4 KV heads of 128 -> 32 KiB pages
+    dirs = {"h": write_model(tmp_path, "h", 30, 9, 3, 576),
+            "c": write_model(tmp_path, "c", 4, 4, 4, 512)}
+    (plan,) = plan_pairs(unified_deployment(64), dirs, "pfx")
+    pool = plan.pool
+    assert pool.page_bytes == 32 * 2 * 128 * 4
+    assert pool.num_pages == (1 << 30) // pool.page_bytes == 32768
+    cold, hot = pool.tenants
+    assert (cold.name, cold.is_owner, cold.quota_pages) == ("c", True, 8192)
+    assert (hot.name, hot.quota_pages, hot.shape.block_size) == ("h", 32768 - 8192, 64)
+    assert plan.num_remote_blocks == pool.max_blocks("h") == 32768 // 90
+    assert plan.layout().kv_in_pool and plan.layout().kv_layer_bytes == 0
+    assert PairPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    # The cold engine: a KV budget with an id for every block it may hold, the scheduler
+    # that allocates through the pool, no prefix caching.
+    spec = unified_deployment(64).model("c")
+    args = engine_cli_args(spec, tmp_path, {"weaver": {"pool": {"plan": pool.to_dict(),
+                                                                 "tenant": "c"}}})
+    assert args[args.index("--kv-cache-memory-bytes") + 1] == str(pool.engine_kv_bytes("c"))
+    assert "--no-enable-prefix-caching" in args and "--scheduler-cls" in args
+    assert pool_of({"weaver": {"pool": {"plan": pool.to_dict(), "tenant": "c"}}})[1] == "c"
+
+
+def test_a_hot_block_size_that_does_not_fill_the_pages_is_named(tmp_path):
+    dirs = {"h": write_model(tmp_path, "h", 30, 9, 3, 576),
+            "c": write_model(tmp_path, "c", 4, 4, 4, 512)}
+    with pytest.raises(ValueError, match="needs block_size: 64"):
+        plan_pairs(unified_deployment(32), dirs, "pfx")
+
+
+def test_unified_kv_is_for_cold_models_only():
+    with pytest.raises(ValueError, match="unified_kv is for cold models only"):
+        parse_deployment({"models": [{"name": "a", "model": "x", "unified_kv": True}]})

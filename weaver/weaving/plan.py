@@ -38,7 +38,7 @@ class PairPlan:
     offload_ratio: float
     timeout_s: float
     # The cold device's unified KV pool, when the remote blocks live there (the hot model
-    # is the tenant named `hot`); None: they live in the region.
+    # is its tenant of the same name); None: they live in the region.
     pool: PoolPlan | None = None
 
     def layout(self) -> RegionLayout:
