@@ -5,12 +5,13 @@ Usage: python pool_engine_run.py MODEL_DIR plain|pool SHM_PREFIX QUOTA_BLOCKS
 Prints one JSON line on the real stdout: greedy outputs (token ids), the worker's pid and
 resident memory after the run, the pool's stats and its segment names (pool mode).
 
-The pool holds two tenants: the engine ("cold", owner, a quota of QUOTA_BLOCKS blocks) and
-a second model's shape ("hot", tiny-llama-b's KV geometry) holding the rest of the quota,
-as on a cold device lending memory. The pool engine gets the pool's whole size as KV budget
-(ids for every block it may ever hold) and is limited by its quota; the plain engine gets
-exactly QUOTA_BLOCKS blocks (num_gpu_blocks_override), so both run under the same memory
-and vLLM schedules, preempts and recomputes them alike.
+The pool holds exactly QUOTA_BLOCKS blocks of the engine ("cold", the owner) and a second
+model's shape ("hot", tiny-llama-b's KV geometry) with no quota: the owner can take nothing
+from anyone, so the pool's size bounds it (with a larger pool it would reclaim the other
+tenant's unused quota). The plain engine gets exactly QUOTA_BLOCKS blocks
+(num_gpu_blocks_override), so both run under the same memory and vLLM schedules, preempts
+and recomputes them alike. Both get a KV budget of KV_BUDGET_BYTES: vLLM's own cache
+buffer of that size, which the pool engine never touches.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ MAX_TOKENS = 24
 # vLLM insists on memory for one request of max_model_len: 3 blocks here, the quota used.
 MAX_MODEL_LEN = 96
 PAGE_BYTES = 8 * 1024  # one head-block of tiny-llama-a (block 32 x K+V x 32 x fp32)
-NUM_PAGES = 65536  # 512 MiB: vLLM's untouched buffer of that size must not cost memory
+KV_BUDGET_BYTES = 512 << 20  # vLLM's untouched buffer of that size must cost no memory
 
 
 def pool_plan(shm_prefix: str, quota_blocks: int):
@@ -37,11 +38,12 @@ def pool_plan(shm_prefix: str, quota_blocks: int):
     hot = TenantShape(num_layers=3, num_kv_heads=1, head_size=64,
                       block_size=headwise_block_size(PAGE_BYTES, 64, 4), dtype_bytes=4)
     cold_pages = quota_blocks * cold.pages_per_block(PAGE_BYTES)
+    # No rebalancing, and nothing unassigned or lent to reclaim: the quota is the pool.
     return PoolPlan(
         pool_name=f"{shm_prefix}_pool", table_name=f"{shm_prefix}_table",
-        page_bytes=PAGE_BYTES, num_pages=NUM_PAGES,
+        page_bytes=PAGE_BYTES, num_pages=cold_pages, rebalance_interval_s=0.0,
         tenants=(PoolTenantPlan("cold", cold, cold_pages, is_owner=True),
-                 PoolTenantPlan("hot", hot, NUM_PAGES - cold_pages)))
+                 PoolTenantPlan("hot", hot, 0)))
 
 
 def rss_bytes(pid: int) -> int:
@@ -66,7 +68,7 @@ def main() -> int:
     blocks = {} if pool else {"num_gpu_blocks_override": int(quota_blocks) + 1}  # + null block
     llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN,
               max_num_seqs=NUM_PROMPTS, block_size=plan.tenant("cold").shape.block_size,
-              kv_cache_memory_bytes=plan.engine_kv_bytes("cold"), **blocks,
+              kv_cache_memory_bytes=KV_BUDGET_BYTES, **blocks,
               enable_prefix_caching=False, scheduler_cls=HOT_SCHEDULER,
               worker_extension_cls="weaver.vllm_ext.worker_ext.WeaverWorkerExtension",
               additional_config=make_additional_config(None, [], pool=pool))
@@ -78,7 +80,7 @@ def main() -> int:
     (info,) = llm.collective_rpc("weaver_info")
     result = {"outputs": [list(o) for o in outputs], "worker_pid": info["pid"],
               "worker_rss_bytes": rss_bytes(info["pid"]), "weaver_file": info["weaver_file"],
-              "kv_budget_bytes": plan.engine_kv_bytes("cold")}
+              "kv_budget_bytes": KV_BUDGET_BYTES}
     if pool is not None:
         (result["pool_stats"],) = llm.collective_rpc("weaver_pool_stats")
         result["segments"] = [plan.pool_name, plan.table_name]

@@ -3,9 +3,10 @@ pool_scheduler.py and headwise_attention.py together.
 
 tiny-llama-a runs twice under the same memory, 3 KV blocks for 8 prompts, so vLLM must
 queue, preempt and recompute: once plain (num_gpu_blocks_override), once with its blocks
-allocated through the pool's allocator (a quota of 3 blocks, another tenant holding the
-rest of the pool) and its attention reading the pool's pages. Engines run in child processes
-pinned to core 0 (as `weaver serve` pins engines), with PYTHONPATH set to this checkout.
+allocated through the pool's allocator (a pool of exactly 3 of its blocks, beside a second
+tenant's shape with no quota, so there is nothing to reclaim) and its attention reading the
+pool's pages. Engines run in child processes pinned to core 0 (as `weaver serve` pins
+engines), with PYTHONPATH set to this checkout.
 """
 
 from __future__ import annotations
