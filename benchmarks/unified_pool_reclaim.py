@@ -7,18 +7,20 @@ Issue 6's scripted run. One `weaver serve` runs four engines:
   --own-gib + --lend-gib; the allocator moves quota by ADBS and reclaims for the cold model;
 - `ref` and `cold-ref`: the same models dedicated; `cold-ref` owns the pool's whole size.
 
-Phases (cold engines pinned to core 1, SmolLM2 engines to core 0):
+Both phases run the same hot load (--hot-streams clients sending long requests back to
+back) and step the same cold load through --levels concurrent streams, --phase-s seconds
+each; cold engines are pinned to core 1, SmolLM2 engines to core 0:
 
-1. reference: greedy outputs of every prompt from `ref` and `cold-ref`; then `cold-ref`
-   alone at each cold concurrency level (--levels) for --phase-s seconds: its dedicated
-   output tok/s per level;
-2. weaving: --hot-requests long requests to `hot` at once; once the hot tenant holds most of
-   the idle pool, the cold load steps through the same levels against `cold`.
+1. dedicated deployment: the hot load on `ref`, the cold load on `cold-ref`;
+2. weaving: the hot load on `hot` (it fills the idle cold model's pool first), the cold
+   load on `cold`, which takes its memory back.
 
-Prints the cold output tok/s per level with weaving over dedicated (target: >= 0.9 at the
-last, saturating level), the hot tenant's share of the pool before and after, reclaims and
-remote requests preempted, and checks that every hot and cold request completed with the
-dedicated engines' tokens. Writes JSON (and a PNG of the pool share and cold throughput).
+So the two phases differ only in weaving and the pool, not in how busy the machine is.
+Prints the cold output tok/s per level, weaving over dedicated (target: >= 0.9 at the last,
+saturating level), the hot output tok/s, the hot tenant's share of the pool before and after,
+reclaims and remote requests preempted, and checks that every hot and cold request
+completed with the greedy tokens of a dedicated engine (from a reference pass first).
+Writes JSON (and a PNG of the pool share over time).
 
     python benchmarks/unified_pool_reclaim.py --out benchmarks/results/unified_pool_reclaim.json
 """
@@ -82,8 +84,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="cold concurrent streams per phase step (default: 1 4 16)")
     parser.add_argument("--phase-s", type=float, default=30.0,
                         help="seconds per cold level (default: 30)")
-    parser.add_argument("--hot-requests", type=int, default=48,
-                        help="long requests sent to the hot model at once (default: 48)")
+    parser.add_argument("--hot-streams", type=int, default=16,
+                        help="hot clients sending long requests back to back (default: 16)")
     parser.add_argument("--hot-tokens", type=int, default=64,
                         help="output tokens per hot request (default: 64)")
     parser.add_argument("--cold-tokens", type=int, default=32,
@@ -94,8 +96,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="what the cold model lends, GiB (default: 0.02)")
     parser.add_argument("--out", type=Path, default=None, help="JSON results (and a PNG)")
     args = parser.parse_args(argv)
-    if min(args.levels) < 1 or args.phase_s <= 0 or args.hot_requests < 1:
-        parser.error("levels must be >= 1, --phase-s > 0 and --hot-requests >= 1")
+    if min(args.levels) < 1 or args.phase_s <= 0 or args.hot_streams < 1:
+        parser.error("levels must be >= 1, --phase-s > 0 and --hot-streams >= 1")
     return args
 
 
@@ -143,26 +145,91 @@ class Client:
         return out
 
 
-def cold_level(client: Client, model: str, prompts: list[str], streams: int,
-               duration_s: float, max_tokens: int, outputs: dict[int, set]) -> float:
-    """`streams` clients sending back-to-back requests for `duration_s`: output tokens of
-    the requests that finished inside the window, per second of it."""
-    start = time.monotonic()
-    tokens = [0] * streams
+class Streams:
+    """`num` clients sending requests back to back (prompt i of stream s: (s * 7 + k) mod n)
+    until stopped; every output is kept by prompt, and the tokens of requests finished in a
+    window can be counted."""
 
-    def stream(index: int) -> None:
+    def __init__(self, client: Client, model: str, prompts: list[str], num: int,
+                 max_tokens: int) -> None:
+        self.client, self.model, self.prompts, self.max_tokens = client, model, prompts, max_tokens
+        self.outputs: dict[int, set[str]] = {}
+        self.finished: list[tuple[float, int]] = []  # (monotonic time, output tokens)
+        self._stop = threading.Event()
+        self._pool = cf.ThreadPoolExecutor(num)
+        self._futures = [self._pool.submit(self._run, index) for index in range(num)]
+
+    def _run(self, index: int) -> int:
         k = 0
-        while time.monotonic() - start < duration_s:
-            prompt_index = (index * 7 + k) % len(prompts)
-            text, num = client.complete(model, prompts[prompt_index], max_tokens)
-            outputs.setdefault(prompt_index, set()).add(text)
-            if time.monotonic() - start <= duration_s:
-                tokens[index] += num
+        while not self._stop.is_set():
+            prompt_index = (index * 7 + k) % len(self.prompts)
+            text, num = self.client.complete(self.model, self.prompts[prompt_index],
+                                             self.max_tokens)
+            self.outputs.setdefault(prompt_index, set()).add(text)
+            self.finished.append((time.monotonic(), num))
             k += 1
+        return k
 
-    with cf.ThreadPoolExecutor(streams) as pool:
-        list(pool.map(stream, range(streams)))
-    return sum(tokens) / duration_s
+    def tok_s(self, start: float, end: float) -> float:
+        return sum(n for t, n in self.finished if start <= t <= end) / (end - start)
+
+    def stop(self) -> int:
+        """Stop sending; wait for the requests in flight; return how many were sent."""
+        self._stop.set()
+        sent = sum(f.result() for f in self._futures)
+        self._pool.shutdown()
+        return sent
+
+
+def cold_levels(client: Client, model: str, prompts: list[str], args: argparse.Namespace,
+                outputs: dict[int, set[str]], timeline: list, t0: float) -> dict[int, float]:
+    """The cold load stepped through the levels: output tok/s of each."""
+    rates = {}
+    for level in args.levels:
+        timeline.append({"t": time.monotonic() - t0, "level": level, "model": model})
+        streams = Streams(client, model, prompts, level, args.cold_tokens)
+        start = time.monotonic()
+        time.sleep(args.phase_s)
+        rates[level] = streams.tok_s(start, time.monotonic())
+        streams.stop()
+        for index, texts in streams.outputs.items():
+            outputs.setdefault(index, set()).update(texts)
+    return rates
+
+
+def phase(client: Client, hot_model: str, cold_model: str, hot_prompts: list[str],
+          cold_prompts: list[str], args: argparse.Namespace, result: dict, t0: float,
+          fill_pool: bool) -> dict:
+    hot = Streams(client, hot_model, hot_prompts, args.hot_streams, args.hot_tokens)
+    start = time.monotonic()
+    share = None
+    if fill_pool:  # the hot model fills the idle cold model's pool first
+        deadline = time.monotonic() + 300
+        while True:
+            stats = client.pool_stats()
+            if stats["size"] and stats["hot_pages"] >= 0.8 * stats["size"]:
+                share = stats["hot_pages"] / stats["size"]
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError("the hot model did not fill the pool: more --hot-streams")
+            time.sleep(0.5)
+        print(f"hot tenant holds {share:.0%} of the idle cold pool", flush=True)
+    else:
+        time.sleep(10)  # the same warm-up as the weaving phase's fill, roughly
+    cold_outputs: dict[int, set[str]] = {}
+    rates = cold_levels(client, cold_model, cold_prompts, args, cold_outputs,
+                        result["timeline"], t0)
+    hot_tok_s = hot.tok_s(start, time.monotonic())
+    stats = client.pool_stats()
+    sent = hot.stop()
+    for level, rate in rates.items():
+        print(f"  {cold_model}, {level} streams, hot load on {hot_model}: {rate:.1f} tok/s",
+              flush=True)
+    return {"cold_tok_s": rates, "hot_tok_s": hot_tok_s, "hot_requests": sent,
+            "hot_outputs": hot.outputs, "cold_outputs": cold_outputs,
+            "hot_share_of_idle_pool": share,
+            "hot_share_after": stats["hot_pages"] / stats["size"] if stats["size"] else None,
+            "reclaims": stats["reclaims"], "reclaim_preemptions": stats["preemptions"]}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -172,7 +239,7 @@ def run(args: argparse.Namespace) -> dict:
     config.write_text(DEPLOYMENT.format(
         smollm2=SMOLLM2_ENGINE.format(path=smollm2), tiny=TINY_ENGINE.format(path=tiny),
         total_gib=args.own_gib + args.lend_gib, own_gib=args.own_gib, lend_gib=args.lend_gib))
-    hot_prompts = make_prompts(args.hot_requests)
+    hot_prompts = make_prompts(32)
     cold_prompts = make_prompts(32, offset=3)
     result: dict = {"args": {k: str(v) if isinstance(v, Path) else v
                              for k, v in vars(args).items()},
@@ -182,13 +249,8 @@ def run(args: argparse.Namespace) -> dict:
         print("reference outputs (ref, cold-ref) ...", flush=True)
         hot_reference = client.complete_all("ref", hot_prompts, args.hot_tokens)
         cold_reference = client.complete_all("cold-ref", cold_prompts, args.cold_tokens)
-        dedicated, cold_outputs = {}, {}
-        for level in args.levels:
-            dedicated[level] = cold_level(client, "cold-ref", cold_prompts, level,
-                                          args.phase_s, args.cold_tokens, cold_outputs)
-            print(f"  cold-ref alone, {level} streams: {dedicated[level]:.1f} tok/s", flush=True)
-        stop = threading.Event()
         t0 = time.monotonic()
+        stop = threading.Event()
 
         def watch() -> None:
             while not stop.wait(1.0):
@@ -196,40 +258,31 @@ def run(args: argparse.Namespace) -> dict:
 
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
-        with cf.ThreadPoolExecutor(1) as pool:
-            hot = pool.submit(client.complete_all, "hot", hot_prompts, args.hot_tokens)
-            deadline = time.monotonic() + 300
-            while True:  # the hot model fills the idle cold model's pool
-                stats = client.pool_stats()
-                if stats["size"] and stats["hot_pages"] >= 0.8 * stats["size"]:
-                    break
-                if hot.done() or time.monotonic() > deadline:
-                    raise RuntimeError("the hot model did not fill the pool; more --hot-requests")
-                time.sleep(0.5)
-            share_before = stats["hot_pages"] / stats["size"]
-            print(f"hot tenant holds {share_before:.0%} of the idle cold pool", flush=True)
-            weaving, weaving_outputs = {}, {}
-            for level in args.levels:
-                result["timeline"].append({"t": time.monotonic() - t0, "level": level})
-                weaving[level] = cold_level(client, "cold", cold_prompts, level,
-                                            args.phase_s, args.cold_tokens, weaving_outputs)
-                print(f"  cold with hot weaving, {level} streams: {weaving[level]:.1f} tok/s "
-                      f"({weaving[level] / dedicated[level]:.2f} of dedicated)", flush=True)
-            stats = client.pool_stats()
-            hot_outputs = hot.result(timeout=3600)
+        print("dedicated deployment: hot load on ref, cold load on cold-ref", flush=True)
+        dedicated = phase(client, "ref", "cold-ref", hot_prompts, cold_prompts, args, result,
+                          t0, fill_pool=False)
+        print("weaving through the unified pool: hot load on hot, cold load on cold",
+              flush=True)
+        weaving = phase(client, "hot", "cold", hot_prompts, cold_prompts, args, result, t0,
+                        fill_pool=True)
         stop.set()
         watcher.join()
-    mismatched_cold = sorted(i for i, texts in {**cold_outputs, **weaving_outputs}.items()
-                             if texts != {cold_reference[i]})
+
+    def mismatched(outputs: dict[int, set[str]], reference: list[str]) -> list[int]:
+        return sorted(i for i, texts in outputs.items() if texts != {reference[i]})
+
+    hot_bad = mismatched(dedicated["hot_outputs"], hot_reference) + mismatched(
+        weaving["hot_outputs"], hot_reference)
+    cold_bad = mismatched(dedicated["cold_outputs"], cold_reference) + mismatched(
+        weaving["cold_outputs"], cold_reference)
+    for part in (dedicated, weaving):
+        del part["hot_outputs"], part["cold_outputs"]
     result.update({
-        "dedicated_cold_tok_s": dedicated, "weaving_cold_tok_s": weaving,
-        "ratio_at_levels": {level: weaving[level] / dedicated[level] for level in args.levels},
-        "hot_share_of_idle_pool": share_before,
-        "hot_share_after": stats["hot_pages"] / stats["size"] if stats["size"] else None,
-        "reclaims": stats["reclaims"], "reclaim_preemptions": stats["preemptions"],
-        "hot_requests_completed": len(hot_outputs),
-        "hot_token_exact": hot_outputs == hot_reference,
-        "cold_token_exact": not mismatched_cold, "cold_mismatched_prompts": mismatched_cold,
+        "dedicated": dedicated, "weaving": weaving,
+        "cold_ratio_at_levels": {level: weaving["cold_tok_s"][level]
+                                 / dedicated["cold_tok_s"][level] for level in args.levels},
+        "hot_token_exact": not hot_bad, "hot_mismatched_prompts": hot_bad,
+        "cold_token_exact": not cold_bad, "cold_mismatched_prompts": cold_bad,
     })
     return result
 
@@ -246,7 +299,7 @@ def plot(result: dict, path: Path) -> None:
             label="hot tenant's share of the pool")
     for mark in (p for p in result["timeline"] if "level" in p):
         ax.axvline(mark["t"], color="grey", linestyle=":")
-        ax.text(mark["t"], 1.02, f"cold x{mark['level']}", fontsize=8)
+        ax.text(mark["t"], 1.02, f"{mark.get('model', 'cold')} x{mark['level']}", fontsize=7)
     ax.set_xlabel("seconds since the hot load started")
     ax.set_ylim(0, 1.1)
     ax.legend(loc="lower left")
@@ -257,14 +310,23 @@ def plot(result: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = run(args)
-    last = args.levels[-1]
-    print(f"cold tok/s with weaving / dedicated at {last} streams: "
-          f"{result['ratio_at_levels'][last]:.2f} (target >= 0.90)")
-    print(f"hot tenant's share: {result['hot_share_of_idle_pool']:.0%} of the idle pool, "
-          f"{result['hot_share_after']:.0%} after the cold load; {result['reclaims']:.0f} "
-          f"reclaims, {result['reclaim_preemptions']:.0f} remote requests preempted")
-    print(f"hot requests completed {result['hot_requests_completed']}/{args.hot_requests}, "
-          f"token-exact: hot {result['hot_token_exact']}, cold {result['cold_token_exact']}")
+    dedicated, weaving = result["dedicated"], result["weaving"]
+    print(f"{'cold streams':>12} {'dedicated tok/s':>16} {'weaving tok/s':>14} {'ratio':>6}")
+    for level in args.levels:
+        print(f"{level:>12} {dedicated['cold_tok_s'][level]:>16.1f} "
+              f"{weaving['cold_tok_s'][level]:>14.1f} "
+              f"{result['cold_ratio_at_levels'][level]:>6.2f}")
+    print(f"cold tok/s with weaving / dedicated at {args.levels[-1]} streams: "
+          f"{result['cold_ratio_at_levels'][args.levels[-1]]:.2f} (target >= 0.90)")
+    print(f"hot tok/s during the phase: dedicated {dedicated['hot_tok_s']:.1f}, weaving "
+          f"{weaving['hot_tok_s']:.1f}; hot requests completed: {dedicated['hot_requests']} "
+          f"and {weaving['hot_requests']}")
+    print(f"hot tenant's share: {weaving['hot_share_of_idle_pool']:.0%} of the idle pool, "
+          f"{weaving['hot_share_after']:.0%} at the end of the cold load; "
+          f"{weaving['reclaims']:.0f} reclaims, {weaving['reclaim_preemptions']:.0f} remote "
+          "requests preempted")
+    print(f"token-exact against dedicated engines: hot {result['hot_token_exact']}, "
+          f"cold {result['cold_token_exact']}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
