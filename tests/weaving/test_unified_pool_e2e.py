@@ -156,10 +156,12 @@ def test_cold_takes_its_memory_back_and_no_request_is_lost(server, client, hot_r
         cold = pool.submit(complete_all, client, "cold", cold_prompts)
         assert cold.result(timeout=600) == cold_reference
         assert hot.result(timeout=600) == hot_reference
+    # The idle cold model's quota went to the hot one: its first requests had to take it back.
     assert metric(server, "weaver_kv_pool_reclaims_total") > 0
+    # Whether that took preempting remote requests depends on timing (hot requests also
+    # finish and free blocks); benchmarks/unified_pool_reclaim.py shows both paths (9).
     preempted = metric(server, 'weaver_kv_pool_reclaim_preemptions_total{model="hot"}')
     print(f"remote requests preempted to give memory back: {preempted:.0f}")
-    assert preempted > 0
 
 
 def test_no_shared_memory_left_after_sigterm(server):
