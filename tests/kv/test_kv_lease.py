@@ -107,3 +107,27 @@ def test_a_shrink_completes_once_the_blocks_are_back_and_reports_travel(parts):
     lease.free_blocks("hot", [b.block_id for b in blocks[1:]])
     assert lease.sync() == 0
     assert locked.stats().num_shrinks_completed == 1
+
+
+class Counting(InProcess):
+    def __init__(self, service):
+        super().__init__(service)
+        self.num_calls = 0
+
+    def call(self, op, **kwargs):
+        self.num_calls += 1
+        return super().call(op, **kwargs)
+
+
+def test_a_starved_lease_asks_again_only_after_a_pause(parts, monkeypatch):
+    locked, lease = parts
+    lease.client = Counting(lease.client.service)
+    lease.lease_blocks = 6  # more than the quota's 4 blocks: starved
+    lease.sync()
+    assert lease.client.num_calls == 1 and lease.num_allocatable_blocks("hot") == 4
+    for _ in range(50):  # a scheduler looping without work
+        lease.sync()
+    assert lease.client.num_calls == 1 and lease.num_skipped_syncs == 50
+    monkeypatch.setattr(LeasedTenantAllocator, "STARVED_SYNC_INTERVAL_S", 0.0)
+    lease.sync()
+    assert lease.client.num_calls == 2

@@ -19,6 +19,7 @@ The lease has the methods of ``LockedKVAllocator`` that
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -38,6 +39,10 @@ class LeasedBlock:
 class LeasedTenantAllocator:
     """A tenant's spare blocks on this side of the allocator's connection."""
 
+    # While the owner has nothing to give, ask again at most this often: a starved engine's
+    # scheduler loops without work, and each sync is a round trip into the owner's process.
+    STARVED_SYNC_INTERVAL_S = 0.02
+
     def __init__(self, client: _Caller, tenant: str, max_blocks: int, lease_blocks: int):
         if lease_blocks < 1:
             raise ValueError(f"lease_blocks must be >= 1, got {lease_blocks}")
@@ -53,6 +58,8 @@ class LeasedTenantAllocator:
         # use stay readable where they are mapped (the requests holding them can finish).
         self.broken_reason: str | None = None
         self.report: dict[str, Any] = {}  # sent with every sync: the tenant's own counters
+        self._starved_since: float | None = None  # last sync that got fewer blocks than asked
+        self.num_skipped_syncs = 0
 
     # --- what AllocatorBlockPool calls ------------------------------------------------
     def max_blocks(self, tenant: str) -> int:
@@ -84,6 +91,11 @@ class LeasedTenantAllocator:
 
     # --- once per scheduler step --------------------------------------------------------
     @property
+    def is_starved(self) -> bool:
+        """The owner had no blocks for the last sync and none are spare."""
+        return self._starved_since is not None and not self._spare
+
+    @property
     def num_held_blocks(self) -> int:
         return len(self._pages)
 
@@ -95,12 +107,17 @@ class LeasedTenantAllocator:
         if self.broken_reason is not None:
             return 0
         target = self.lease_blocks if target is None else max(0, target)
+        excess = len(self._spare) - target
+        if (excess < 0 and not self.num_to_release and self._starved_since is not None
+                and time.monotonic() - self._starved_since < self.STARVED_SYNC_INTERVAL_S):
+            self.num_skipped_syncs += 1  # starved a moment ago: the answer would be the same
+            return 0
         try:
-            excess = len(self._spare) - target
-            to_release = self._round_trip(release=self._take_spares(excess),
-                                          want=max(0, -excess))
+            want = max(0, -excess)
+            to_release, granted = self._round_trip(release=self._take_spares(excess), want=want)
+            self._starved_since = time.monotonic() if granted < want else None
             if to_release and self._spare:
-                to_release = self._round_trip(release=self._take_spares(to_release), want=0)
+                to_release, _ = self._round_trip(release=self._take_spares(to_release), want=0)
         except (OSError, EOFError) as exc:  # the owner (the cold engine) is gone
             self.broken_reason = f"{type(exc).__name__}: {exc}"
             for block in self._spare:
@@ -118,7 +135,8 @@ class LeasedTenantAllocator:
         self._spare.sort(key=lambda b: b.block_id)
         return [self._spare.pop() for _ in range(min(max(num, 0), len(self._spare)))]
 
-    def _round_trip(self, release: list[LeasedBlock], want: int) -> int:
+    def _round_trip(self, release: list[LeasedBlock], want: int) -> tuple[int, int]:
+        """Returns (blocks a shrink still asks for, new blocks granted)."""
         answer = self.client.call("sync_lease", tenant=self.tenant,
                                   release=[b.block_id for b in release], want=want,
                                   report=self.report)
@@ -128,7 +146,7 @@ class LeasedTenantAllocator:
             block = LeasedBlock(block_id, tuple(pages))
             self._pages[block_id] = block.page_ids
             self._spare.append(block)
-        return answer["to_release"]
+        return answer["to_release"], len(answer["blocks"])
 
     def _check(self, tenant: str) -> None:
         if tenant != self.tenant:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LEASE_SLACK_BLOCKS = 2  # spare remote blocks beyond what the next step is known to need
+STARVED_NAP_S = 0.01  # an idle engine waiting for pool blocks sleeps this long per loop
 
 
 class RoutingKVCacheManager:
@@ -183,6 +184,10 @@ class WeaverHotScheduler(Scheduler):
             target = self._blocks_for_next_step(remote_only=True) + LEASE_SLACK_BLOCKS
             if self.weaver_lease.sync(target):
                 self._give_back_remote_blocks(self.weaver_lease.num_to_release)
+            elif self.weaver_lease.is_starved and not self.running and self.waiting:
+                # Nothing can run until the pool has blocks again, and vLLM's engine loop
+                # calls schedule() back to back: nap instead of spinning on a shared core.
+                time.sleep(STARVED_NAP_S)
         return super().schedule(*args, **kwargs)
 
     def _blocks_for_next_step(self, remote_only: bool = False) -> int:
