@@ -1,7 +1,8 @@
 """One vLLM engine of tiny-llama-a, plain or keeping its KV in a unified pool, for
 test_pool_engine.py (not a test).
 
-Usage: python pool_engine_run.py MODEL_DIR plain|pool SHM_PREFIX QUOTA_BLOCKS
+Usage: python pool_engine_run.py MODEL_DIR plain|pool|plain-cached|pool-cached SHM_PREFIX
+QUOTA_BLOCKS
 Prints one JSON line on the real stdout: greedy outputs (token ids), the worker's pid and
 resident memory after the run, the pool's stats and its segment names (pool mode).
 
@@ -12,6 +13,10 @@ tenant's unused quota). The plain engine gets exactly QUOTA_BLOCKS blocks
 (num_gpu_blocks_override), so both run under the same memory and vLLM schedules, preempts
 and recomputes them alike. Both get a KV budget of KV_BUDGET_BYTES: vLLM's own cache
 buffer of that size, which the pool engine never touches.
+
+The -cached modes turn vLLM's prefix caching on and give the prompts a shared 40-token
+prefix, so that later requests hit blocks earlier ones wrote (and freed, in the pool
+engine: cached blocks keep their pages); they also print the tokens served from the cache.
 """
 
 from __future__ import annotations
@@ -64,23 +69,31 @@ def main() -> int:
     from weaver.vllm_ext.engine_app import HOT_SCHEDULER
 
     plan = pool_plan(shm_prefix, int(quota_blocks))
-    pool = (plan, "cold") if mode == "pool" else None
+    cached = mode.endswith("-cached")
+    pool = (plan, "cold") if mode.startswith("pool") else None
     blocks = {} if pool else {"num_gpu_blocks_override": int(quota_blocks) + 1}  # + null block
     llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN,
               max_num_seqs=NUM_PROMPTS, block_size=plan.tenant("cold").shape.block_size,
               kv_cache_memory_bytes=KV_BUDGET_BYTES, **blocks,
-              enable_prefix_caching=False, scheduler_cls=HOT_SCHEDULER,
+              enable_prefix_caching=cached, scheduler_cls=HOT_SCHEDULER,
               worker_extension_cls="weaver.vllm_ext.worker_ext.WeaverWorkerExtension",
               additional_config=make_additional_config(None, [], pool=pool))
-    # Prompts of 5 to 40 tokens; 24 new tokens each: one or two blocks of 32.
-    prompts = [{"prompt_token_ids": list(range(10 + i, 10 + i + 5 + 5 * i))}
-               for i in range(NUM_PROMPTS)]
+    if cached:  # a shared 40-token prefix (one full block) and 1 to 8 tokens of their own
+        prompts = [{"prompt_token_ids": list(range(100, 140)) + list(range(10 + i, 11 + 2 * i))}
+                   for i in range(NUM_PROMPTS)]
+    else:  # prompts of 5 to 40 tokens; 24 new tokens each: one or two blocks of 32
+        prompts = [{"prompt_token_ids": list(range(10 + i, 10 + i + 5 + 5 * i))}
+                   for i in range(NUM_PROMPTS)]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    # Cached: one at first (it fills the cache), then the rest together.
+    replies = (llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params) if cached
+               else llm.generate(prompts, params))
+    outputs = [o.outputs[0].token_ids for o in replies]
     (info,) = llm.collective_rpc("weaver_info")
     result = {"outputs": [list(o) for o in outputs], "worker_pid": info["pid"],
               "worker_rss_bytes": rss_bytes(info["pid"]), "weaver_file": info["weaver_file"],
-              "kv_budget_bytes": KV_BUDGET_BYTES}
+              "kv_budget_bytes": KV_BUDGET_BYTES,
+              "cached_prompt_tokens": sum(o.num_cached_tokens or 0 for o in replies)}
     if pool is not None:
         (result["pool_stats"],) = llm.collective_rpc("weaver_pool_stats")
         result["segments"] = [plan.pool_name, plan.table_name]

@@ -5,8 +5,9 @@ tiny-llama-a runs twice under the same memory, 3 KV blocks for 8 prompts, so vLL
 queue, preempt and recompute: once plain (num_gpu_blocks_override), once with its blocks
 allocated through the pool's allocator (a pool of exactly 3 of its blocks, beside a second
 tenant's shape with no quota, so there is nothing to reclaim) and its attention reading the
-pool's pages. Engines run in child processes pinned to core 0 (as `weaver serve` pins
-engines), with PYTHONPATH set to this checkout.
+pool's pages; then both again with prefix caching on, over prompts sharing a prefix.
+Engines run in child processes pinned to core 0 (as `weaver serve` pins engines), with
+PYTHONPATH set to this checkout.
 """
 
 from __future__ import annotations
@@ -77,6 +78,25 @@ def test_pool_segments_live_with_the_engine_only(pooled):
     assert pooled["segments_while_running"] == [True, True]
     leftovers = [name for name in pooled["segments"] if os.path.exists(f"/dev/shm/{name}")]
     assert not leftovers, f"left behind: {leftovers}"
+
+
+@pytest.fixture(scope="module")
+def plain_cached(tiny_dir) -> dict:
+    return _run(tiny_dir, "plain-cached", f"wpool{os.getpid()}pc")
+
+
+@pytest.fixture(scope="module")
+def pooled_cached(tiny_dir) -> dict:
+    return _run(tiny_dir, "pool-cached", f"wpool{os.getpid()}c")
+
+
+def test_prefix_caching_in_the_pool_is_token_identical_and_hits(plain_cached, pooled_cached):
+    # Prompts sharing a 40-token prefix; freed cached blocks keep their pages in the pool,
+    # so later requests read the first one's K/V from them.
+    assert pooled_cached["outputs"] == plain_cached["outputs"]
+    assert plain_cached["cached_prompt_tokens"] > 0
+    assert pooled_cached["cached_prompt_tokens"] > 0
+    assert pooled_cached["pool_stats"]["peak_live_blocks"] <= QUOTA_BLOCKS
 
 
 def test_workers_import_this_checkout(plain, pooled):

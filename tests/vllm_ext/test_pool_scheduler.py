@@ -21,6 +21,11 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM (CPU build) is not installed", allow_module_level=True)
 
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
+from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+    BlockHash,
+    get_block_hash,
+    make_block_hash_with_group_id,
+)
 
 from weaver.vllm_ext.pool_scheduler import AllocatorBlockPool, PoolOwner  # noqa: E402
 
@@ -84,11 +89,88 @@ def test_a_block_still_referenced_keeps_its_pages(owner):
     assert owner.page_table.page_ids("cold", 0).tolist() == [-1] * 4
 
 
-def test_prefix_caching_is_refused():
+@pytest.fixture
+def caching_owner():
     plan = make_plan(quota_blocks=3)
     pool = BlockPool(plan.max_blocks("cold") + 1, enable_caching=True, hash_block_size=32)
-    with pytest.raises(ValueError, match="no-enable-prefix-caching"):
-        PoolOwner(plan, "cold", pool)
+    owner = PoolOwner(plan, "cold", pool)
+    yield owner
+    owner.close()
+
+
+def cache(pool: BlockPool, block, tag: bytes) -> bytes:
+    """Give the block a prefix-cache entry, as vLLM's cache_full_blocks does after a step."""
+    key = make_block_hash_with_group_id(BlockHash(tag * 8), 0)
+    pool._insert_block_hash(key, block, None)
+    return key
+
+
+def test_a_cached_block_keeps_its_pages_and_a_prefix_hit_reuses_them(caching_owner):
+    pool, table = caching_owner.block_pool, caching_owner.page_table
+    a, b = pool.get_new_blocks(2)
+    key = cache(pool, a, b"a")
+    pages = table.page_ids("cold", a.block_id - 1).tolist()
+    pool.free_blocks([a, b])
+    assert table.page_ids("cold", a.block_id - 1).tolist() == pages  # cached: kept
+    assert table.page_ids("cold", b.block_id - 1).tolist() == [-1] * 4  # uncached: back
+    assert list(pool.weaver_cached) == [a.block_id]
+    assert pool.get_num_free_blocks() == 3  # 2 new + the cached one
+    (hit,) = pool.get_cached_block(get_block_hash(key), [0])
+    assert hit is a
+    pool.touch([a])
+    assert not pool.weaver_cached and a.ref_cnt == 1
+    assert pool.get_num_free_blocks() == 2
+
+
+def test_with_the_quota_used_up_the_least_recently_freed_cached_block_is_reused(caching_owner):
+    pool, table = caching_owner.block_pool, caching_owner.page_table
+    blocks = pool.get_new_blocks(3)
+    keys = [cache(pool, block, tag)
+            for block, tag in zip(blocks, [b"x", b"y", b"z"], strict=True)]
+    pool.free_blocks([blocks[1]])
+    pool.free_blocks([blocks[0]])
+    pages = table.page_ids("cold", blocks[1].block_id - 1).tolist()
+    (reused,) = pool.get_new_blocks(1)  # quota full: no new pages, evict the LRU block
+    assert reused is blocks[1]
+    assert reused.block_hash is None
+    assert pool.get_cached_block(get_block_hash(keys[1]), [0]) is None
+    assert table.page_ids("cold", reused.block_id - 1).tolist() == pages
+    assert list(pool.weaver_cached) == [blocks[0].block_id]
+    caching_owner.allocator.check_invariants()
+
+
+def test_adbs_lends_an_idle_owners_cached_pages_by_evicting_them(caching_owner):
+    pool, table, allocator = (caching_owner.block_pool, caching_owner.page_table,
+                              caching_owner.allocator)
+    blocks = pool.get_new_blocks(3)
+    for block, tag in zip(blocks, [b"p", b"q", b"r"], strict=True):
+        cache(pool, block, tag)
+    pool.free_blocks(blocks)  # the cold model is idle; its 12 pages stay as a cache
+    assert allocator.stats().num_free_pages == 40 - 12
+    # The hot tenant is starved: an allocation beyond its quota (28 pages) failed.
+    assert allocator.allocate_blocks("hot", 29) is None
+    deltas = caching_owner.rebalance()
+    # The owner counted its cache as unused: it gave half (6 pages) and evicted 2 blocks
+    # (least recently freed first) to be back within its quota.
+    assert deltas == {"cold": -6, "hot": 6}
+    assert caching_owner.num_cache_evictions == 2
+    assert list(pool.weaver_cached) == [blocks[2].block_id]
+    assert table.page_ids("cold", blocks[0].block_id - 1).tolist() == [-1] * 4
+    assert blocks[0].block_hash is None and blocks[2].block_hash is not None
+    allocator.check_invariants()
+    assert allocator.allocate_blocks("hot", 34) is not None  # the whole lent part
+
+
+def test_resetting_the_prefix_cache_gives_the_pages_back(caching_owner):
+    pool = caching_owner.block_pool
+    (block,) = pool.get_new_blocks(1)
+    cache(pool, block, b"k")
+    pool.free_blocks([block])
+    assert caching_owner.stats()["num_cached_blocks"] == 1
+    assert pool.reset_prefix_cache()
+    assert not pool.weaver_cached
+    assert caching_owner.page_table.page_ids("cold", 0).tolist() == [-1] * 4
+    assert caching_owner.stats()["num_free_pages"] == 40
 
 
 def test_an_engine_without_ids_for_the_whole_pool_is_refused():

@@ -126,12 +126,13 @@ def test_a_unified_cold_model_plans_one_pool_for_itself_and_its_hot_model(tmp_pa
     assert plan.layout().kv_in_pool and plan.layout().kv_layer_bytes == 0
     assert PairPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
     # The cold engine: a KV budget with an id for every block it may hold, the scheduler
-    # that allocates through the pool, no prefix caching.
+    # that allocates through the pool; prefix caching as vLLM sets it (cached blocks keep
+    # their pages until the pool lends them).
     spec = unified_deployment(64).model("c")
     args = engine_cli_args(spec, tmp_path, {"weaver": {"pool": {"plan": pool.to_dict(),
                                                                  "tenant": "c"}}})
     assert args[args.index("--kv-cache-memory-bytes") + 1] == str(pool.engine_kv_bytes("c"))
-    assert "--no-enable-prefix-caching" in args and "--scheduler-cls" in args
+    assert "--no-enable-prefix-caching" not in args and "--scheduler-cls" in args
     assert pool_of({"weaver": {"pool": {"plan": pool.to_dict(), "tenant": "c"}}})[1] == "c"
 
 

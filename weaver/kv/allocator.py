@@ -303,13 +303,27 @@ class UnifiedKVAllocator:
         return tickets
 
     # ------------------------------------------------------------------ rebalancing
-    def rebalance(self) -> dict[str, int]:
-        """Move quota by the ADBS rule (``weaver.kv.adbs``); returns the change per tenant."""
+    def rebalance(self, evictable_pages: dict[str, int] | None = None) -> dict[str, int]:
+        """Move quota by the ADBS rule (``weaver.kv.adbs``); returns the change per tenant.
+
+        ``evictable_pages``: pages a tenant holds only as a cache it can drop at once (the
+        cold engine's prefix-cached blocks that no request uses). ADBS counts them as
+        unused, so an idle cold model with a warm cache still lends its memory; a tenant
+        left above its new quota must evict that many pages before anyone else needs them
+        (``PoolOwner`` does it in the same critical section)."""
+        evictable = evictable_pages or {}
+        for name, pages in evictable.items():
+            state = self._tenant(name)
+            if not 0 <= pages <= state.num_used_pages:
+                raise ValueError(
+                    f"tenant {name!r} cannot have {pages} evictable pages: it holds "
+                    f"{state.num_used_pages}"
+                )
         loads = [
             TenantLoad(
                 name=t.name,
                 quota_pages=t.quota_pages,
-                num_used_pages=t.num_used_pages,
+                num_used_pages=t.num_used_pages - evictable.get(t.name, 0),
                 pages_per_block=t.pages_per_block,
                 min_quota_pages=t.min_quota_pages,
                 is_starved=t.is_starved,
@@ -321,7 +335,8 @@ class UnifiedKVAllocator:
         deltas = {}
         for state in self._tenants.values():
             deltas[state.name] = new_quotas[state.name] - state.quota_pages
-            assert new_quotas[state.name] >= state.num_used_pages or state.shrink is not None
+            assert (new_quotas[state.name] >= state.num_used_pages - evictable.get(state.name, 0)
+                    or state.shrink is not None)
             state.quota_pages = new_quotas[state.name]
             state.is_starved = False
         moved = sum(d for d in deltas.values() if d > 0)

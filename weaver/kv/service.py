@@ -66,6 +66,9 @@ class LockedKVAllocator:
     def max_blocks(self, tenant: str) -> int:
         return self._allocator.max_blocks(tenant)
 
+    def pages_per_block(self, tenant: str) -> int:
+        return self._allocator.pages_per_block(tenant)
+
     def get_block(self, tenant: str, block_id: int) -> BlockHandle:
         with self._lock:
             return self._allocator.get_block(tenant, block_id)
@@ -133,9 +136,9 @@ class LockedKVAllocator:
         with self._lock:
             return self._allocator.reclaim_for_owner(num_pages)
 
-    def rebalance(self) -> dict[str, int]:
+    def rebalance(self, evictable_pages: dict[str, int] | None = None) -> dict[str, int]:
         with self._lock:
-            return self._allocator.rebalance()
+            return self._allocator.rebalance(evictable_pages)
 
     def stats(self) -> AllocatorStats:
         with self._lock:

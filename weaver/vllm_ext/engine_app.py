@@ -100,10 +100,11 @@ def engine_cli_args(
     if pool is not None:
         # A cold engine whose KV lives in the unified pool: its scheduler allocates through
         # the pool's allocator (the quota, not the KV budget, bounds it) and needs an id for
-        # every block it may ever hold; freed blocks' pages go to other tenants at once.
+        # every block it may ever hold. Prefix caching stays as vLLM sets it: cached free
+        # blocks keep their pages until the pool lends them (pool_scheduler.py).
         plan, tenant = pool
         args = _replace_arg(args, "--kv-cache-memory-bytes", str(plan.engine_kv_bytes(tenant)))
-        args += ["--scheduler-cls", HOT_SCHEDULER, "--no-enable-prefix-caching",
+        args += ["--scheduler-cls", HOT_SCHEDULER,
                  "--block-size", str(plan.tenant(tenant).shape.block_size)]
     if additional_config:
         args += ["--additional-config", json.dumps(additional_config)]

@@ -174,10 +174,29 @@ class WeaverHotScheduler(Scheduler):
             plan.hot, plan.cold, num_local, plan.num_remote_blocks, plan.offload_ratio,
         )
 
+    def _pool_lock(self) -> Any:
+        """The pool owner's lock around everything that touches vLLM's block pool (the ADBS
+        thread evicts prefix-cached blocks under it); no lock for other engines."""
+        return self.weaver_pool.lock if self.weaver_pool is not None else contextlib.nullcontext()
+
+    def update_from_output(self, *args: Any, **kwargs: Any):
+        with self._pool_lock():
+            return super().update_from_output(*args, **kwargs)
+
+    def finish_requests(self, *args: Any, **kwargs: Any):
+        with self._pool_lock():
+            return super().finish_requests(*args, **kwargs)
+
+    def reset_prefix_cache(self, *args: Any, **kwargs: Any):
+        with self._pool_lock():
+            return super().reset_prefix_cache(*args, **kwargs)
+
     def schedule(self, *args: Any, **kwargs: Any):
         if self.weaver_pool is not None:
-            # The cold model's own next step comes first: take quota back if it is short.
-            self.weaver_pool.ensure_owner_blocks(self._blocks_for_next_step())
+            with self.weaver_pool.lock:
+                # The cold model's own next step comes first: take quota back if it is short.
+                self.weaver_pool.ensure_owner_blocks(self._blocks_for_next_step())
+                return super().schedule(*args, **kwargs)
         if self.weaver_lease is not None:
             # Spares for what the next step may take (+ slack), no more: idle spares are
             # pages the cold model and ADBS cannot use.

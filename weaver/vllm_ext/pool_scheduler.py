@@ -14,8 +14,10 @@ vLLM frees it. `AllocatorBlockPool` does that by adopting the engine's own `Bloc
 
 The allocator lives in this process (the scheduler is its main client) behind the
 ``LockedKVAllocator``, which mirrors every block's pages into the shared page table that
-the workers map. Prefix caching must be off: a cached block keeps its contents after vLLM
-frees it, and the pool would hand its pages to someone else.
+the workers map. Prefix caching works: a cached block keeps its pages after vLLM frees it
+until vLLM reuses it or the pool needs the pages (``AllocatorBlockPool.evict_cached``,
+run by the ADBS thread under ``PoolOwner.lock``, which the scheduler holds while it
+touches its blocks).
 """
 
 from __future__ import annotations
@@ -46,21 +48,24 @@ logger = logging.getLogger(__name__)
 
 
 class AllocatorBlockPool(BlockPool):
-    """vLLM's BlockPool whose blocks are backed by pages of the unified pool."""
+    """vLLM's BlockPool whose blocks are backed by pages of the unified pool.
+
+    With prefix caching on (the cold engine, the pool's owner), a block vLLM frees while it
+    is cached keeps its pages, so a later prefix hit reads what was written: a block holds
+    pages exactly while a request uses it or while it is cached. Cached free blocks
+    (``weaver_cached``, least recently freed first, as vLLM's free queue evicts them) are
+    the tenant's evictable pages: vLLM's own allocations reuse them when the quota has no
+    new pages left, and ``evict_cached`` gives them back to the pool when the quota shrinks
+    under them (ADBS lends an idle cold model's memory; ``PoolOwner`` calls it)."""
 
     weaver_allocator: LockedKVAllocator
     weaver_tenant: str
     weaver_first_block_id: int
+    weaver_cached: dict[int, None]  # free blocks that keep pages for the prefix cache
 
     @classmethod
     def adopt(cls, pool: BlockPool, allocator: LockedKVAllocator, tenant: str,
               first_block_id: int) -> AllocatorBlockPool:
-        if pool.enable_caching:
-            raise ValueError(
-                f"tenant {tenant!r}: prefix caching keeps freed blocks' contents, which the "
-                "unified pool would hand to another tenant; start the engine with "
-                "--no-enable-prefix-caching"
-            )
         num_ids = pool.num_gpu_blocks - first_block_id
         if first_block_id < 1 or num_ids < allocator.max_blocks(tenant):
             raise ValueError(
@@ -72,21 +77,40 @@ class AllocatorBlockPool(BlockPool):
         pool.weaver_allocator = allocator
         pool.weaver_tenant = tenant
         pool.weaver_first_block_id = first_block_id
+        pool.weaver_cached = {}
         return pool  # type: ignore[return-value]
 
+    weaver_counting_vllm_blocks = False  # get_num_free_blocks as vLLM's own count
+
     def get_num_free_blocks(self) -> int:
+        if self.weaver_counting_vllm_blocks:
+            return super().get_num_free_blocks()
         return min(super().get_num_free_blocks(),
-                   self.weaver_allocator.num_allocatable_blocks(self.weaver_tenant))
+                   self.weaver_allocator.num_allocatable_blocks(self.weaver_tenant)
+                   + len(self.weaver_cached))
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        handles = self.weaver_allocator.allocate_blocks(self.weaver_tenant, num_blocks)
-        if handles is None:  # vLLM checks get_num_free_blocks first, so this is a bug
+        # New pages first (vLLM too hands out uncached blocks before evicting cached
+        # ones); then the least recently freed cached blocks, which keep their pages.
+        num_new = min(num_blocks,
+                      self.weaver_allocator.num_allocatable_blocks(self.weaver_tenant))
+        if num_blocks - num_new > len(self.weaver_cached):
+            # vLLM checks get_num_free_blocks first, so this is a bug
             raise ValueError(
                 f"cannot get {num_blocks} blocks for tenant {self.weaver_tenant!r} from the "
                 f"unified pool ({self.get_num_free_blocks()} free)"
             )
+        handles = self.weaver_allocator.allocate_blocks(self.weaver_tenant, num_new) or []
+        if len(handles) != num_new:
+            raise ValueError(f"the unified pool refused {num_new} blocks it had just offered "
+                             f"to tenant {self.weaver_tenant!r}")
         blocks = [self.blocks[self.weaver_first_block_id + h.block_id] for h in handles]
-        for block in blocks:
+        reused = [self.blocks[block_id] for block_id in list(self.weaver_cached)[
+            :num_blocks - num_new]]
+        for block in reused:
+            del self.weaver_cached[block.block_id]
+            self._maybe_evict_cached_block(block)
+        for block in blocks + reused:
             if block.ref_cnt != 0 or block.is_null:
                 raise RuntimeError(
                     f"the allocator handed out block {block.block_id}, which vLLM holds "
@@ -96,16 +120,73 @@ class AllocatorBlockPool(BlockPool):
             block.ref_cnt += 1
             if self.metrics_collector:
                 self.metrics_collector.on_block_allocated(block)
-        return blocks
+        return blocks + reused
+
+    def _is_cached(self, block: KVCacheBlock) -> bool:
+        return self.enable_caching and (block.block_hash is not None
+                                        or block.block_id in self.cached_block_hashes_by_block)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         ordered = list(ordered_blocks)
         super().free_blocks(ordered)
-        released = sorted({b.block_id for b in ordered
-                           if b.ref_cnt == 0 and not b.is_null and b.pool in (None, self)})
-        if released:
+        released = []
+        for block in ordered:
+            if block.ref_cnt or block.is_null or block.pool not in (None, self):
+                continue
+            if self._is_cached(block):
+                self.weaver_cached[block.block_id] = None  # keeps its pages
+            else:
+                released.append(block.block_id)
+        self._release_pages(released)
+
+    def touch(self, blocks) -> None:
+        for block in blocks:  # a prefix hit on a free cached block: in use again
+            if block.ref_cnt == 0:
+                self.weaver_cached.pop(block.block_id, None)
+        super().touch(blocks)
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        super().evict_blocks(block_ids)
+        self._release_uncached()
+
+    def reset_prefix_cache(self) -> bool:
+        # vLLM resets only when no request holds a block, which it checks by its free
+        # count: its own, not the quota-bounded one admission sees.
+        self.weaver_counting_vllm_blocks = True
+        try:
+            reset = super().reset_prefix_cache()
+        finally:
+            self.weaver_counting_vllm_blocks = False
+        self._release_uncached()
+        return reset
+
+    @property
+    def num_evictable_pages(self) -> int:
+        return len(self.weaver_cached) * self.weaver_allocator.pages_per_block(
+            self.weaver_tenant)
+
+    def evict_cached(self, num_blocks: int) -> int:
+        """Drop up to ``num_blocks`` cached free blocks from the prefix cache (least
+        recently freed first) and give their pages back to the pool; returns how many."""
+        victims = [self.blocks[b] for b in list(self.weaver_cached)[:max(0, num_blocks)]]
+        for block in victims:
+            del self.weaver_cached[block.block_id]
+            self._maybe_evict_cached_block(block)  # stays in vLLM's free queue, uncached
+        self._release_pages([block.block_id for block in victims])
+        return len(victims)
+
+    def _release_uncached(self) -> None:
+        """Cached free blocks whose hashes vLLM dropped (evict_blocks, reset_prefix_cache)
+        hold nothing worth keeping: their pages go back."""
+        dropped = [b for b in self.weaver_cached if not self._is_cached(self.blocks[b])]
+        for block_id in dropped:
+            del self.weaver_cached[block_id]
+        self._release_pages(dropped)
+
+    def _release_pages(self, block_ids: list[int]) -> None:
+        if block_ids:
             self.weaver_allocator.free_blocks(
-                self.weaver_tenant, [b - self.weaver_first_block_id for b in released])
+                self.weaver_tenant, [b - self.weaver_first_block_id for b in sorted(block_ids)])
 
 
 class PoolOwner:
@@ -119,6 +200,9 @@ class PoolOwner:
         allocator = plan.build_allocator()
         self.page_table = SharedPageTable.create(plan.table_name, allocator)
         self.allocator = LockedKVAllocator(allocator, self.page_table)
+        # Held by the scheduler while it allocates, frees or looks up cached blocks (vLLM's
+        # BlockPool is single-threaded) and by the ADBS thread while it evicts cached ones.
+        self.lock = threading.RLock()
         self._listener: Listener | None = None
         try:
             self.block_pool = AllocatorBlockPool.adopt(
@@ -131,6 +215,7 @@ class PoolOwner:
         except Exception:
             self.page_table.close()
             raise
+        self.num_cache_evictions = 0  # cached blocks dropped to lend their pages
         self.num_reclaims = 0  # times the owner took quota back for its own requests
         self.num_reclaimed_blocks = 0
         self._stop = threading.Event()
@@ -164,8 +249,9 @@ class PoolOwner:
         when its quota is short, take quota back from the other tenants
         (``reclaim_for_owner``: unassigned pages, their unused quota, then shrinks that their
         schedulers pay by preempting remote requests). Returns the blocks reclaimed."""
-        allocatable = self.allocator.num_allocatable_blocks(self.tenant)
-        deficit = num_blocks - allocatable
+        new_blocks = self.allocator.num_allocatable_blocks(self.tenant)
+        # Cached free blocks keep their pages (inside the quota) and are reused first.
+        deficit = num_blocks - new_blocks - len(self.block_pool.weaver_cached)
         if deficit <= 0:
             return 0
         pages_per_block = self.plan.tenant(self.tenant).shape.pages_per_block(
@@ -174,7 +260,7 @@ class PoolOwner:
         owner = next(t for t in stats.tenants if t.name == self.tenant)
         # Quota the owner already has but cannot use yet: pages other tenants still hold
         # over their (shrunk) quota; they come back as those tenants release blocks.
-        waiting = max(0, owner.quota_pages - owner.num_used_pages - allocatable * pages_per_block)
+        waiting = max(0, owner.quota_pages - owner.num_used_pages - new_blocks * pages_per_block)
         missing = deficit * pages_per_block - waiting
         available = stats.num_pages - owner.quota_pages
         pages = min(max(0, missing), available)
@@ -190,11 +276,25 @@ class PoolOwner:
     def _rebalance_loop(self) -> None:
         while not self._stop.wait(self.plan.rebalance_interval_s):
             try:
-                self.allocator.rebalance()
+                self.rebalance()
                 if not self._stop.is_set():
                     self._publish_stats()
             except Exception:  # a bookkeeping bug must show, not stop the engine
                 logger.exception("unified KV pool %s: rebalance failed", self.plan.pool_name)
+
+    def rebalance(self) -> dict[str, int]:
+        """One ADBS round. The owner's prefix-cached free blocks count as unused (an idle
+        cold model lends its memory even with a warm cache); those its new quota no longer
+        covers are evicted before the lock is let go."""
+        with self.lock:
+            deltas = self.allocator.rebalance(
+                {self.tenant: self.block_pool.num_evictable_pages})
+            stats = self.allocator.stats()
+            owner = next(t for t in stats.tenants if t.name == self.tenant)
+            if owner.num_pages_over_quota:
+                self.num_cache_evictions += self.block_pool.evict_cached(
+                    -(-owner.num_pages_over_quota // owner.pages_per_block))
+        return deltas
 
     def _publish_stats(self) -> None:
         path = self.plan.stats_path
@@ -207,6 +307,8 @@ class PoolOwner:
         return {"pool": self.plan.pool_name, "owner": self.tenant,
                 "num_reclaims": self.num_reclaims,
                 "num_reclaimed_blocks": self.num_reclaimed_blocks,
+                "num_cache_evictions": self.num_cache_evictions,
+                "num_cached_blocks": len(self.block_pool.weaver_cached),
                 "tenant_reports": dict(self.allocator.tenant_reports),
                 **asdict(self.allocator.stats())}
 
