@@ -35,7 +35,7 @@ from typing import Any
 
 from weaver.kv.allocator import UnifiedKVAllocator
 from weaver.kv.pages import TenantShape
-from weaver.kv.records import AllocatorStats, BlockHandle, ShrinkTicket
+from weaver.kv.records import AllocatorStats, BlockHandle, ShrinkTicket, TenantStats
 from weaver.kv.shared_table import SharedPageTable
 
 logger = logging.getLogger(__name__)
@@ -143,6 +143,10 @@ class LockedKVAllocator:
     def stats(self) -> AllocatorStats:
         with self._lock:
             return self._allocator.stats()
+
+    def tenant_stats(self, tenant: str) -> TenantStats:
+        with self._lock:
+            return self._allocator.tenant_stats(tenant)
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:

@@ -62,6 +62,7 @@ class AllocatorBlockPool(BlockPool):
     weaver_tenant: str
     weaver_first_block_id: int
     weaver_cached: dict[int, None]  # free blocks that keep pages for the prefix cache
+    weaver_counting_vllm_blocks = False  # get_num_free_blocks as vLLM's own count
 
     @classmethod
     def adopt(cls, pool: BlockPool, allocator: LockedKVAllocator, tenant: str,
@@ -79,8 +80,6 @@ class AllocatorBlockPool(BlockPool):
         pool.weaver_first_block_id = first_block_id
         pool.weaver_cached = {}
         return pool  # type: ignore[return-value]
-
-    weaver_counting_vllm_blocks = False  # get_num_free_blocks as vLLM's own count
 
     def get_num_free_blocks(self) -> int:
         if self.weaver_counting_vllm_blocks:
@@ -254,15 +253,13 @@ class PoolOwner:
         deficit = num_blocks - new_blocks - len(self.block_pool.weaver_cached)
         if deficit <= 0:
             return 0
-        pages_per_block = self.plan.tenant(self.tenant).shape.pages_per_block(
-            self.plan.page_bytes)
-        stats = self.allocator.stats()
-        owner = next(t for t in stats.tenants if t.name == self.tenant)
+        owner = self.allocator.tenant_stats(self.tenant)
+        pages_per_block = owner.pages_per_block
         # Quota the owner already has but cannot use yet: pages other tenants still hold
         # over their (shrunk) quota; they come back as those tenants release blocks.
         waiting = max(0, owner.quota_pages - owner.num_used_pages - new_blocks * pages_per_block)
         missing = deficit * pages_per_block - waiting
-        available = stats.num_pages - owner.quota_pages
+        available = self.allocator.num_pages - owner.quota_pages
         pages = min(max(0, missing), available)
         if pages <= 0:
             return 0
@@ -289,8 +286,7 @@ class PoolOwner:
         with self.lock:
             deltas = self.allocator.rebalance(
                 {self.tenant: self.block_pool.num_evictable_pages})
-            stats = self.allocator.stats()
-            owner = next(t for t in stats.tenants if t.name == self.tenant)
+            owner = self.allocator.tenant_stats(self.tenant)
             if owner.num_pages_over_quota:
                 self.num_cache_evictions += self.block_pool.evict_cached(
                     -(-owner.num_pages_over_quota // owner.pages_per_block))
