@@ -34,6 +34,8 @@ def test_defaults_filled_in():
         ({"models": [model("m"), model("m")]}, "repeated: ['m']"),
         ({"models": []}, "models: List should have at least 1 item"),
         ({"models": [model("m", lend_kv_gib=1)]}, "only a cold model lends memory"),
+        ({"models": [model("m", cpu_cores="0-x")]}, "models.0.cpu_cores: "
+         "cpu_cores '0-x': '0-x' is not a core or a range"),
         ({"models": [model("h", role="hot"), model("c", role="cold", lend_kv_gib=1)],
           "weaving": [{"hot": "h", "cold": ["x"]}]}, "weaving names 'x'"),
         ({"models": [model("h", role="hot"), model("c", role="dedicated")],

@@ -32,6 +32,7 @@ import yaml
 
 from weaver.bench.loadgen import LoadGenConfig, run_load_sync
 from weaver.bench.results import RequestRecord, RequestStatus
+from weaver.config.cpu_cores import usable_cpu_cores
 from weaver.config.deployment import parse_deployment
 from weaver.server.process import weaver_server
 from weaver.sim.serving_calibration import ServingDecodePoint, ServingPlan, ServingPrefillPoint
@@ -169,24 +170,17 @@ def _send(base_url: str, requests: list[TraceRequest], log_path: Path) -> list[R
 
 def parse_serve_cores(value: str, engine_core: int) -> set[int] | None:
     """'engine' (that core), 'all' (unpinned: None) or a list like '0,1' or '0-1'."""
-    if value == "engine":
-        cores = {engine_core}
-    elif value == "all":
+    if value == "all":
         return None
-    else:
-        cores = set()
-        try:
-            for part in value.split(","):
-                low, _, high = part.partition("-")
-                cores.update(range(int(low), int(high or low) + 1))
-        except ValueError:
-            raise ValueError(f"--serve-cores {value!r}: give 'engine', 'all' or cores like "
-                             "'0,1' or '0-1'") from None
-    allowed = os.sched_getaffinity(0)
-    if not cores or not cores <= allowed:
-        raise ValueError(f"--serve-cores {value!r}: cores {sorted(cores)} are not all among "
-                         f"this process's cores {sorted(allowed)}")
-    return cores
+    if value == "engine":
+        value = str(engine_core)
+    try:
+        cores = usable_cpu_cores("--serve-cores", value)
+    except ValueError as exc:
+        raise ValueError(f"{exc} ('engine' and 'all' work too)") from None
+    if cores is None:  # 'auto'/'nobind' name no cores: as 'all'
+        return None
+    return set(cores)
 
 
 @contextlib.contextmanager

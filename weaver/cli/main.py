@@ -8,6 +8,7 @@ Heavy imports (vLLM, torch) happen inside handlers so that `--help` stays instan
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import sys
@@ -58,16 +59,26 @@ def _with_default_actions(argv: list[str]) -> list[str]:
     return argv
 
 
+def configure_logging(level: str) -> None:
+    """Weaver's log lines at `level`, on stderr, for this process and what it imports."""
+    # vLLM's app builder imports model_hosting_container_standards, whose logging_config
+    # sets the ROOT logger and its handlers to $SAGEMAKER_CONTAINER_LOG_LEVEL (default
+    # ERROR) when first imported: every Weaver INFO and WARNING line of the gateway after
+    # its first engine started was dropped. Imported here first, its setting comes before
+    # ours and ours stands (and its own chatter stays at ERROR, as vLLM leaves it).
+    with contextlib.suppress(ImportError):
+        importlib.import_module("model_hosting_container_standards.logging_config")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every request at INFO: one line per benchmark request would bury the
+    # progress bar and the results; its warnings and errors still show (all with DEBUG).
+    if level != "DEBUG":
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(_with_default_actions(sys.argv[1:] if argv is None else argv))
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    # httpx logs every request at INFO: one line per benchmark request would bury the
-    # progress bar and the results; its warnings and errors still show (all with DEBUG).
-    if args.log_level != "DEBUG":
-        logging.getLogger("httpx").setLevel(logging.WARNING)
+    configure_logging(args.log_level)
     handler = getattr(args, "handler", None)
     if handler is None:
         parser.print_help()

@@ -15,6 +15,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from weaver.config.cpu_cores import parse_cpu_cores
+
 DEFAULT_DEPLOYMENT_RESOURCE = "default.yaml"
 
 # An API model name travels in URLs, metric labels and shared-memory names.
@@ -46,8 +48,9 @@ class ModelSpec(BaseModel):
     )
     cpu_cores: str | None = Field(
         None,
-        description="cpu device: cores for this engine's worker in vLLM's "
-        "VLLM_CPU_OMP_THREADS_BIND syntax ('0', '0-1', 'nobind'); default: vLLM's choice",
+        description="cpu device: cores for this engine in vLLM's VLLM_CPU_OMP_THREADS_BIND "
+        "syntax ('0', '0-1', 'nobind'); vLLM binds its worker's threads to them and Weaver "
+        "pins its scheduler process there too; default: vLLM's choice",
     )
     extra_engine_args: dict[str, Any] = Field(
         default_factory=dict, description="more vLLM engine arguments, by their Python name"
@@ -85,6 +88,13 @@ class ModelSpec(BaseModel):
     def _check_device(cls, value: str) -> str:
         if not _DEVICE_RE.match(value):
             raise ValueError(f"device {value!r} is not 'cpu' or 'cuda:N' (e.g. 'cuda:0')")
+        return value
+
+    @field_validator("cpu_cores")
+    @classmethod
+    def _check_cpu_cores(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_cpu_cores(value)  # ValueError says what is wrong
         return value
 
     @field_validator("split")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from weaver.config.cpu_cores import pin_engine_processes, usable_cpu_cores
 from weaver.config.deployment import ModelSpec, Role
 from weaver.vllm_ext.additional_config import pool_of
 from weaver.vllm_ext.engine_stats import EngineStatsRecorder, attach_stats_recorder
@@ -197,6 +198,7 @@ async def open_engine(
     from vllm.entrypoints.launchers.app import build_app
 
     args = parse_engine_args(spec, model_path, additional_config)
+    cores = usable_cpu_cores(f"model {spec.name!r}", spec.cpu_cores) if spec.cpu_cores else None
     logger.info("starting engine %s from %s", spec.name, model_path)
     with _engine_environment(spec):
         client = await stack.enter_async_context(build_async_engine_client(args))
@@ -204,6 +206,8 @@ async def open_engine(
     # above then finds the engine processes stopped), then the files of an engine that
     # could not tear down (killed, crashed) are removed.
     process_ids = _engine_process_ids(client)
+    if cores is not None:
+        pin_engine_processes(spec.name, process_ids, cores)
     stack.callback(_remove_left_over_shm, spec.name, _shm_files_of(process_ids))
     stack.callback(client.shutdown, timeout=ENGINE_TEARDOWN_GRACE_S)
     supported_tasks = await client.get_supported_tasks()

@@ -20,7 +20,6 @@ whole, so the concatenation equals the unsplit result.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ import torch
 from weaver.splitting.algorithm import chunk_bounds
 from weaver.splitting.deploy import validate_split_chunks
 from weaver.splitting.profile import LM_HEAD_NAME
+from weaver.vllm_ext.poll_points import Poll
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +35,6 @@ logger = logging.getLogger(__name__)
 # names, model_executor/models/llama.py); the names the profile and plan use.
 LINEAR_OP_KINDS = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up",
                    "down_proj": "down"}
-
-Poll = Callable[[], Any]
 
 
 def split_chunks_of(vllm_config: Any) -> dict[str, int]:

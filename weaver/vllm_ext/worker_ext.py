@@ -19,6 +19,7 @@ from typing import Any
 from weaver.offload.channel import OffloadReceiver, OffloadSender
 from weaver.offload.layout import OWNER_PID_OFFSET
 from weaver.offload.shm_transport import ShmRegion
+from weaver.vllm_ext.poll_points import PollPoints
 from weaver.vllm_ext.split_layers import install_split_polls, split_stats
 from weaver.weaving.plan import PairPlan
 
@@ -38,8 +39,8 @@ def _attention_layers(worker: Any) -> dict[str, Any]:
 
 
 def _poll_point_modules(model: Any) -> list[Any]:
-    """The cold model's operators after which a poll runs (vllm-notes §4: forward hooks
-    fire on every step in eager mode; the LM head runs inside LogitsProcessor)."""
+    """The cold model's operators after which a poll runs (vllm-notes §4: their forward
+    runs on every step in eager mode; the LM head runs inside LogitsProcessor)."""
     from vllm.model_executor.layers.attention import Attention
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -66,7 +67,7 @@ def _hot_spin_s(region: ShmRegion) -> float:
 class WeaverWorkerExtension:
     _weaver_hot: Any = None  # HotWeavingRuntime of a hot worker
     _weaver_receivers: list | None = None  # (region name, OffloadReceiver, task doorbell)
-    _weaver_hooks: list | None = None
+    _weaver_poll_points: Any = None  # PollPoints over the cold model's operators
     _weaver_stop: threading.Event | None = None
     _weaver_idle_served: int = 0
 
@@ -122,9 +123,9 @@ class WeaverWorkerExtension:
         self._weaver_receivers = receivers
         model = self.model_runner.get_model()
         modules = _poll_point_modules(model)
-        self._weaver_hooks = [m.register_forward_hook(self._weaver_poll) for m in modules]
+        self._weaver_poll_points = PollPoints(modules, self._weaver_poll)
         # Split operators (additional_config's split plan, applied at load time) poll
-        # between their chunks with the same function as the hooks.
+        # between their chunks with the same function as the poll points.
         num_split = install_split_polls(model, self._weaver_poll)
         # The cold model's own steps and the offloaded tasks never run at the same time:
         # vLLM's CPU kernels share scratch buffers across threads (running both at once
@@ -179,7 +180,7 @@ class WeaverWorkerExtension:
 
         return time_split_overhead(in_features, out_features, num_tokens)
 
-    def _weaver_poll(self, *_: Any) -> None:
+    def _weaver_poll(self) -> None:
         for _, receiver, _ in self._weaver_receivers or ():
             receiver.poll()
 
@@ -238,9 +239,9 @@ class WeaverWorkerExtension:
         return int(counts[(counts > 0) & (first_ids >= num_local_blocks)].sum())
 
     def weaver_close(self) -> None:
-        for hook in self._weaver_hooks or ():
-            hook.remove()
-        self._weaver_hooks = None
+        if self._weaver_poll_points is not None:
+            self._weaver_poll_points.remove()
+        self._weaver_poll_points = None
         if self._weaver_stop is not None:
             self._weaver_stop.set()
             self._weaver_idle_thread.join(timeout=5)
