@@ -13,7 +13,7 @@ The hot model gets NUM_HOT requests at once (long outputs, ignore_eos) and the c
 a steady trickle; both engines are pinned to their own core so that the cold core is the
 one that also serves offloaded attention. The gateway (`weaver serve`, which streams and
 detokenizes every hot token) and this load generator run on the hot engine's core
-(--frontend-cores): left to the OS, the gateway ran 14-17 s of a 5-minute run on the
+(--frontend-cores): left to the OS, the gateway ran 12-17 s of a 5-minute run on the
 cold core (measured), a cost the cold TPOT paid that belongs to neither engine.
 Prints hot output-token throughput and cold TPOT per deployment and the ratios, and
 writes JSON. For weaving it also prints the hot side's offload wait and the cold core's
