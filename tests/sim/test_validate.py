@@ -15,7 +15,7 @@ from weaver.sim.deployment import sim_config_from_deployment
 from weaver.sim.metrics import bench_duration_s, bench_record
 from weaver.sim.profile import KNOWN_SHAPES, Profile
 from weaver.sim.runner import simulate
-from weaver.sim.validate import validate_result
+from weaver.sim.validate import validate_results
 from weaver.sim.workload import replay_run
 from weaver.workloads.types import TraceRequest
 
@@ -110,11 +110,80 @@ def test_validation_of_runs_the_simulator_produced_is_exact(cpu_profile):
                          runs=runs)
     deployments = {n: load_deployment(DEPLOYMENTS / f"{n}.yaml")
                    for n in ("dedicated", "weaving")}
-    report = validate_result(result, deployments, {"hot": cpu_profile, "cold": cpu_profile})
+    report = validate_results([result], deployments, {"hot": cpu_profile, "cold": cpu_profile})
     assert report["all_within"] and report["num_checked"] == 2 * 2 * 2  # runs x models x 2
     for run in report["runs"]:
         for c in run["comparisons"]:
             assert c["ratio"] == pytest.approx(1.0, rel=1e-9)
+
+
+def _slower_hot(run: RunResult, factor: float) -> RunResult:
+    """The same run with every hot request's decode FACTOR times longer (TTFT kept)."""
+    slower = run.model_copy(deep=True)
+    for rec in slower.records:
+        if rec.model == "hot" and rec.e2e_s is not None:
+            rec.e2e_s = rec.ttft_s + factor * (rec.e2e_s - rec.ttft_s)
+    slower.summary = summarize(slower.records, slower.duration_s)
+    return slower
+
+
+def _results(*runs: RunResult) -> list[BenchResult]:
+    return [BenchResult(command=["weaver", "bench", "compare"], created_at="t", machine={},
+                        runs=[run]) for run in runs]
+
+
+def test_repeats_are_compared_by_their_mean_with_the_measured_spread(cpu_profile):
+    exact = _measured_by_the_sim(DEPLOYMENTS / "weaving.yaml", cpu_profile)
+    deployments = {"weaving": load_deployment(DEPLOYMENTS / "weaving.yaml")}
+    profiles = {"hot": cpu_profile, "cold": cpu_profile}
+    # Alone, the slow repeat misses (1/1.3); with the exact one its mean is 1.15x the sim.
+    alone = validate_results(_results(_slower_hot(exact, 1.3)), deployments, profiles)
+    both = validate_results(_results(exact, _slower_hot(exact, 1.3)), deployments, profiles)
+    assert both["num_results"] == 2 and [r["num_runs"] for r in both["runs"]] == [2]
+
+    def hot_tpot(report):
+        return next(c for c in report["runs"][0]["comparisons"]
+                    if c["model"] == "hot" and c["metric"] == "mean_tpot_s")
+
+    assert not hot_tpot(alone)["is_within"] and hot_tpot(alone)["measured_spread"] == 0
+    mean = hot_tpot(both)
+    assert mean["ratio"] == pytest.approx(1 / 1.15) and mean["is_within"]
+    assert len(mean["measured_runs"]) == 2
+    assert mean["measured_runs"][1] == pytest.approx(1.3 * mean["measured_runs"][0])
+    assert mean["simulated_runs"][0] == pytest.approx(mean["simulated_runs"][1])
+    assert mean["measured_spread"] == pytest.approx(0.3 / 1.15)
+    assert both["num_measured_spread_over_tolerance"] >= 1
+    cold = next(c for c in both["runs"][0]["comparisons"]
+                if c["model"] == "cold" and c["metric"] == "mean_tpot_s")
+    assert cold["measured_spread"] == pytest.approx(0) and cold["is_within"]
+
+
+def test_repeats_of_different_workloads_are_refused(cpu_profile):
+    exact = _measured_by_the_sim(DEPLOYMENTS / "weaving.yaml", cpu_profile)
+    other = exact.model_copy(update={"workload": {"seed": 1}})
+    with pytest.raises(ValueError, match="different workloads"):
+        validate_results(_results(exact, other),
+                         {"weaving": load_deployment(DEPLOYMENTS / "weaving.yaml")},
+                         {"hot": cpu_profile, "cold": cpu_profile})
+
+
+def test_validate_command_takes_repeats(tmp_path, cpu_profile, capsys):
+    exact = _measured_by_the_sim(DEPLOYMENTS / "weaving.yaml", cpu_profile)
+    files = []
+    for index, run in enumerate((exact, _slower_hot(exact, 1.3))):
+        result = BenchResult(command=["weaver", "bench", "compare",
+                                      str(DEPLOYMENTS / "weaving.yaml")],
+                             created_at="t", machine={}, runs=[run])
+        files.append(tmp_path / f"repeat{index}.json")
+        files[-1].write_text(result.model_dump_json())
+    args = build_parser().parse_args(["simulate", "--validate", *map(str, files),
+                                      "--profile", cpu_profile, "--out", str(tmp_path)])
+    assert args.handler(args) == 0
+    out = capsys.readouterr().out
+    assert "meas. spread" in out and "of the mean of up to 2 measured runs" in out
+    report = json.loads((tmp_path / "validate_repeat0_x2.json").read_text())
+    assert report["results"] == [str(f) for f in files]
+    assert report["runs"][0]["num_runs"] == 2
 
 
 def test_validate_command_reads_deployments_from_the_results_command(tmp_path, cpu_profile,

@@ -96,11 +96,11 @@ def test_plan_says_one_cold_per_hot_for_now(tmp_path):
         plan_pairs(deployment(0.25, ["c", "d"]), dirs, "pfx")
 
 
-def unified_deployment(hot_block_size: int):
+def unified_deployment(hot_block_size: int, hot_dtype: str = "float32"):
     return parse_deployment({
         "models": [
             {"name": "h", "model": "x", "role": "hot", "block_size": hot_block_size,
-             "max_model_len": 512},
+             "max_model_len": 512, "dtype": hot_dtype},
             {"name": "c", "model": "y", "role": "cold", "block_size": 32, "kv_cache_gib": 0.25,
              "lend_kv_gib": 0.75, "unified_kv": True},
         ],
@@ -141,6 +141,15 @@ def test_a_hot_block_size_that_does_not_fill_the_pages_is_named(tmp_path):
             "c": write_model(tmp_path, "c", 4, 4, 4, 512)}
     with pytest.raises(ValueError, match="needs block_size: 64"):
         plan_pairs(unified_deployment(32), dirs, "pfx")
+
+
+def test_a_hot_model_of_another_dtype_is_refused_by_a_unified_pool(tmp_path):
+    # bfloat16 at twice the block size would fill the fp32 pages exactly; stale fp32 bytes
+    # read as bf16 can be NaN, so the pool keeps one dtype.
+    dirs = {"h": write_model(tmp_path, "h", 30, 9, 3, 576),
+            "c": write_model(tmp_path, "c", 4, 4, 4, 512)}
+    with pytest.raises(ValueError, match="'h' must use the same dtype, not bfloat16"):
+        plan_pairs(unified_deployment(128, "bfloat16"), dirs, "pfx")
 
 
 def test_unified_kv_is_for_cold_models_only():

@@ -50,8 +50,10 @@ def _register_simulate(subparsers: argparse._SubParsersAction) -> None:
                         help="run the config once even if it has a sweep section")
     parser.add_argument("--no-plot", action="store_true", help="write JSON only")
     group = parser.add_argument_group("validation against measured runs")
-    group.add_argument("--validate", metavar="RESULTS_JSON",
-                       help="a `weaver bench` results file to replay instead of a config")
+    group.add_argument("--validate", metavar="RESULTS_JSON", nargs="+",
+                       help="a `weaver bench` results file to replay instead of a config; "
+                            "several files are repeats of the same benchmark command, "
+                            "compared by their mean, with the measured runs' spread")
     group.add_argument("--profile", action="append", default=[], metavar="[MODEL=]PATH",
                        help="measured profile JSON (weaver profile --engine) for every "
                             "model, or for one deployment model; repeatable")
@@ -162,24 +164,33 @@ def run_simulate(args: argparse.Namespace) -> int:
 def run_validate(args: argparse.Namespace) -> int:
     from weaver.bench.results import load_result
     from weaver.config.deployment import load_deployment
-    from weaver.sim.validate import deployment_paths_from_command, format_table, validate_result
+    from weaver.sim.validate import deployment_paths_from_command, format_table, validate_results
 
     try:
-        result = load_result(args.validate)
-        paths = deployment_paths_from_command(result)
+        results = [load_result(path) for path in args.validate]
+        paths: dict[str, Path] = {}
+        for path, result in zip(args.validate, results, strict=True):
+            for label, deployment_path in deployment_paths_from_command(result).items():
+                if paths.setdefault(label, deployment_path) != deployment_path:
+                    raise ValueError(f"{path} runs {label!r} from {deployment_path}, an "
+                                     f"earlier file from {paths[label]}: pass --deployment "
+                                     f"{label}=PATH")
         paths.update({k: Path(v) for k, v in parse_pairs(args.deployment, "--deployment").items()})
-        labels = {run.label for run in result.runs}
+        labels = {run.label for result in results for run in result.runs}
         deployments = {label: load_deployment(paths[label]) for label in labels
                        if label in paths}
         profiles = _profiles(args.profile, deployments.values())
-        report = validate_result(result, deployments, profiles, args.tolerance)
+        report = validate_results(results, deployments, profiles, args.tolerance)
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
-    report["results"] = str(args.validate)
+    report["results"] = [str(path) for path in args.validate]
     report["deployments"] = {label: str(paths[label]) for label in sorted(deployments)}
     print(format_table(report))
-    path = _write_json(Path(args.out) / f"validate_{Path(args.validate).stem}.json", report)
+    stem = Path(args.validate[0]).stem
+    if len(args.validate) > 1:
+        stem += f"_x{len(args.validate)}"
+    path = _write_json(Path(args.out) / f"validate_{stem}.json", report)
     print(f"results: {path}")
     return 0
 

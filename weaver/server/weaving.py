@@ -71,6 +71,15 @@ class WeavingMetrics:
         self.pool_reclaims = Counter("weaver_kv_pool_reclaims", "Times the cold model took "
                                      "quota back for its own requests", ["pool"],
                                      registry=registry)
+        # Prefix-cached free blocks of the owner keep their pages until vLLM reuses them
+        # or ADBS lends the pages (then they are evicted): how warm the cold model's cache
+        # stays while it lends, and what lending cost it.
+        self.pool_cached_blocks = Gauge("weaver_kv_pool_cached_blocks", "The owner's free "
+                                        "blocks that keep their prefix-cached pages",
+                                        ["pool"], registry=registry)
+        self.pool_cache_evictions = Counter("weaver_kv_pool_cache_evictions", "The owner's "
+                                            "prefix-cached blocks evicted to lend their pages",
+                                            ["pool"], registry=registry)
         self.pool_reclaim_preemptions = Counter(
             "weaver_kv_pool_reclaim_preemptions", "Remote requests a hot model preempted "
             "(and recomputes) to give pool memory back to the cold model", ["model"],
@@ -166,6 +175,8 @@ class WeavingSupervisor:
             m.pool_quota.labels(pool=name, tenant=tenant["name"]).set(tenant["quota_pages"])
         m.add_total(m.pool_rebalances, {"pool": name}, stats["num_rebalances"])
         m.add_total(m.pool_reclaims, {"pool": name}, stats["num_reclaims"])
+        m.pool_cached_blocks.labels(pool=name).set(stats["num_cached_blocks"])
+        m.add_total(m.pool_cache_evictions, {"pool": name}, stats["num_cache_evictions"])
         for tenant, report in stats.get("tenant_reports", {}).items():
             m.add_total(m.pool_reclaim_preemptions, {"model": tenant},
                         report.get("reclaim_preemptions", 0))

@@ -5,12 +5,20 @@ are replayed in a simulated copy of that deployment (`weaver.sim.deployment`), a
 simulated requests are summarised by the benchmark's own `weaver.bench.metrics.summarize`.
 Mean TPOT and output-token throughput per model are compared as sim / measured; a number
 is within tolerance when |ratio - 1| <= tolerance (15 % by default).
+
+Several results files of the same workload (repeats of one `weaver bench compare`) are
+validated together: each measured run is replayed on its own, and for every deployment and
+rate the mean of the simulated numbers is compared with the mean of the measured ones. The
+measured runs' own spread ((max - min) / mean) is reported beside each number, because on a
+machine whose speed drifts a one-run reference can miss by more than the tolerance on its
+own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from weaver.bench.results import ALL_MODELS, BenchResult, ModelSummary, RunResult
@@ -33,6 +41,9 @@ class Comparison:
     measured: float | None
     simulated: float | None
     tolerance: float
+    # Each repeat's own numbers (measured and simulated is their mean); one entry per run.
+    measured_runs: tuple[float, ...] = field(default=())
+    simulated_runs: tuple[float, ...] = field(default=())
 
     @property
     def ratio(self) -> float | None:
@@ -41,12 +52,20 @@ class Comparison:
         return self.simulated / self.measured
 
     @property
+    def measured_spread(self) -> float | None:
+        """(max - min) / mean of the measured repeats; 0 for one run."""
+        if not self.measured or not self.measured_runs:
+            return None
+        return (max(self.measured_runs) - min(self.measured_runs)) / self.measured
+
+    @property
     def is_within(self) -> bool:
         ratio = self.ratio
         return ratio is not None and abs(ratio - 1.0) <= self.tolerance + 1e-12
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "ratio": self.ratio, "is_within": self.is_within}
+        return {**asdict(self), "ratio": self.ratio, "is_within": self.is_within,
+                "measured_spread": self.measured_spread}
 
 
 def metric_values(summary: ModelSummary) -> dict[str, float | None]:
@@ -66,55 +85,101 @@ def deployment_paths_from_command(result: BenchResult) -> dict[str, Path]:
     return out
 
 
-def validate_run(run: RunResult, deployment: Deployment, profiles: Mapping[str, str],
-                 tolerance: float = DEFAULT_TOLERANCE) -> dict:
-    """Replay one measured run in the simulator; compare its summaries with the run's."""
+def simulate_run(run: RunResult, deployment: Deployment,
+                 profiles: Mapping[str, str]) -> dict:
+    """Replay one measured run in the simulator: its policy, sim stats and summaries."""
     requests = replay_run(run)
     config = sim_config_from_deployment(deployment, profiles, requests, name=run.label)
     sim = simulate(config, requests=requests, keep_requests=True)
     simulated = bench_summary([bench_record(r) for r in sim["requests"]])
+    return {"policy": sim["policy"], "sim": sim["sim"], "summary": simulated}
+
+
+def validate_runs(runs: Sequence[RunResult], deployment: Deployment,
+                  profiles: Mapping[str, str], tolerance: float = DEFAULT_TOLERANCE) -> dict:
+    """Replay repeats of one deployment at one rate; compare the means of their summaries."""
+    first = runs[0]
+    for run in runs[1:]:
+        if run.workload != first.workload:
+            raise ValueError(f"runs of {first.label!r} at rate {first.rate} have different "
+                             "workloads; repeats must come from the same benchmark command")
+    replays = [simulate_run(run, deployment, profiles) for run in runs]
     comparisons = []
-    for model in sorted(run.summary):
-        if model not in simulated:
+    for model in sorted(first.summary):
+        if not all(model in run.summary and model in rep["summary"]
+                   for run, rep in zip(runs, replays, strict=True)):
             continue
-        measured_values = metric_values(run.summary[model])
-        sim_values = metric_values(simulated[model])
-        comparisons += [Comparison(run.label, run.rate, model, metric, measured_values[metric],
-                                   sim_values[metric], tolerance) for metric in METRICS]
-    return {"label": run.label, "rate": run.rate, "policy": sim["policy"],
-            "sim_summary": {m: s.model_dump() for m, s in simulated.items()},
-            "sim": sim["sim"], "comparisons": [c.to_dict() for c in comparisons]}
+        for metric in METRICS:
+            measured = [metric_values(run.summary[model])[metric] for run in runs]
+            simulated = [metric_values(rep["summary"][model])[metric] for rep in replays]
+            comparisons.append(Comparison(
+                first.label, first.rate, model, metric, _mean(measured), _mean(simulated),
+                tolerance, measured_runs=tuple(measured) if None not in measured else (),
+                simulated_runs=tuple(simulated) if None not in simulated else ()))
+    return {"label": first.label, "rate": first.rate, "policy": replays[0]["policy"],
+            "num_runs": len(runs),
+            "sim_summaries": [{m: s.model_dump() for m, s in rep["summary"].items()}
+                              for rep in replays],
+            "sims": [rep["sim"] for rep in replays],
+            "comparisons": [c.to_dict() for c in comparisons]}
 
 
-def validate_result(result: BenchResult, deployments: Mapping[str, Deployment],
-                    profiles: Mapping[str, str],
-                    tolerance: float = DEFAULT_TOLERANCE) -> dict:
-    missing = sorted({run.label for run in result.runs} - set(deployments))
+def validate_results(results: Sequence[BenchResult], deployments: Mapping[str, Deployment],
+                     profiles: Mapping[str, str],
+                     tolerance: float = DEFAULT_TOLERANCE) -> dict:
+    """Validate every (deployment, rate) of one or more results files of the same workload;
+    repeats of a (deployment, rate) are compared by their means."""
+    groups: dict[tuple[str, float | None], list[RunResult]] = {}
+    for result in results:
+        for run in result.runs:
+            groups.setdefault((run.label, run.rate), []).append(run)
+    missing = sorted({label for label, _ in groups} - set(deployments))
     if missing:
         raise ValueError(f"no deployment file for run label(s) {missing}; pass "
                          "--deployment LABEL=PATH")
-    runs = [validate_run(run, deployments[run.label], profiles, tolerance)
-            for run in result.runs]
+    runs = [validate_runs(group, deployments[label], profiles, tolerance)
+            for (label, _), group in groups.items()]
     checked = [c for r in runs for c in r["comparisons"] if c["model"] != ALL_MODELS]
+    noisy = [c for c in checked
+             if c["measured_spread"] is not None and c["measured_spread"] > tolerance]
     return {"tolerance": tolerance, "profiles": dict(profiles), "runs": runs,
+            "num_results": len(results),
             "num_within": sum(c["is_within"] for c in checked), "num_checked": len(checked),
+            "num_measured_spread_over_tolerance": len(noisy),
             "all_within": bool(checked) and all(c["is_within"] for c in checked)}
 
 
+def _mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.fmean(present) if len(present) == len(values) and present else None
+
+
 def format_table(report: dict) -> str:
-    lines = [f"{'deployment':<12} {'rate':>5} {'model':<8} {'metric':<20} {'measured':>10} "
-             f"{'sim':>10} {'sim/meas':>8}  within {report['tolerance']:.0%}"]
+    repeats = max((r.get("num_runs", 1) for r in report["runs"]), default=1)
+    measured = "measured" if repeats == 1 else "meas. mean"
+    lines = [f"{'deployment':<12} {'rate':>5} {'model':<8} {'metric':<28} {measured:>10} "
+             f"{'sim':>10} {'sim/meas':>8}  within {report['tolerance']:.0%}"
+             + ("  runs  meas. spread" if repeats > 1 else "")]
     for run in report["runs"]:
         for c in run["comparisons"]:
             scale, unit = (1e3, "ms") if c["metric"] == "mean_tpot_s" else (1.0, "tok/s")
-            lines.append(
-                f"{c['label']:<12} {_num(c['rate'], 1):>5} "
-                f"{'all' if c['model'] == ALL_MODELS else c['model']:<8} "
-                f"{c['metric'] + ' (' + unit + ')':<20} {_num(c['measured'], scale):>10} "
-                f"{_num(c['simulated'], scale):>10} {_num(c['ratio'], 1, 3):>8}  "
-                f"{'yes' if c['is_within'] else 'NO'}")
-    lines.append(f"{report['num_within']} of {report['num_checked']} per-model numbers within "
-                 f"{report['tolerance']:.0%}")
+            line = (f"{c['label']:<12} {_num(c['rate'], 1):>5} "
+                    f"{'all' if c['model'] == ALL_MODELS else c['model']:<8} "
+                    f"{c['metric'] + ' (' + unit + ')':<28} {_num(c['measured'], scale):>10} "
+                    f"{_num(c['simulated'], scale):>10} {_num(c['ratio'], 1, 3):>8}  "
+                    f"{'yes' if c['is_within'] else 'NO':<10}")
+            if repeats > 1:
+                spread = c.get("measured_spread")
+                line += (f"  {run.get('num_runs', 1):>4}  "
+                         f"{'-' if spread is None else f'{spread:.0%}':>12}")
+            lines.append(line.rstrip())
+    summary = (f"{report['num_within']} of {report['num_checked']} per-model numbers within "
+               f"{report['tolerance']:.0%}")
+    if repeats > 1:
+        summary += (f" of the mean of up to {repeats} measured runs; in "
+                    f"{report['num_measured_spread_over_tolerance']} of them the measured "
+                    f"runs themselves spread by more than {report['tolerance']:.0%}")
+    lines.append(summary)
     return "\n".join(lines)
 
 

@@ -163,6 +163,14 @@ def plan_pool(deployment: Deployment, cold: ModelSpec, model_dirs: dict[str, Pat
                               is_owner=True)]
     hot_quota = (num_pages - tenants[0].quota_pages) // max(1, len(hots))
     for hot in hots:
+        if hot.dtype != cold.dtype:
+            # Pages change tenants without being cleared (zeroing each lent page would cost
+            # a write of the whole page). Stale bytes of one dtype read as another can
+            # decode as NaN, and the attention kernel multiplies masked positions by a
+            # weight of 0, which keeps NaN: one dtype per pool keeps stale values finite.
+            raise ValueError(
+                f"cold model {cold.name!r} ({cold.dtype}) keeps a unified KV pool; its hot "
+                f"model {hot.name!r} must use the same dtype, not {hot.dtype}")
         shape = tenant_shape(model_dirs[hot.name], hot)
         if shape.head_block_bytes != page_bytes:
             wanted = headwise_block_size(page_bytes, shape.head_size, shape.dtype_bytes)

@@ -1,0 +1,53 @@
+"""The gateway's Prometheus series of a unified KV pool, from the stats file its owner writes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from types import SimpleNamespace
+
+from prometheus_client import CollectorRegistry
+
+from weaver.kv.allocator import UnifiedKVAllocator
+from weaver.kv.pages import TenantShape
+from weaver.server.weaving import WeavingMetrics, WeavingSupervisor
+
+SHAPE = TenantShape(num_layers=2, num_kv_heads=2, head_size=32, block_size=32, dtype_bytes=4)
+
+
+def write_owner_stats(path, *, reclaims: int, evictions: int, cached: int) -> None:
+    """What PoolOwner.stats() publishes: the allocator's stats plus the owner's counters."""
+    allocator = UnifiedKVAllocator(100, SHAPE.head_block_bytes)
+    allocator.add_tenant("cold", SHAPE, 60, is_owner=True)
+    allocator.add_tenant("hot", SHAPE, 40)
+    path.write_text(json.dumps({
+        "pool": "p", "owner": "cold", "num_reclaims": reclaims, "num_reclaimed_blocks": 0,
+        "num_cache_evictions": evictions, "num_cached_blocks": cached, "tenant_reports": {},
+        **asdict(allocator.stats())}))
+
+
+def test_pool_series_follow_the_owners_running_totals(tmp_path):
+    registry = CollectorRegistry()
+    supervisor = WeavingSupervisor([], {}, WeavingMetrics(registry))
+    pool = SimpleNamespace(pool_name="p", stats_path=str(tmp_path / "p.stats.json"))
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, {"pool": "p", **labels})
+
+    supervisor._refresh_pool(pool)  # no file yet: skipped, nothing published
+    assert value("weaver_kv_pool_size_pages") is None
+
+    write_owner_stats(tmp_path / "p.stats.json", reclaims=2, evictions=5, cached=7)
+    supervisor._refresh_pool(pool)
+    assert value("weaver_kv_pool_size_pages") == 100
+    assert value("weaver_kv_pool_quota_pages", tenant="hot") == 40
+    assert value("weaver_kv_pool_cached_blocks") == 7
+    assert value("weaver_kv_pool_cache_evictions_total") == 5
+    assert value("weaver_kv_pool_reclaims_total") == 2
+
+    # The owner's counters are running totals: the series add the increments only.
+    write_owner_stats(tmp_path / "p.stats.json", reclaims=3, evictions=9, cached=1)
+    supervisor._refresh_pool(pool)
+    assert value("weaver_kv_pool_cached_blocks") == 1
+    assert value("weaver_kv_pool_cache_evictions_total") == 9
+    assert value("weaver_kv_pool_reclaims_total") == 3
