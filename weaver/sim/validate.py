@@ -41,7 +41,7 @@ class Comparison:
     measured: float | None
     simulated: float | None
     tolerance: float
-    # Each repeat's own numbers (measured and simulated is their mean); one entry per run.
+    # Each repeat's own numbers, one per run; `measured` and `simulated` are their means.
     measured_runs: tuple[float, ...] = field(default=())
     simulated_runs: tuple[float, ...] = field(default=())
 
