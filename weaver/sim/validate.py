@@ -150,8 +150,7 @@ def validate_results(results: Sequence[BenchResult], deployments: Mapping[str, D
 
 
 def _mean(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.fmean(present) if len(present) == len(values) and present else None
+    return statistics.fmean(values) if values and None not in values else None
 
 
 def format_table(report: dict) -> str:
