@@ -292,3 +292,29 @@ def test_unused_block_ids_beyond_seq_len_are_not_checked(shm_name):
         ticket = sender.submit(0, torch.zeros(1, 4, 32), torch.tensor([5]), table, scale=SCALE)
         assert recv.poll()
         sender.wait(ticket, timeout_s=1)
+
+
+def test_receiver_close_releases_the_executors_views_before_unmapping(shm_name):
+    """An executor that keeps views of the region between tasks (CpuPagedAttentionExecutor
+    keeps its K/V views) is told to drop them while the region is still mapped."""
+    seen = []
+
+    class KeepsViews:
+        def __init__(self) -> None:
+            self.views = []
+
+        def __call__(self, task) -> None:
+            self.views.append(task.kv_layer)
+            reference_executor(task)
+
+        def release(self) -> None:
+            seen.append((len(self.views), owner.is_closed))
+            self.views.clear()
+
+    executor = KeepsViews()
+    gen = torch.Generator().manual_seed(6)
+    with channel_pair(shm_name, executor) as (sender, _, owner):
+        fill_pool(sender, gen)
+        ticket, expected = submit_random(sender, 1, 2, gen)
+        torch.testing.assert_close(sender.wait(ticket, timeout_s=30), expected)
+    assert seen == [(1, False)]  # called once, with the view, before the region closed

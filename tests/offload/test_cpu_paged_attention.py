@@ -105,6 +105,37 @@ def test_executor_matches_reference(cpm, shape):
     torch.testing.assert_close(sub, expected[2:5], rtol=1e-4, atol=1e-5)
 
 
+def test_reused_executor_equals_a_fresh_one_bit_for_bit(cpm):
+    """The executor keeps the scheduler metadata and the K/V views between tasks; a task
+    must come out exactly as from a fresh executor whatever ran before it: another layer
+    with the same lengths (what a hot step sends), other lengths of the same count, another
+    batch size, another window, and after release()."""
+    shape = HotAttentionShape(2, 9, 3, 64, 32, "float32")
+    gen = torch.Generator().manual_seed(21)
+    reused = cpm.CpuPagedAttentionExecutor(shape)
+    pools = [make_pools(cpm, shape, 9, gen, reused.isa)[0] for _ in range(2)]
+    q, lens, table = ragged_batch(shape, 9, gen)
+    longer = torch.tensor([4 * shape.block_size] * len(lens), dtype=torch.int32)
+    tasks = [  # (pool, rows, seq_lens, sliding_window)
+        (0, slice(None), lens, -1),
+        (1, slice(None), lens, -1),  # next layer, same lengths: cached metadata and views
+        (0, slice(None), longer, -1),  # same count, other lengths
+        (1, slice(0, 3), lens[:3], -1),  # fewer sequences
+        (1, slice(0, 3), lens[:3], 40),  # a sliding window
+        (0, slice(None), lens, -1),  # back to the first task
+    ]
+    for step, (pool, rows, seq_lens, window) in enumerate(tasks):
+        if step == 5:
+            reused.release()
+        got = torch.full_like(q[rows], float("nan"))
+        reused.run(q[rows], pools[pool], seq_lens, table[rows], got, scale=0.125,
+                   sliding_window=window)
+        fresh = torch.full_like(q[rows], float("nan"))
+        cpm.CpuPagedAttentionExecutor(shape).run(q[rows], pools[pool], seq_lens, table[rows],
+                                                 fresh, scale=0.125, sliding_window=window)
+        assert torch.equal(got, fresh), f"task {step} differs from a fresh executor's"
+
+
 def test_executor_bfloat16_matches_reference_loosely(cpm):
     shape = HotAttentionShape(1, 8, 2, 64, 32, "bfloat16")
     gen = torch.Generator().manual_seed(11)

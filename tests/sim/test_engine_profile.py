@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from weaver.sim.engine_profile import (
@@ -9,10 +11,12 @@ from weaver.sim.engine_profile import (
     EngineGrid,
     EngineTimings,
     attention_batch,
+    attention_grid,
     build_profile,
     decode_grid,
     fit_line,
     shape_from_hf_config,
+    with_attention,
 )
 from weaver.sim.profile import KNOWN_SHAPES, Profile
 
@@ -80,3 +84,45 @@ def test_attention_batch_splits_into_sequences_of_about_the_given_length():
     assert attention_batch(1000, 256) == [250, 250, 250, 250]
     assert attention_batch(100, 256) == [100]
     assert sum(attention_batch(8193, 256)) == 8193
+
+
+def _engine_profile(attention_tokens=(256, 8192), attention_seq_tokens=128, block_size=16):
+    grid = EngineGrid(prefill_tokens=(16, 512), batch_sizes=(1, 64),
+                      context_tokens=(128, 2048), attention_context_tokens=attention_tokens,
+                      attention_seq_tokens=attention_seq_tokens, block_size=block_size)
+    timings = EngineTimings(
+        prefill_s=[0.03, 0.9],
+        decode=[DecodePoint(1, 128, 0.05), DecodePoint(1, 512, 0.051),
+                DecodePoint(64, 128, 0.2), DecodePoint(64, 2048, 0.25)],
+        attention_s=[1e-4, 3e-3], link_bandwidth_bps=8e9,
+        source="measured on test CPU", notes={"attention": "old way"})
+    return build_profile(grid, KNOWN_SHAPES["smollm2-135m"], timings, "cpu", 1 << 34)
+
+
+def test_retimed_attention_replaces_only_the_attention_table():
+    profile = _engine_profile()
+    grid = attention_grid(profile)
+    assert (grid.attention_context_tokens, grid.attention_seq_tokens, grid.block_size) \
+        == ((256, 8192), 128, 16)  # the grid the profile was measured on
+    shape = replace(KNOWN_SHAPES["smollm2-135m"], name="/models/smollm2")  # a directory
+    new = with_attention(profile, shape, [5e-4, 9e-3], "tasks through a region", "today")
+    assert new.attention_s == [5e-4, 9e-3]
+    assert (new.prefill_s, new.decode_s, new.link_bandwidth_bps) \
+        == (profile.prefill_s, profile.decode_s, profile.link_bandwidth_bps)
+    assert new.source == "measured on test CPU; attention re-timed today: tasks through a region"
+    assert new.notes["attention"] == "tasks through a region"
+    assert new.notes["attention_retimed"] == "today"
+    assert new.notes["decode_points"] == profile.notes["decode_points"]
+    assert profile.attention_s == [1e-4, 3e-3]  # the input is left alone
+
+
+def test_retimed_attention_refuses_another_shape_or_length_or_a_non_engine_profile():
+    profile = _engine_profile()
+    other = replace(KNOWN_SHAPES["smollm2-135m"], num_kv_heads=1)
+    with pytest.raises(ValueError, match="not the profile's"):
+        with_attention(profile, other, [1e-3, 2e-3], "x", "y")
+    with pytest.raises(ValueError, match="3 attention times for 2"):
+        with_attention(profile, KNOWN_SHAPES["smollm2-135m"], [1e-3, 2e-3, 3e-3], "x", "y")
+    roofline = replace(profile, notes={})
+    with pytest.raises(ValueError, match="weaver profile --engine"):
+        attention_grid(roofline)

@@ -109,6 +109,10 @@ def _register_profile(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--cpu-core", type=int, default=0,
                         help="--engine: the core to pin to, as a deployment's cpu_cores "
                              "(default: %(default)s)")
+    parser.add_argument("--retime-attention", metavar="PROFILE_JSON",
+                        help="with --engine MODEL: time only the offloaded-attention table "
+                             "again and write PROFILE_JSON with it to --out, its engine-step "
+                             "tables (and any serving calibration) kept; about 30 s")
     calibrate_serving.add_arguments(parser)
     parser.set_defaults(handler=run_profile)
 
@@ -262,6 +266,53 @@ def run_engine_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_retime_attention(args: argparse.Namespace) -> int:
+    """`weaver profile --retime-attention PROFILE --engine MODEL`: a new attention table,
+    the engine-step tables kept (timed earlier; this machine's speed drifts between runs,
+    so re-timing them would move more than the attention)."""
+    import datetime
+
+    from weaver.models.registry import resolve_model
+    from weaver.sim.engine_profile import (
+        attention_grid,
+        require_same_shape,
+        shape_from_hf_config,
+        with_attention,
+    )
+    from weaver.sim.profile import Profile
+
+    try:
+        if not args.engine:
+            raise ValueError("--retime-attention needs --engine MODEL: the model the profile "
+                             "was measured on")
+        profile = Profile.load(args.retime_attention)
+        grid = attention_grid(profile)
+        model_dir = resolve_model(args.engine)
+        config = json.loads((model_dir / "config.json").read_text())
+        shape = shape_from_hf_config(config, Path(args.engine).name, dtype_bytes=4)
+        if args.cpu_core not in os.sched_getaffinity(0):
+            raise ValueError(f"--cpu-core {args.cpu_core} is not one of this process's cores "
+                             f"{sorted(os.sched_getaffinity(0))}")
+        require_same_shape(profile, shape)
+    except (ValueError, OSError) as exc:
+        logger.error("%s", exc)
+        return 2
+    from weaver.vllm_ext.engine_timing import attention_note, retime_attention
+
+    old = profile.attention_s
+    attention_s, isa = retime_attention(shape, grid, args.cpu_core)
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    profile = with_attention(profile, shape, attention_s, attention_note(grid, isa),
+                             f"{when} on core {args.cpu_core}")
+    for tokens, before, after in zip(profile.attention_context_tokens, old, attention_s,
+                                     strict=True):
+        print(f"attention, {tokens:6d} tokens, all layers: {before * 1e3:8.2f} ms -> "
+              f"{after * 1e3:8.2f} ms")
+    profile.save(args.out)
+    _print_profile(profile, args.out)
+    return 0
+
+
 def _print_profile(profile, out: str) -> None:
     print(f"{profile.shape.name} on {profile.device}: prefill({profile.prefill_tokens[-1]} "
           f"tokens)={profile.prefill_s[-1] * 1e3:.2f} ms, decode(batch "
@@ -275,6 +326,8 @@ def run_profile(args: argparse.Namespace) -> int:
 
     if args.calibrate_serving:
         return calibrate_serving.run_calibrate_serving(args)
+    if args.retime_attention:
+        return run_retime_attention(args)
     if args.engine:
         return run_engine_profile(args)
     shape = get_shape(args.shape)

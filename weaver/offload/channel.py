@@ -444,7 +444,8 @@ def _used_block_ids(seq_lens: np.ndarray, block_table: np.ndarray, block_size: i
 class OffloadReceiver:
     """Cold side of one region: serve tasks at poll points and from an idle poller.
 
-    executor: runs one OffloadTask, writing task.out (e.g. CpuPagedAttentionExecutor).
+    executor: runs one OffloadTask, writing task.out (e.g. CpuPagedAttentionExecutor); if it
+    has a release() method, close() calls it before the region is unmapped.
     idle_wait_s: the idle poller's longest sleep between heartbeats; tasks wake it at once.
     """
 
@@ -528,7 +529,10 @@ class OffloadReceiver:
         self._views.status[0] = int(RegionStatus.CLOSING)
         self._transport.done_wakeup.notify()
         self.stop()
+        release = getattr(self._executor, "release", None)
         with self._lock:
+            if release is not None:
+                release()  # an executor may keep views of the region between tasks
             self._views.status[0] = int(RegionStatus.CLOSED)
             self._transport.done_wakeup.notify()
             self._views = None  # type: ignore[assignment]  # drop exports before unmapping

@@ -18,7 +18,7 @@ import json
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from weaver.sim.profile import ModelShape, Profile
 
@@ -157,3 +157,38 @@ def attention_batch(total_tokens: int, seq_tokens: int) -> list[int]:
     num_seqs = max(1, math.ceil(total_tokens / seq_tokens))
     base, extra = divmod(total_tokens, num_seqs)
     return [base + (i < extra) for i in range(num_seqs)]
+
+
+def attention_grid(profile: Profile) -> EngineGrid:
+    """The grid to re-time `profile`'s attention table on: its own context axis, and the
+    block size and sequence length of the grid it was measured on (notes.grid)."""
+    try:
+        measured = json.loads(profile.notes["grid"])
+    except (KeyError, json.JSONDecodeError) as exc:
+        raise ValueError("this profile has no engine grid in its notes (notes.grid): only "
+                         "profiles of `weaver profile --engine` can have their attention "
+                         "re-timed") from exc
+    return EngineGrid(attention_context_tokens=tuple(profile.attention_context_tokens),
+                      attention_seq_tokens=measured["attention_seq_tokens"],
+                      block_size=measured["block_size"])
+
+
+def with_attention(profile: Profile, shape: ModelShape, attention_s: Sequence[float],
+                   how: str, when: str) -> Profile:
+    """`profile` with its attention table replaced by `attention_s` (timed at its own
+    `attention_context_tokens` for `shape`), everything else kept; source and notes say
+    how and when the table was re-timed."""
+    require_same_shape(profile, shape)
+    if len(attention_s) != len(profile.attention_context_tokens):
+        raise ValueError(f"{len(attention_s)} attention times for "
+                         f"{len(profile.attention_context_tokens)} context points")
+    notes = {**profile.notes, "attention": how, "attention_retimed": when}
+    return replace(profile, attention_s=list(attention_s),
+                   source=f"{profile.source}; attention re-timed {when}: {how}", notes=notes)
+
+
+def require_same_shape(profile: Profile, shape: ModelShape) -> None:
+    """ValueError unless `shape` is the profile's (names aside: a model directory's name
+    may differ from the registry's)."""
+    if replace(shape, name=profile.shape.name) != profile.shape:
+        raise ValueError(f"the model's shape {shape} is not the profile's {profile.shape}")

@@ -168,6 +168,10 @@ class OffloadCostModel:
         send = self.link.transfer_time(q_bytes + kv_bytes)
         receive = self.link.transfer_time(q_bytes)  # outputs have q's shape
         remote = self.remote.attention_time(num_remote_context) / layers
+        # The hot's local attention is priced from the same table: it too reads its K/V
+        # from memory. An `--engine` profile times that table as offloaded tasks, so local
+        # attention also pays the channel's share (0.11-0.13 ms per task on the benchmark
+        # CPU, benchmarks/README.md).
         local = self.hot.attention_time(num_local_context) / layers
         wait = self.poll_wait_fn(poll)
         return layers * max(0.0, send + wait + remote + receive - local)

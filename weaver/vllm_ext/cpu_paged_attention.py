@@ -56,6 +56,10 @@ def select_cpu_attn_isa(shape: HotAttentionShape) -> str:
     return get_isa(TORCH_DTYPES[shape.dtype], shape.block_size, shape.head_size, "auto")
 
 
+# Views of more pool layers than this are not kept (a hot model has fewer layers).
+MAX_CACHED_KV_LAYERS = 256
+
+
 def key_value_caches(kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # Same reinterpretation as cpu_attn.py forward: each (block, head) page is [K | V].
     num_blocks, num_kv_heads, block_size, _ = kv_layer.shape
@@ -111,6 +115,18 @@ class CpuPagedAttentionExecutor:
         )
         # Decode: sequence i's single query token is row i, so query_start_loc = 0..S.
         self._query_start_loc = torch.arange(0, 1, dtype=torch.int32)
+        # Kept between tasks: what does not depend on the task's data. The cold side serves
+        # tasks between its own operators, which evict the caches; after a cache flush
+        # (as weaver.offload.task_timing times tasks) building the scheduler metadata took
+        # 155-190 us and the K/V views 90-100 us per task (benchmarks/README.md).
+        # - scheduler metadata: a function of the batch's sequence lengths only; a hot step
+        #   sends one task per layer with the same lengths, and vLLM's own CPU backend
+        #   likewise builds it once per step for all layers (cpu_attn.py).
+        # - K/V views per pool layer: id -> (the layer tensor, kept so the id stays its own;
+        #   key view; value view). They hold the region's memory: release() drops them.
+        self._metadata_key: tuple[int, int, bytes] | None = None
+        self._metadata: torch.Tensor | None = None
+        self._kv_views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         logger.info("CPU paged attention executor for %s uses ISA %s", shape, self.isa)
 
     def __call__(self, task: OffloadTask) -> None:
@@ -143,20 +159,9 @@ class CpuPagedAttentionExecutor:
         query_start_loc = self._query_start_loc[: num_seqs + 1]
         seq_lens = seq_lens.to(torch.int32)
         block_table = block_table.to(torch.int32)
-        scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=num_seqs,
-            num_heads=self.shape.num_q_heads,
-            num_kv_heads=self.shape.num_kv_heads,
-            head_dim=self.shape.head_size,
-            seq_lens=seq_lens,
-            dtype=self._dtype,
-            query_start_loc=query_start_loc,
-            causal=True,
-            sliding_window_size=sliding_window,
-            isa=self.isa,
-            enable_kv_split=self._enable_kv_split,
-        )
-        key_cache, value_cache = key_value_caches(kv_layer)
+        scheduler_metadata = self._scheduler_metadata(num_seqs, seq_lens, query_start_loc,
+                                                      sliding_window)
+        key_cache, value_cache = self._key_value_caches(kv_layer)
         ops.cpu_attention_with_kv_cache(
             query=q,
             key_cache=key_cache,
@@ -173,3 +178,38 @@ class CpuPagedAttentionExecutor:
             scheduler_metadata=scheduler_metadata,
             s_aux=None,
         )
+
+    def release(self) -> None:
+        """Drop the cached K/V views (and metadata), e.g. before their region is unmapped."""
+        self._kv_views.clear()
+        self._metadata_key = None
+        self._metadata = None
+
+    def _scheduler_metadata(self, num_seqs: int, seq_lens: torch.Tensor,
+                            query_start_loc: torch.Tensor, sliding_window: int) -> torch.Tensor:
+        key = (num_seqs, sliding_window, seq_lens.contiguous().numpy().tobytes())
+        if key != self._metadata_key or self._metadata is None:
+            self._metadata = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=num_seqs,
+                num_heads=self.shape.num_q_heads,
+                num_kv_heads=self.shape.num_kv_heads,
+                head_dim=self.shape.head_size,
+                seq_lens=seq_lens,
+                dtype=self._dtype,
+                query_start_loc=query_start_loc,
+                causal=True,
+                sliding_window_size=sliding_window,
+                isa=self.isa,
+                enable_kv_split=self._enable_kv_split,
+            )
+            self._metadata_key = key
+        return self._metadata
+
+    def _key_value_caches(self, kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cached = self._kv_views.get(id(kv_layer))
+        if cached is None or cached[0] is not kv_layer:
+            if len(self._kv_views) >= MAX_CACHED_KV_LAYERS:
+                self._kv_views.clear()  # pools come and go (e.g. a profiler's regions)
+            cached = (kv_layer, *key_value_caches(kv_layer))
+            self._kv_views[id(kv_layer)] = cached
+        return cached[1], cached[2]

@@ -5,8 +5,9 @@ deployment's block size, the API server's 2048-token step budget), with its engi
 in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that `LLMEngine.step()` is one
 scheduler + model step, timed from here; the process and vLLM's OpenMP threads are pinned
 to one core, as `cpu_cores` pins a deployment's engine. Decode attention alone is timed
-with the executor the cold side runs for offloaded sequences
-(`cpu_paged_attention.CpuPagedAttentionExecutor`), i.e. the remote attention of weaving.
+as the cold side serves offloaded tasks: through a real region, with the executor it runs
+(`cpu_paged_attention.CpuPagedAttentionExecutor`) and the K/V read from memory
+(`weaver.offload.task_timing`), i.e. the remote attention of weaving.
 What to time and how timings become a profile is pure Python in
 `weaver.sim.engine_profile`.
 """
@@ -78,14 +79,14 @@ def time_engine(model_dir: Path, shape: ModelShape, grid: EngineGrid, core: int,
                f"only, vLLM {vllm.__version__} engine steps (LLM offline, in-process engine "
                f"core, enforce_eager, float32, block_size {grid.block_size}, "
                f"max_num_batched_tokens {SERVER_MAX_NUM_BATCHED_TOKENS}), torch "
-               f"{torch.__version__}; attention: vLLM CPU_ATTN kernel via "
-               f"weaver.vllm_ext.cpu_paged_attention (ISA {isa})",
+               f"{torch.__version__}; attention: offloaded tasks through a shared-memory "
+               f"region, vLLM CPU_ATTN kernel via weaver.vllm_ext.cpu_paged_attention "
+               f"(ISA {isa}), cache flushed before each task",
         notes={"dtype": "float32", "model_dir": str(model_dir),
                "prefill": "one engine step of one prompt of n tokens (min of repeats): "
                           "scheduler, forward, sampling",
                "decode": "median of timed engine steps of b sequences decoding together",
-               "attention": "one layer's CPU_ATTN decode call (min of repeats) x num_layers, "
-                            f"sequences of ~{grid.attention_seq_tokens} tokens",
+               "attention": attention_note(grid, isa),
                "link": "memcpy bandwidth of this host (the CPU transport is shared memory)"})
 
 
@@ -140,38 +141,40 @@ class _Runner:
         return DecodePoint(batch, statistics.fmean(contexts), statistics.median(times))
 
 
-def time_attention(shape: ModelShape, grid: EngineGrid,
-                   num_repeats: int = 10) -> tuple[list[float], str]:
-    """All-layer decode attention at each total context, with the cold side's executor."""
+def attention_note(grid: EngineGrid, isa: str) -> str:
+    """How `time_attention` timed the table (the profile's notes.attention)."""
+    return ("one offloaded task per layer through a real shared-memory region "
+            f"(OffloadReceiver.poll with the vLLM CPU_ATTN executor, ISA {isa}), each layer's "
+            "own pool, the last-level cache flushed before every task; sum over the layers, "
+            f"min of repeats; sequences of ~{grid.attention_seq_tokens} tokens")
+
+
+def retime_attention(shape: ModelShape, grid: EngineGrid, core: int) -> tuple[list[float], str]:
+    """`time_attention` alone, pinned to `core` as `time_engine` is."""
+    pin_to_core(core)
     import torch
 
+    torch.set_num_threads(1)
+    return time_attention(shape, grid)
+
+
+def time_attention(shape: ModelShape, grid: EngineGrid,
+                   num_repeats: int = 5) -> tuple[list[float], str]:
+    """All-layer decode attention at each total context, as the cold side serves it:
+    one offloaded task per layer through a real region, with the cold side's executor
+    and the K/V read from memory (`weaver.offload.task_timing`)."""
     from weaver.offload.layout import HotAttentionShape
+    from weaver.offload.task_timing import time_offloaded_attention
     from weaver.vllm_ext.cpu_paged_attention import CpuPagedAttentionExecutor
 
     hot = HotAttentionShape(num_layers=shape.num_layers, num_q_heads=shape.num_heads,
                             num_kv_heads=shape.num_kv_heads, head_size=shape.head_size,
                             block_size=grid.block_size, dtype="float32")
     executor = CpuPagedAttentionExecutor(hot)
-    out = []
-    for total in grid.attention_context_tokens:
-        lens = attention_batch(total, grid.attention_seq_tokens)
-        blocks = [-(-n // grid.block_size) for n in lens]
-        kv_layer = torch.randn(sum(blocks), shape.num_kv_heads, grid.block_size,
-                               2 * shape.head_size)
-        table = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
-        first = 0
-        for i, n in enumerate(blocks):
-            table[i, :n] = torch.arange(first, first + n, dtype=torch.int32)
-            first += n
-        q = torch.randn(len(lens), shape.num_heads, shape.head_size)
-        result = torch.empty_like(q)
-        seq_lens = torch.tensor(lens, dtype=torch.int32)
-
-        def call(q=q, kv_layer=kv_layer, seq_lens=seq_lens, table=table, result=result):
-            executor.run(q, kv_layer, seq_lens, table, result, scale=shape.head_size ** -0.5)
-
-        out.append(_best_time(call, num_repeats) * shape.num_layers)
-    return out, executor.isa
+    batches = [attention_batch(total, grid.attention_seq_tokens)
+               for total in grid.attention_context_tokens]
+    timings = time_offloaded_attention(hot, batches, executor, num_repeats=num_repeats)
+    return [t.all_layers_s for t in timings], executor.isa
 
 
 def _best_time(fn: Callable[[], object], num_repeats: int) -> float:
