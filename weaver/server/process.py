@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -59,7 +60,7 @@ def weaver_server(
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     config_args = [] if config is None else [str(config)]
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(
+        process = popen_dying_with_parent(
             [sys.executable, "-m", "weaver.cli.main", "serve", *config_args,
              "--port", str(port), *extra_args],
             stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -75,6 +76,31 @@ def weaver_server(
         for child in leftovers:
             with contextlib.suppress(psutil.NoSuchProcess):
                 child.kill()
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def popen_dying_with_parent(args: list[str], **kwargs) -> subprocess.Popen:
+    """`subprocess.Popen`, plus (on Linux) SIGTERM to the child when this process dies.
+
+    A benchmark killed by SIGTERM or SIGKILL runs no `finally` block, so the server it
+    started would outlive it, holding its cores and shared memory; `weaver serve` shuts
+    its engines down on SIGTERM. The signal follows the thread that started the child, so
+    start it from a thread that lives as long as the child should (the main thread here).
+    """
+    if not sys.platform.startswith("linux"):
+        return subprocess.Popen(args, **kwargs)
+    parent = os.getpid()
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded here: the child only calls it
+
+    def die_with_parent() -> None:  # runs in the child, between fork and exec
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+            os._exit(127)
+        if os.getppid() != parent:  # the parent died before the request took effect
+            os._exit(1)
+
+    return subprocess.Popen(args, preexec_fn=die_with_parent, **kwargs)
 
 
 def _wait_ready(server: RunningServer) -> None:
