@@ -63,17 +63,9 @@ def test_decode_grid_extends_each_row_along_its_line():
 
 
 def test_build_profile_writes_the_documented_format(tmp_path):
-    grid = EngineGrid(prefill_tokens=(16, 512), batch_sizes=(1, 64),
-                      context_tokens=(128, 2048), attention_context_tokens=(256, 8192))
-    timings = EngineTimings(
-        prefill_s=[0.03, 0.9],
-        decode=[DecodePoint(1, 128, 0.05), DecodePoint(1, 512, 0.051),
-                DecodePoint(64, 128, 0.2), DecodePoint(64, 2048, 0.25)],
-        attention_s=[1e-4, 3e-3], link_bandwidth_bps=8e9,
-        source="measured on test CPU, vLLM x", notes={"dtype": "float32"})
     shape = shape_from_hf_config(SMOLLM2_CONFIG, "smollm2-135m", dtype_bytes=4)
     assert shape == KNOWN_SHAPES["smollm2-135m"]
-    build_profile(grid, shape, timings, "cpu", 1 << 34).save(tmp_path / "p.json")
+    _engine_profile().save(tmp_path / "p.json")
     profile = Profile.load(tmp_path / "p.json")
     assert profile.source.startswith("measured on") and profile.device == "cpu"
     assert profile.decode_s[1] == pytest.approx([0.2, 0.25])

@@ -238,18 +238,27 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_model(args: argparse.Namespace):
+    """--engine MODEL's directory and shape (float32, as the engine is timed); ValueError
+    if --cpu-core is not ours."""
+    from weaver.models.registry import resolve_model
+    from weaver.sim.engine_profile import shape_from_hf_config
+
+    model_dir = resolve_model(args.engine)
+    config = json.loads((model_dir / "config.json").read_text())
+    shape = shape_from_hf_config(config, Path(args.engine).name, dtype_bytes=4)
+    if args.cpu_core not in os.sched_getaffinity(0):
+        raise ValueError(f"--cpu-core {args.cpu_core} is not one of this process's cores "
+                         f"{sorted(os.sched_getaffinity(0))}")
+    return model_dir, shape
+
+
 def run_engine_profile(args: argparse.Namespace) -> int:
     """`weaver profile --engine MODEL`: the vLLM import stays in weaver.vllm_ext."""
-    from weaver.models.registry import resolve_model
-    from weaver.sim.engine_profile import EngineGrid, build_profile, shape_from_hf_config
+    from weaver.sim.engine_profile import EngineGrid, build_profile
 
     try:
-        model_dir = resolve_model(args.engine)
-        config = json.loads((model_dir / "config.json").read_text())
-        shape = shape_from_hf_config(config, Path(args.engine).name, dtype_bytes=4)
-        if args.cpu_core not in os.sched_getaffinity(0):
-            raise ValueError(f"--cpu-core {args.cpu_core} is not one of this process's cores "
-                             f"{sorted(os.sched_getaffinity(0))}")
+        model_dir, shape = _engine_model(args)
     except (ValueError, OSError) as exc:
         logger.error("%s", exc)
         return 2
@@ -272,13 +281,7 @@ def run_retime_attention(args: argparse.Namespace) -> int:
     so re-timing them would move more than the attention)."""
     import datetime
 
-    from weaver.models.registry import resolve_model
-    from weaver.sim.engine_profile import (
-        attention_grid,
-        require_same_shape,
-        shape_from_hf_config,
-        with_attention,
-    )
+    from weaver.sim.engine_profile import attention_grid, require_same_shape, with_attention
     from weaver.sim.profile import Profile
 
     try:
@@ -287,12 +290,7 @@ def run_retime_attention(args: argparse.Namespace) -> int:
                              "was measured on")
         profile = Profile.load(args.retime_attention)
         grid = attention_grid(profile)
-        model_dir = resolve_model(args.engine)
-        config = json.loads((model_dir / "config.json").read_text())
-        shape = shape_from_hf_config(config, Path(args.engine).name, dtype_bytes=4)
-        if args.cpu_core not in os.sched_getaffinity(0):
-            raise ValueError(f"--cpu-core {args.cpu_core} is not one of this process's cores "
-                             f"{sorted(os.sched_getaffinity(0))}")
+        _, shape = _engine_model(args)
         require_same_shape(profile, shape)
     except (ValueError, OSError) as exc:
         logger.error("%s", exc)
