@@ -124,8 +124,7 @@ class CpuPagedAttentionExecutor:
         #   likewise builds it once per step for all layers (cpu_attn.py).
         # - K/V views per pool layer: id -> (the layer tensor, kept so the id stays its own;
         #   key view; value view). They hold the region's memory: release() drops them.
-        self._metadata_key: tuple[int, int, bytes] | None = None
-        self._metadata: torch.Tensor | None = None
+        self._metadata: tuple[tuple[int, int, bytes], torch.Tensor] | None = None  # key, value
         self._kv_views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         logger.info("CPU paged attention executor for %s uses ISA %s", shape, self.isa)
 
@@ -182,14 +181,13 @@ class CpuPagedAttentionExecutor:
     def release(self) -> None:
         """Drop the cached K/V views (and metadata), e.g. before their region is unmapped."""
         self._kv_views.clear()
-        self._metadata_key = None
         self._metadata = None
 
     def _scheduler_metadata(self, num_seqs: int, seq_lens: torch.Tensor,
                             query_start_loc: torch.Tensor, sliding_window: int) -> torch.Tensor:
         key = (num_seqs, sliding_window, seq_lens.contiguous().numpy().tobytes())
-        if key != self._metadata_key or self._metadata is None:
-            self._metadata = ops.cpu_attn_get_scheduler_metadata(
+        if self._metadata is None or self._metadata[0] != key:
+            metadata = ops.cpu_attn_get_scheduler_metadata(
                 num_reqs=num_seqs,
                 num_heads=self.shape.num_q_heads,
                 num_kv_heads=self.shape.num_kv_heads,
@@ -202,8 +200,8 @@ class CpuPagedAttentionExecutor:
                 isa=self.isa,
                 enable_kv_split=self._enable_kv_split,
             )
-            self._metadata_key = key
-        return self._metadata
+            self._metadata = (key, metadata)
+        return self._metadata[1]
 
     def _key_value_caches(self, kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cached = self._kv_views.get(id(kv_layer))
