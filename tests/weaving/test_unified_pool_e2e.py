@@ -27,6 +27,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 from weaving_client import complete_all, make_prompts, metric, openai_client
 
@@ -162,6 +163,35 @@ def test_cold_takes_its_memory_back_and_no_request_is_lost(server, client, hot_r
     # finish and free blocks); benchmarks/unified_pool_reclaim.py shows both paths (9).
     preempted = metric(server, 'weaver_kv_pool_reclaim_preemptions_total{model="hot"}')
     print(f"remote requests preempted to give memory back: {preempted:.0f}")
+
+
+def test_killing_the_pool_owner_mid_run_loses_no_hot_request(server, client, hot_reference):
+    """The cold engine holds the pool's allocator and serves the offloaded attention. When it
+    dies mid-run, the hot requests whose KV is in the pool finish from the pages the hot
+    worker still maps (their attention computed on the hot side, counted as fallbacks), and
+    the ones not yet placed go to local KV: every place (ratio 1.0) is remote, so without
+    that they would wait for pool blocks forever."""
+    prompts = make_prompts(NUM_PROMPTS)
+    cold_pids = server.health().json()["models"]["cold"]["engine_pids"]
+    tasks_before = metric(server, 'weaver_offload_tasks_total{cold="cold",hot="hot"}')
+    with cf.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(complete_all, client, "hot", prompts)
+        deadline = time.monotonic() + 120
+        # Remote requests are running (their decode attention is being served), while
+        # others still wait for blocks: 16 requests do not fit in the pool at once.
+        while (metric(server, 'weaver_offload_tasks_total{cold="cold",hot="hot"}')
+               < tasks_before + 300):
+            assert time.monotonic() < deadline and not pending.done()
+            time.sleep(0.2)
+        for pid in cold_pids:
+            psutil.Process(pid).kill()
+        outputs = pending.result(timeout=600)
+    assert outputs == hot_reference
+    assert metric(server, 'weaver_offload_fallbacks_total{model="hot"}') > 0
+    pairs = {(p["hot"], p["cold"]): p for p in server.health().json()["weaving"]}
+    assert pairs[("hot", "cold")]["status"] == "degraded"
+    # Requests sent after the owner died are placed locally from the start.
+    assert complete_all(client, "hot", prompts[:4]) == hot_reference[:4]
 
 
 def test_no_shared_memory_left_after_sigterm(server):

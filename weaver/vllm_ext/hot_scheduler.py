@@ -15,6 +15,7 @@ import contextlib
 import copy
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -37,13 +38,19 @@ class RoutingKVCacheManager:
     request; everything pool-wide (stats, prefix cache, events) is the local pool's."""
 
     def __init__(self, local: KVCacheManager, remote: KVCacheManager, num_local_blocks: int,
-                 placement: RatioPlacement) -> None:
+                 placement: RatioPlacement,
+                 remote_available: Callable[[], bool] | None = None) -> None:
         self.local = local
         self.remote = remote
         self.num_local_blocks = num_local_blocks
         self.placement = placement
+        # False once the remote pool can give no more blocks (a unified pool whose owner,
+        # the cold engine, is gone): then every new placement is local, whatever the ratio,
+        # or a hot model that places everything remotely would wait forever.
+        self.remote_available = remote_available
         self.placed: dict[str, Placement] = {}
         self.num_placed_remote = 0  # requests ever placed remotely (a Prometheus counter)
+        self._logged_remote_gone = False
         self.peak_running_remote = 0
 
     def __getattr__(self, name: str) -> Any:
@@ -64,6 +71,8 @@ class RoutingKVCacheManager:
         order = [preferred]
         if self.placement.may_spill:
             order.append(Placement.LOCAL if preferred is Placement.REMOTE else Placement.REMOTE)
+        if not self._remote_is_available():
+            order = [Placement.LOCAL]
         for choice in order:
             pool = self.remote if choice is Placement.REMOTE else self.local
             if choice is Placement.REMOTE and kwargs.get("new_computed_blocks") is not None:
@@ -78,6 +87,15 @@ class RoutingKVCacheManager:
                                                    self.num_running_remote)
                 return blocks
         return None
+
+    def _remote_is_available(self) -> bool:
+        if self.remote_available is None or self.remote_available():
+            return True
+        if not self._logged_remote_gone:
+            self._logged_remote_gone = True
+            logger.error("no more remote KV blocks can be had (the cold side's pool is gone): "
+                         "new and recomputed requests are placed locally from now on")
+        return False
 
     @property
     def num_running_remote(self) -> int:
@@ -167,8 +185,10 @@ class WeaverHotScheduler(Scheduler):
                 # schedule() sets the target every step; this is the first one's.
                 lease_blocks=plan.max_blocks_per_seq)
             AllocatorBlockPool.adopt(remote.block_pool, self.weaver_lease, plan.hot, num_local)
+        lease = self.weaver_lease
         self.kv_cache_manager = RoutingKVCacheManager(
-            local, remote, num_local, RatioPlacement(plan.offload_ratio))
+            local, remote, num_local, RatioPlacement(plan.offload_ratio),
+            remote_available=None if lease is None else lambda: lease.broken_reason is None)
         logger.info(
             "weaving %s -> %s: %d local + %d remote KV blocks, offload ratio %.2f",
             plan.hot, plan.cold, num_local, plan.num_remote_blocks, plan.offload_ratio,

@@ -1,0 +1,73 @@
+"""Where RoutingKVCacheManager places a new request (the hot scheduler's local/remote split).
+
+The two pools are stand-ins for vLLM's KVCacheManager that only count blocks: placement
+reads nothing else of them. The engine-level behaviour (a unified pool whose owner dies)
+is pinned end to end in tests/weaving/test_unified_pool_e2e.py."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed", allow_module_level=True)
+
+from weaver.vllm_ext.hot_scheduler import RoutingKVCacheManager  # noqa: E402
+from weaver.weaving.placement import Placement, RatioPlacement  # noqa: E402
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+
+
+class CountingPool:
+    """Stand-in for a KVCacheManager: hands out `num_free` blocks, one per allocation."""
+
+    def __init__(self, num_free: int) -> None:
+        self.num_free = num_free
+        self.held: dict[str, int] = {}
+
+    def allocate_slots(self, request: FakeRequest, num_new_tokens: int, *args, **kwargs):
+        if self.num_free < 1:
+            return None
+        self.num_free -= 1
+        self.held[request.request_id] = self.held.get(request.request_id, 0) + 1
+        return ("blocks", request.request_id)
+
+
+def routing(ratio: float, *, local: int, remote: int, remote_available=None):
+    return RoutingKVCacheManager(CountingPool(local), CountingPool(remote), 8,
+                                 RatioPlacement(ratio), remote_available=remote_available)
+
+
+def test_all_remote_places_every_request_remotely_while_the_pool_gives_blocks():
+    manager = routing(1.0, local=4, remote=4)
+    for i in range(3):
+        assert manager.allocate_slots(FakeRequest(f"r{i}"), 16) is not None
+    assert set(manager.placed.values()) == {Placement.REMOTE}
+    # Ratio 1.0 means "always remote": no spill to local when the remote pool is full.
+    manager.remote.num_free = 0
+    assert manager.allocate_slots(FakeRequest("r3"), 16) is None
+
+
+def test_once_the_remote_pool_is_gone_new_requests_are_placed_locally():
+    available = [True]
+    manager = routing(1.0, local=4, remote=4, remote_available=lambda: available[0])
+    assert manager.allocate_slots(FakeRequest("before"), 16) is not None
+    available[0] = False  # e.g. the unified pool's owner died: its lease is broken
+    assert manager.allocate_slots(FakeRequest("after"), 16) is not None
+    assert manager.placed == {"before": Placement.REMOTE, "after": Placement.LOCAL}
+    assert manager.local.held == {"after": 1}
+    # A request already placed keeps its pool (its K/V are where they are).
+    assert manager.allocate_slots(FakeRequest("before"), 1) is not None
+    assert manager.remote.held == {"before": 2}
+
+
+def test_a_spilling_ratio_never_tries_a_remote_pool_that_is_gone():
+    manager = routing(0.5, local=1, remote=4, remote_available=lambda: False)
+    assert manager.allocate_slots(FakeRequest("a"), 16) is not None
+    assert manager.allocate_slots(FakeRequest("b"), 16) is None  # local full: it waits
+    assert manager.remote.held == {}
