@@ -169,8 +169,9 @@ def test_killing_the_pool_owner_mid_run_loses_no_hot_request(server, client, hot
     """The cold engine holds the pool's allocator and serves the offloaded attention. When it
     dies mid-run, the hot requests whose KV is in the pool finish from the pages the hot
     worker still maps (their attention computed on the hot side, counted as fallbacks), and
-    the ones not yet placed go to local KV: every place (ratio 1.0) is remote, so without
-    that they would wait for pool blocks forever."""
+    the ones not yet placed go to local KV. At offload ratio 1.0 the hot model never spills
+    to local KV otherwise, so they would wait for pool blocks forever (seen before the fix:
+    0 running, 11 waiting, until the timeout)."""
     prompts = make_prompts(NUM_PROMPTS)
     cold_pids = server.health().json()["models"]["cold"]["engine_pids"]
     tasks_before = metric(server, 'weaver_offload_tasks_total{cold="cold",hot="hot"}')
