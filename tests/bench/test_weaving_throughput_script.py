@@ -55,3 +55,34 @@ def test_only_the_weaving_deployment_lends_and_splits(bench, tmp_path):
                   for label, doc in docs.items()}
     assert hot_blocks == {"dedicated": 100, "weaving": 100, "upper-bound": 289}
     assert docs["weaving"]["weaving"][0]["offload_ratio"] == 0.66
+
+
+def test_pooled_estimators_use_every_unweaved_cold_run(bench):
+    runs = [_run("dedicated", 1, 50.0, 0.100), _run("weaving", 1, 90.0, 0.110),
+            _run("upper-bound", 1, 100.0, 0.080),
+            _run("dedicated", 2, 60.0, 0.120), _run("weaving", 2, 66.0, 0.130),
+            _run("upper-bound", 2, 63.0, 0.100)]
+    summary = bench.summarize_rounds(runs)
+    # Round 2's upper bound gained 5 %: its ratio of gains (2.0) dominates a per-round view.
+    assert [r["ratio_of_gains"] for r in summary["rounds"]] == [
+        pytest.approx(0.8), pytest.approx(2.0)]
+    assert summary["median_of_round_ratios_of_gains"] == pytest.approx(1.4)
+    assert summary["mean_hot_tok_s"] == {"dedicated": 55.0, "weaving": 78.0,
+                                         "upper-bound": 81.5}
+    assert summary["ratio_of_gains_of_means"] == pytest.approx((78 / 55 - 1) / (81.5 / 55 - 1))
+    assert summary["median_of_round_cold_tpot_ratios"] == pytest.approx(
+        (1.1 + 0.13 / 0.12) / 2)
+    assert summary["cold_tpot_weaving_over_unweaved_mean"] == pytest.approx(0.12 / 0.1)
+
+
+def test_hot_capacity_counts_requests_at_full_length_and_their_waves(bench):
+    args = bench.argparse.Namespace(hot_input=32, hot_output=256, local_blocks=144,
+                                    remote_blocks=72, num_hot=32)
+    # 288 tokens = 9 blocks of 32: 16 local, 8 remote; 32 requests are 2 waves of 16 or of 24.
+    assert bench.hot_capacity(args) == {
+        "dedicated": {"concurrent": 16, "waves": 2},
+        "weaving": {"concurrent": 24, "waves": 2},
+        "upper-bound": {"concurrent": 24, "waves": 2}}
+    args.num_hot = 48
+    assert {label: c["waves"] for label, c in bench.hot_capacity(args).items()} == {
+        "dedicated": 3, "weaving": 2, "upper-bound": 2}

@@ -264,7 +264,9 @@ def test_sequence_number_refuses_to_wrap(shm_name):
         (dict(layer=2), "layer 2 out of range"),
         (dict(q=torch.zeros(2, 4, 16)), "q must be"),
         (dict(q=torch.zeros(2, 4, 32, dtype=torch.float16)), "dtype"),
-        (dict(q=torch.zeros(5, 4, 32)), "num_seqs 5 outside"),
+        (dict(q=torch.zeros(5, 4, 32), seq_lens=torch.ones(5, dtype=torch.int32),
+              block_table=torch.zeros(5, 3, dtype=torch.int32)), r"num_seqs in \[1, 4\]"),
+        (dict(q=torch.zeros(3, 4, 32)), r"q must be \[2, 4, 32\]"),
         (dict(seq_lens=torch.tensor([1, 97], dtype=torch.int32)), "seq_lens must be in"),
         (dict(seq_lens=torch.tensor([0, 3], dtype=torch.int32)), "seq_lens must be in"),
         (dict(block_table=torch.tensor([[0, 1, 2], [3, 4, 12]], dtype=torch.int32)), "block ids"),
@@ -318,3 +320,50 @@ def test_receiver_close_releases_the_executors_views_before_unmapping(shm_name):
         ticket, expected = submit_random(sender, 1, 2, gen)
         torch.testing.assert_close(sender.wait(ticket, timeout_s=30), expected)
     assert seen == [(1, False)]  # called once, with the view, before the region closed
+
+
+def test_layers_of_one_step_share_the_staged_batch(shm_name, monkeypatch):
+    """Every layer of a hot step sends one prepared batch: it is checked once, staged by the
+    first layer's task and not copied again; another batch in between is staged in turn.
+    The batch keeps its own copy, so changing the caller's tensors afterwards changes
+    nothing. Each answer is still the oracle's."""
+    import weaver.offload.channel as channel
+
+    checks = []
+    real_check = channel.check_task_bounds
+    monkeypatch.setattr(channel, "check_task_bounds",
+                        lambda *args: checks.append(1) or real_check(*args))
+    gen = torch.Generator().manual_seed(11)
+    with channel_pair(shm_name, poller=False) as (sender, recv, owner):
+        fill_pool(sender, gen)
+
+        def round_trip(layer, lens, table, batch):
+            q = torch.randn(len(lens), SHAPE.num_q_heads, SHAPE.head_size, generator=gen)
+            ticket = sender.submit_batch(layer, q, batch, scale=SCALE)
+            assert recv.poll()
+            torch.testing.assert_close(sender.wait(ticket, timeout_s=1),
+                                       paged_decode_attention_reference(
+                                           q, sender.kv_layer(layer), lens, table, SCALE,
+                                           key_layout="nd"))
+
+        lens, table = random_batch(LAYOUT, 3, gen)
+        first = sender.prepare_batch(lens, table)
+        expected_lens, expected_table = lens.clone(), table.clone()
+        lens[1], table[1] = 1, 0  # the caller's tensors change: the batch does not
+        round_trip(0, expected_lens, expected_table, first)
+        # a stray write into the staged block table: the next layer's task does not restage
+        struct.pack_into("<i", owner.buffer, LAYOUT.block_table_offset, 1000)
+        q = torch.zeros(3, SHAPE.num_q_heads, SHAPE.head_size)
+        ticket = sender.submit_batch(1, q, first, scale=SCALE)
+        assert recv.poll()
+        with pytest.raises(OffloadTaskFailed):  # the cold side's own check caught it
+            sender.wait(ticket, timeout_s=1)
+        other_lens, other_table = random_batch(LAYOUT, 2, gen)
+        other = sender.prepare_batch(other_lens, other_table)
+        round_trip(1, other_lens, other_table, other)
+        round_trip(0, expected_lens, expected_table, first)  # staged again, intact
+        round_trip(1, expected_lens, expected_table, first)
+        # The cold side checks every task it reads, as before; the hot side each batch once.
+        assert len(checks) - sender.stats.num_submitted == 2
+        with pytest.raises(ValueError, match="seq_lens must be in"):
+            sender.prepare_batch(torch.tensor([LAYOUT.max_tokens_per_seq + 1]), table[:1])

@@ -74,7 +74,7 @@ def attend_rows(impl: Any, layer: Any, query: torch.Tensor, output: torch.Tensor
     num_blocks, num_kv_heads, block_size, _ = kv_layer.shape
     key_cache, value_cache = kv_layer.view(
         num_blocks, num_kv_heads, block_size * 2, -1).chunk(2, dim=2)
-    sub_out = torch.empty_like(output[rows.tokens])
+    sub_out = output.new_empty((rows.tokens.numel(), *output.shape[1:]))
     ops.cpu_attention_with_kv_cache(
         query=query[rows.tokens], key_cache=key_cache, value_cache=value_cache,
         output=sub_out, query_start_loc=rows.query_start_loc, seq_lens=rows.seq_lens,

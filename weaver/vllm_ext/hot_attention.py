@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from weaver.offload.channel import OffloadError, OffloadSender
+from weaver.offload.channel import OffloadError, OffloadSender, TaskBatch
 from weaver.vllm_ext.attention_rows import BatchRows, attend_rows, select_mask
 from weaver.vllm_ext.split_attention import ATTN_OP_NAME, AttentionChunks
 from weaver.weaving.plan import PairPlan
@@ -149,6 +149,8 @@ class _StepSplit:
     remote_prefill: BatchRows | None
     remote_decode: BatchRows | None
     num_new_remote: int  # remote sequences starting their prefill in this step
+    # remote_decode as the offload channel sends it, checked once for all layers
+    decode_batch: TaskBatch | None = None
 
 
 def _split_step(md: CPUAttentionMetadata, num_local_blocks: int) -> _StepSplit:
@@ -230,7 +232,7 @@ class WeaverCPUAttentionImpl(CPUAttentionBackendImpl):
         decode = split.remote_decode
         ticket = None
         if decode is not None and runtime.degraded_reason is None:
-            ticket = self._submit(runtime, query, decode)
+            ticket = self._submit(runtime, query, split)
         if split.local is not None:
             attend_rows(self, layer, query, output, kv_cache, md, split.local)
         if split.remote_prefill is not None:
@@ -244,10 +246,13 @@ class WeaverCPUAttentionImpl(CPUAttentionBackendImpl):
                                      decode)
         return output
 
-    def _submit(self, runtime, query, rows: BatchRows):
+    def _submit(self, runtime, query, split: _StepSplit):
+        rows = split.remote_decode
+        if split.decode_batch is None:
+            split.decode_batch = runtime.sender.prepare_batch(rows.seq_lens, rows.block_table)
         try:
-            return runtime.sender.submit(
-                self.weaver_layer_index, query[rows.tokens], rows.seq_lens, rows.block_table,
+            return runtime.sender.submit_batch(
+                self.weaver_layer_index, query[rows.tokens], split.decode_batch,
                 scale=self.scale, sliding_window=self.sliding_window,
                 softcap=float(self.logits_soft_cap))
         except OffloadError as exc:
