@@ -206,19 +206,15 @@ def summarize_rounds(runs: list[dict]) -> dict:
             "cold_tpot_weaving_over_unweaved_mean": weaving_tpot / unweaved_tpot}
 
 
-def hot_capacity(args: argparse.Namespace) -> dict[str, dict[str, int]]:
-    """How many hot requests each deployment decodes at once (KV blocks / blocks a request
-    needs at its full length) and in how many waves it serves NUM_HOT of them. Every hot
-    request has the same length, so they run in waves: when both deployments need the same
-    number of waves (32 requests at 16 vs 24 at once: 2 waves each), the upper bound's
-    larger batch saves only on its short last wave, and its gain is mostly noise."""
+def hot_capacity(args: argparse.Namespace) -> dict[str, int]:
+    """How many hot requests each deployment's KV holds at their full length (KV blocks /
+    blocks a request needs). vLLM admits more at first, while prompts are short, and
+    preempts (recomputes) the latest as they grow: this is the batch it settles at."""
     per_request = -(-(args.hot_input + args.hot_output) // BLOCK_SIZE)
     local = args.local_blocks // per_request
-    remote = args.remote_blocks // per_request
-    return {label: {"concurrent": n, "waves": -(-args.num_hot // n) if n else 0}
-            for label, n in (("dedicated", local), ("weaving", local + remote),
-                             ("upper-bound", (args.local_blocks + args.remote_blocks)
-                              // per_request))}
+    return {"dedicated": local,
+            "weaving": local + args.remote_blocks // per_request,
+            "upper-bound": (args.local_blocks + args.remote_blocks) // per_request}
 
 
 def main() -> int:
@@ -230,9 +226,7 @@ def main() -> int:
                         help="blocks the cold engine lends (189 = 21 requests)")
     parser.add_argument("--offload-ratio", type=float, default=0.66)
     parser.add_argument("--num-hot", type=int, default=32,
-                        help="hot requests, all sent at once. Equal lengths make them run in "
-                        "waves: pick a count that the upper bound serves in fewer waves than "
-                        "dedicated (a multiple of both batch sizes), or its gain is noise")
+                        help="hot requests, all sent at once")
     parser.add_argument("--hot-input", type=int, default=32)
     parser.add_argument("--hot-output", type=int, default=256)
     parser.add_argument("--num-cold", type=int, default=12)
@@ -277,13 +271,8 @@ def main() -> int:
     model_dir = prepare_model("smollm2-135m-instruct")
     requests = workload(args)
     capacity = hot_capacity(args)
-    print("hot requests at once / waves of " f"{args.num_hot}: " + ", ".join(
-        f"{label} {c['concurrent']} / {c['waves']}" for label, c in capacity.items()),
-        flush=True)
-    if capacity["dedicated"]["waves"] == capacity["upper-bound"]["waves"]:
-        print("warning: dedicated and upper bound need as many waves; the upper bound gains "
-              "only on its last wave, so the ratio of gains will be mostly noise (raise "
-              "--num-hot)", flush=True)
+    print("hot requests the KV holds at full length: " + ", ".join(
+        f"{label} {n}" for label, n in capacity.items()), flush=True)
     runs = []
     # Kept after the run: each deployment's YAML and server log, for a look afterwards.
     work_dir = Path(tempfile.mkdtemp(prefix="weaver-bench-"))

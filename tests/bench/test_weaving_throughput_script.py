@@ -75,14 +75,10 @@ def test_pooled_estimators_use_every_unweaved_cold_run(bench):
     assert summary["cold_tpot_weaving_over_unweaved_mean"] == pytest.approx(0.12 / 0.1)
 
 
-def test_hot_capacity_counts_requests_at_full_length_and_their_waves(bench):
+def test_hot_capacity_counts_requests_at_full_length(bench):
     args = bench.argparse.Namespace(hot_input=32, hot_output=256, local_blocks=144,
-                                    remote_blocks=72, num_hot=32)
-    # 288 tokens = 9 blocks of 32: 16 local, 8 remote; 32 requests are 2 waves of 16 or of 24.
-    assert bench.hot_capacity(args) == {
-        "dedicated": {"concurrent": 16, "waves": 2},
-        "weaving": {"concurrent": 24, "waves": 2},
-        "upper-bound": {"concurrent": 24, "waves": 2}}
-    args.num_hot = 48
-    assert {label: c["waves"] for label, c in bench.hot_capacity(args).items()} == {
-        "dedicated": 3, "weaving": 2, "upper-bound": 2}
+                                    remote_blocks=72, num_hot=48)
+    # 288 tokens = 9 blocks of 32: 16 local, 8 remote
+    assert bench.hot_capacity(args) == {"dedicated": 16, "weaving": 24, "upper-bound": 24}
+    args.hot_output = 257  # one token more needs a tenth block
+    assert bench.hot_capacity(args) == {"dedicated": 14, "weaving": 21, "upper-bound": 21}
