@@ -77,7 +77,7 @@ def test_pooled_estimators_use_every_unweaved_cold_run(bench):
 
 def test_hot_capacity_counts_requests_at_full_length(bench):
     args = bench.argparse.Namespace(hot_input=32, hot_output=256, local_blocks=144,
-                                    remote_blocks=72, num_hot=48)
+                                    remote_blocks=72)
     # 288 tokens = 9 blocks of 32: 16 local, 8 remote
     assert bench.hot_capacity(args) == {"dedicated": 16, "weaving": 24, "upper-bound": 24}
     args.hot_output = 257  # one token more needs a tenth block
