@@ -29,7 +29,8 @@ WORKLOAD = ["--model", "hot", "--model", "cold", "--power-law-alpha", "1.5",
 
 
 def test_run_summary_plot(fake_server, tmp_path, capsys, monkeypatch):
-    server = fake_server(FakeBehavior(ttft_s=0.02, itl_s=0.005))
+    behavior = FakeBehavior(ttft_s=0.02, itl_s=0.005)
+    server = fake_server(behavior)
     out = tmp_path / "r.json"
     argv = ["bench", "run", "--url", server.url, "--label", "fake", "--rate", "20", "40",
             "--out", str(out), "--isolated", "hot=20,5", "--isolated", "cold=20,5",
@@ -47,6 +48,12 @@ def test_run_summary_plot(fake_server, tmp_path, capsys, monkeypatch):
     fits = 16 - bench.PROMPT_TOKEN_MARGIN
     assert all(r.input_tokens + r.output_tokens <= fits for r in run.records)
     assert result.command == ["weaver", *argv]
+    # Both rates send request ids 0-7 to the one server: with the same texts the second
+    # rate would be served from the prefix cache the first one filled.
+    assert [run.loadgen["prompt_salt"] for run in result.runs] == [0, 1]
+    prompts = [s["prompt"] for s in behavior.streams]
+    assert len(prompts) == 16 and len(set(prompts)) == 16
+    assert set(prompts[:8]).isdisjoint(prompts[8:])
     printed = capsys.readouterr().out
     assert "TPOT p90" in printed and "SLO x5" in printed
 
@@ -79,11 +86,17 @@ def test_compare_two_fake_deployments_reports_ratios(fake_server, tmp_path, caps
         compare_deployments([("a", fast.url), ("a", slow.url)], requests, LoadGenConfig(fast.url))
 
     out = tmp_path / "cmp.json"
+    fast_behavior, slow_behavior = FakeBehavior(0.0, 0.001), FakeBehavior(0.0, 0.001)
+    fast, slow = fake_server(fast_behavior), fake_server(slow_behavior)
     argv = ["bench", "compare", "--target", f"fast={fast.url}", "--target", f"slow={slow.url}",
-            "--rate", "50", "--out", str(out), *WORKLOAD]
+            "--rate", "50", "100", "--out", str(out), *WORKLOAD]
     assert _main(argv) == 0
-    assert [r.label for r in load_result(out).runs] == ["fast", "slow"]
+    assert [r.label for r in load_result(out).runs] == ["fast", "slow"] * 2
     assert "x TPOT p90" in capsys.readouterr().out
+    # The deployments compared at a rate get the same prompts; the next rate other ones.
+    by_rate = [[s["prompt"] for s in b.streams] for b in (fast_behavior, slow_behavior)]
+    assert sorted(by_rate[0]) == sorted(by_rate[1])
+    assert set(by_rate[0][:8]).isdisjoint(by_rate[0][8:])
 
 
 @pytest.mark.parametrize(("argv", "message"), [

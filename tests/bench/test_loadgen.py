@@ -73,6 +73,20 @@ def test_payload_prompt_and_api_key(fake_server):
     assert all(h["authorization"] == "Bearer sekret" for h in behavior.headers)
 
 
+def test_prompt_salt_changes_the_texts_not_their_lengths():
+    request = TraceRequest(0.0, 40, 4, "m", 7)
+    plain = build_payload(request, _config("http://x"))["prompt"]
+    salted = [build_payload(request, _config("http://x", prompt_salt=k))["prompt"]
+              for k in (1, 2, 1)]
+    assert plain == synthetic_prompt(40, 7)  # salt 0: the texts of results before the salt
+    assert salted[0] == salted[2]  # deterministic
+    assert len({plain, salted[0], salted[1]}) == 3
+    assert all(len(p.split()) == 40 for p in (plain, *salted))
+    # Not a shift of ids: salt 1 of id 7 is no other id's salt-0 or salt-1 text.
+    assert salted[0] not in {synthetic_prompt(40, i, s) for i in range(7) for s in (0, 1)}
+    assert _config("http://x", prompt_salt=3).to_json()["prompt_salt"] == 3
+
+
 def test_strict_openai_mode_sends_no_vllm_extras():
     config = _config("http://x", send_vllm_extras=False)
     payload = build_payload(TraceRequest(0.0, 5, 4, "m", 0), config)

@@ -6,6 +6,8 @@ helper modules next to them, so the helpers travel as a fixture."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from weaver.sim.config import SimConfig
@@ -50,6 +52,20 @@ class Linear:
 @pytest.fixture
 def lin() -> type[Linear]:
     return Linear
+
+
+@pytest.fixture
+def lin_model_dir(tmp_path):
+    """A model directory whose config.json has the linear profile's shape (what the
+    calibration commands check a profile against)."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    s = Linear.SHAPE
+    (model_dir / "config.json").write_text(json.dumps({
+        "num_hidden_layers": s.num_layers, "hidden_size": s.hidden_size,
+        "num_attention_heads": s.num_heads, "num_key_value_heads": s.num_kv_heads,
+        "intermediate_size": s.intermediate_size, "vocab_size": s.vocab_size}))
+    return model_dir
 
 
 @pytest.fixture

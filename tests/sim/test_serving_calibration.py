@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from weaver.bench import serving_probe
 from weaver.bench.results import RequestRecord, RequestStatus
@@ -227,17 +228,13 @@ def test_calibrate_serving_without_engine_exits_2_before_measuring(tmp_path, pro
 
 
 def test_calibrate_serving_command_writes_the_calibrated_profile(tmp_path, lin, profile_path,
-                                                                  monkeypatch, capsys):
-    model_dir = tmp_path / "model"  # a config.json of the linear profile's shape
-    model_dir.mkdir()
-    s = lin.SHAPE
-    (model_dir / "config.json").write_text(json.dumps({
-        "num_hidden_layers": s.num_layers, "hidden_size": s.hidden_size,
-        "num_attention_heads": s.num_heads, "num_key_value_heads": s.num_kv_heads,
-        "intermediate_size": s.intermediate_size, "vocab_size": s.vocab_size}))
+                                                                  lin_model_dir, monkeypatch,
+                                                                  capsys):
+    model_dir = lin_model_dir
 
-    def fake_measure(model, core, plan, kv_bytes_per_token, work_dir, serve_cores, on_point):
-        assert plan.batch_sizes == (1, 8) and serve_cores is None
+    def fake_measure(model, core, plan, kv_bytes_per_token, work_dir, serve_cores, on_point,
+                     deployment=None):
+        assert plan.batch_sizes == (1, 8) and serve_cores is None and deployment is None
         decode = decode_points(lin, batch_sizes=plan.batch_sizes)
         prefill = prefill_points(lin)
         for point in decode + prefill:
@@ -257,3 +254,42 @@ def test_calibrate_serving_command_writes_the_calibrated_profile(tmp_path, lin, 
     printed = capsys.readouterr().out
     assert "a = 30.00 ms, k = 2.000 ms" in printed and "prefill overhead" in printed
     assert printed.count("served TPOT") == 2 and printed.count("served TTFT") == 2
+
+
+def test_serving_deployment_is_served_as_it_is_and_checked_first(tmp_path, lin, profile_path,
+                                                                 lin_model_dir, monkeypatch):
+    model_dir = lin_model_dir
+    core = min(serving_probe.os.sched_getaffinity(0))
+    spec = {"model": str(model_dir), "role": "dedicated", "kv_cache_gib": 0.25,
+            "max_model_len": 512, "block_size": 32, "num_gpu_blocks_override": 65}
+    deployment = tmp_path / "dedicated.yaml"
+    deployment.write_text(yaml.safe_dump({"models": [
+        {"name": "hot", **spec, "cpu_cores": str(core)},
+        {"name": "cold", **spec, "cpu_cores": str(core)}], "weaving": []}))
+    seen = []
+
+    def fake_measure(model, core, plan, kv_bytes_per_token, work_dir, serve_cores, on_point,
+                     deployment=None):
+        seen.append(deployment)
+        decode = decode_points(lin, batch_sizes=plan.batch_sizes)
+        return serving_probe.ServingPoints(decode, prefill_points(lin), work_dir / "d.yaml",
+                                           work_dir / "s.log")
+
+    monkeypatch.setattr(serving_probe, "measure_serving_points", fake_measure)
+    out = tmp_path / "calibrated.json"
+
+    def run(target, *extra):
+        args = parse(["profile", "--calibrate-serving", profile_path, "--engine",
+                      str(model_dir), "--cpu-core", str(core), "--serving-batch-sizes", "1",
+                      "8", "--serving-deployment", target, *extra, "--out", str(out)])
+        return args.handler(args)
+
+    assert run(f"{deployment}:hot") == 0
+    assert seen == [(deployment, "hot")]
+    notes = json.loads(Profile.load(out).notes[NOTES_KEY])
+    assert f"{deployment} as it is, measuring 'hot'" in notes["conditions"]
+    # Checked before anything is served: the form, the model, its KV room.
+    for bad in (str(deployment), f"{deployment}:nope", f"{tmp_path / 'none.yaml'}:hot"):
+        assert run(bad) == 2, bad
+    assert run(f"{deployment}:hot", "--serving-batch-sizes", "1", "32") == 2  # 128 > 64 blocks
+    assert len(seen) == 1

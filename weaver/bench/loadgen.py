@@ -42,6 +42,10 @@ class LoadGenConfig:
     temperature: float = 0.0
     show_progress: bool = True
     extra_body: dict[str, Any] = field(default_factory=dict)
+    # Varies the prompt texts, not their lengths (weaver.bench.prompts): runs that send the
+    # same requests to one server take different salts, so no run hits the prefix cache
+    # another one filled.
+    prompt_salt: int = 0
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -74,7 +78,8 @@ class LoadGenOutcome:
 def build_payload(request: TraceRequest, config: LoadGenConfig) -> dict[str, Any]:
     payload: dict[str, Any] = {
         "model": request.model,
-        "prompt": synthetic_prompt(request.input_tokens, request.request_id),
+        "prompt": synthetic_prompt(request.input_tokens, request.request_id,
+                                   config.prompt_salt),
         "max_tokens": request.output_tokens,
         "temperature": config.temperature,
         "stream": True,

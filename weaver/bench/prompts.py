@@ -3,7 +3,9 @@
 Each word below is a single token (with its leading space) in the GPT-2/Llama/Qwen BPE
 vocabularies, so N words make about N tokens; the server's reported `usage.prompt_tokens`
 is recorded next to the requested length. Words are drawn per request id, so prompts do
-not share prefixes and prefix caching cannot make TTFT look better than it is.
+not share prefixes and prefix caching cannot make TTFT look better than it is. A sweep
+sends the same request ids again at every rate to one server; its runs pass a different
+`salt` each, or the later rates would find the earlier rates' prompts in the prefix cache.
 """
 
 from __future__ import annotations
@@ -24,9 +26,13 @@ COMMON_WORDS = (
 # fmt: on
 
 
-def synthetic_prompt(num_tokens: int, request_id: int = 0) -> str:
-    """About `num_tokens` tokens of common words; the same id always gives the same text."""
+def synthetic_prompt(num_tokens: int, request_id: int = 0, salt: int = 0) -> str:
+    """About `num_tokens` tokens of common words; the same (id, salt) always gives the same
+    text, another salt another text."""
     if num_tokens < 1:
         raise ValueError(f"a prompt needs at least one token, got {num_tokens}")
-    rng = random.Random(request_id)  # local generator: no global random state touched
+    # A local generator: no global random state touched. Salt 0 keeps the texts that
+    # results written before the salt existed were measured with.
+    seed = request_id if salt == 0 else f"{salt}/{request_id}"
+    rng = random.Random(seed)
     return " ".join(rng.choice(COMMON_WORDS) for _ in range(num_tokens))

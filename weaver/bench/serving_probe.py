@@ -116,19 +116,27 @@ def prefill_point(record: RequestRecord) -> ServingPrefillPoint:
 
 def measure_serving_points(model: str, core: int, plan: ServingPlan, kv_bytes_per_token: int,
                            work_dir: Path, serve_cores: set[int] | None,
-                           on_point: OnPoint) -> ServingPoints:
+                           on_point: OnPoint,
+                           deployment: tuple[Path, str] | None = None) -> ServingPoints:
     """Start `weaver serve` for `model` on `core`, warm it up, measure the plan's points
-    (each reported to `on_point` with a remark as it comes); the server is gone after."""
+    (each reported to `on_point` with a remark as it comes); the server is gone after.
+
+    `deployment` = (file, API name): serve that deployment as it is instead (its engines
+    pinned by their own cpu_cores, every other model idle) and measure the named model,
+    so that the points hold what that deployment's other engines cost the measured one."""
     work_dir.mkdir(parents=True, exist_ok=True)
-    config = write_deployment(work_dir / "serving_probe.yaml",
-                              deployment_dict(model, core, plan, kv_bytes_per_token))
+    if deployment is None:
+        config = write_deployment(work_dir / "serving_probe.yaml",
+                                  deployment_dict(model, core, plan, kv_bytes_per_token))
+        api_name = API_NAME
+    else:
+        config, api_name = deployment
     log_path = work_dir / "serving_probe.log"
     ids = iter(range(FIRST_REQUEST_ID, 1 << 62))
 
     def one(prompt: int, output: int) -> TraceRequest:
-        return TraceRequest(0.0, prompt, output, API_NAME, next(ids))
+        return TraceRequest(0.0, prompt, output, api_name, next(ids))
 
-    decode: list[ServingDecodePoint] = []
     prefill: list[ServingPrefillPoint] = []
     started = time.monotonic()
     with _pinned(serve_cores), weaver_server(config, log_path) as server:
@@ -146,16 +154,51 @@ def measure_serving_points(model: str, core: int, plan: ServingPlan, kv_bytes_pe
                 point = prefill_point(send([one(n, plan.prefill_output_tokens)])[0])
                 prefill.append(point)
                 on_point(point, "alone on the idle server")
-        # Repeats outermost: a slow drift of the machine touches every batch size alike.
-        for repeat in range(plan.decode_repeats):
-            for b in plan.batch_sizes:
-                records = send([one(plan.prompt_tokens, plan.output_tokens) for _ in range(b)])
-                seen = decode_observation(records, b)
-                decode.append(seen.point)
-                on_point(seen.point, f"repeat {repeat + 1}/{plan.decode_repeats}, "
-                         f"{seen.num_full_batch} of {b} decoded with the whole batch; "
-                         f"median of all {seen.median_tpot_all_s * 1e3:.1f} ms")
+        decode = _decode_points(send, one, plan, on_point)
     return ServingPoints(decode, prefill, config, log_path)
+
+
+def _decode_points(send: Callable[[list[TraceRequest]], list[RequestRecord]],
+                   one: Callable[[int, int], TraceRequest], plan: ServingPlan,
+                   on_point: OnPoint) -> list[ServingDecodePoint]:
+    """The plan's decode points: b requests at once per batch size, `decode_repeats` times.
+    Repeats outermost: a slow drift of the machine touches every batch size alike."""
+    decode = []
+    for repeat in range(plan.decode_repeats):
+        for b in plan.batch_sizes:
+            records = send([one(plan.prompt_tokens, plan.output_tokens) for _ in range(b)])
+            seen = decode_observation(records, b)
+            decode.append(seen.point)
+            on_point(seen.point, f"repeat {repeat + 1}/{plan.decode_repeats}, "
+                     f"{seen.num_full_batch} of {b} decoded with the whole batch; "
+                     f"median of all {seen.median_tpot_all_s * 1e3:.1f} ms")
+    return decode
+
+
+def measure_woven_points(deployment_path: Path, hot_model: str, plan: ServingPlan,
+                         log_path: Path, serve_cores: set[int] | None,
+                         on_point: OnPoint) -> list[ServingDecodePoint]:
+    """Serve a weaving deployment as its file says (engines pinned by their cpu_cores) and
+    measure decode points of its hot model, `hot_model` (API name), with every other model
+    idle: b requests at once for each of the plan's batch sizes, `decode_repeats` times
+    (repeats outermost). The hot scheduler places each request local or remote; the
+    caller knows where from the pair's offload ratio."""
+    ids = iter(range(FIRST_REQUEST_ID, 1 << 62))
+
+    def one(prompt: int, output: int) -> TraceRequest:
+        return TraceRequest(0.0, prompt, output, hot_model, next(ids))
+
+    started = time.monotonic()
+    with _pinned(serve_cores), weaver_server(deployment_path, log_path) as server:
+        logger.info("weaver serve ready in %.0f s; warming up", time.monotonic() - started)
+
+        def send(requests: list[TraceRequest]) -> list[RequestRecord]:
+            return _send(server.base_url, requests, log_path)
+
+        # Warm-up: a lone and a batched step, local and remote sequences both.
+        send([one(16, 4)])
+        send([one(plan.prompt_tokens, 4) for _ in range(min(4, max(plan.batch_sizes)))])
+        return _decode_points(send, one, plan, on_point)
 
 
 def _send(base_url: str, requests: list[TraceRequest], log_path: Path) -> list[RequestRecord]:

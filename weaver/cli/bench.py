@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -329,9 +330,14 @@ def _run_targets(args: argparse.Namespace, targets: list[tuple[str, str]]) -> li
         with _served(label, where, args.out) as url:
             config = _client_config(args, url)
             runs = []
-            for rate, requests, description in workloads:
+            for index, (rate, requests, description) in enumerate(workloads):
+                # One server serves every rate of the sweep, and the rates repeat the same
+                # request ids: a salt per rate keeps the later rates out of the prefix cache
+                # the earlier ones filled. The same rate gets the same salt, so the
+                # deployments compared at a rate receive the same prompts.
                 (run,) = compare_deployments(
-                    [(label, url)], requests, config, rate=rate, workload=description,
+                    [(label, url)], requests, dataclasses.replace(config, prompt_salt=index),
+                    rate=rate, workload=description,
                     isolated=isolated, tpot_slo_s=tpot_slo_s,
                 )
                 run.roles = roles

@@ -36,6 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        default=list(DEFAULT_BATCH_SIZES),
                        help="batch sizes of the decode points (>= 2 distinct; default: "
                             "%(default)s)")
+    group.add_argument("--serving-deployment", metavar="FILE:MODEL",
+                       help="serve this deployment file as it is (its engines pinned by "
+                            "their cpu_cores, its other models idle) and measure its model "
+                            "MODEL (API name) instead of MODEL alone: the fit then also "
+                            "holds what the deployment's other engines cost it (--cpu-core "
+                            "must be that model's core)")
     group.add_argument("--serve-cores", default="engine", metavar="engine|all|CORES",
                        help="cores of the gateway/frontend process and of this client: "
                             "'engine' (default) puts them on --cpu-core, so their whole "
@@ -67,6 +73,8 @@ def run_calibrate_serving(args: argparse.Namespace) -> int:
                              f"{sorted(os.sched_getaffinity(0))}")
         serve_cores = serving_probe.parse_serve_cores(args.serve_cores, args.cpu_core)
         plan = ServingPlan(batch_sizes=tuple(args.serving_batch_sizes))
+        deployment = _serving_deployment(args.serving_deployment, args.cpu_core, plan,
+                                         profile.shape.kv_bytes_per_token)
     except (ValueError, OSError) as exc:
         logger.error("%s", exc)
         return 2
@@ -96,7 +104,7 @@ def run_calibrate_serving(args: argparse.Namespace) -> int:
     try:
         points = serving_probe.measure_serving_points(
             str(model_dir), args.cpu_core, plan, profile.shape.kv_bytes_per_token, work_dir,
-            serve_cores, on_point)
+            serve_cores, on_point, deployment=deployment)
     except (RuntimeError, TimeoutError) as exc:
         logger.error("serving measurement failed: %s", exc)
         return 1
@@ -105,7 +113,9 @@ def run_calibrate_serving(args: argparse.Namespace) -> int:
     except ValueError as exc:  # the points are printed above
         logger.error("cannot fit the serving overhead: %s", exc)
         return 1
-    conditions = (f"weaver serve, one dedicated engine (cpu_cores {args.cpu_core}), gateway/"
+    served = (f"one dedicated engine (cpu_cores {args.cpu_core})" if deployment is None
+              else f"{deployment[0]} as it is, measuring {deployment[1]!r}, other models idle")
+    conditions = (f"weaver serve, {served}, gateway/"
                   f"frontend and client on {_cores_text(serve_cores)}; plan "
                   f"{json.dumps(asdict(plan))}; deployment {points.deployment_path}")
     calibrated = apply_serving_overhead(
@@ -122,6 +132,37 @@ def run_calibrate_serving(args: argparse.Namespace) -> int:
           f"{len(fit.prefill)} TTFT - in-process prefill)")
     print(f"profile: {args.out}")
     return 0
+
+
+def _serving_deployment(value: str | None, core: int, plan,
+                        kv_bytes_per_token: int) -> tuple[Path, str] | None:
+    """--serving-deployment FILE:MODEL, checked: the model is in the file, runs on --cpu-core
+    and has the KV blocks the plan's largest batch needs (or the points would queue)."""
+    if value is None:
+        return None
+    from weaver.config.cpu_cores import parse_cpu_cores
+    from weaver.config.deployment import load_deployment
+    from weaver.sim.deployment import num_usable_blocks
+
+    path_text, sep, name = value.rpartition(":")
+    path = Path(path_text)
+    if not sep or not name or not path.is_file():
+        raise ValueError(f"--serving-deployment {value!r}: give FILE:MODEL, FILE an existing "
+                         "deployment file and MODEL the API name of one of its models")
+    deployment = load_deployment(path)
+    if name not in {m.name for m in deployment.models}:
+        raise ValueError(f"--serving-deployment: {path} has no model {name!r} (it has "
+                         f"{[m.name for m in deployment.models]})")
+    spec = deployment.model(name)
+    cores = parse_cpu_cores(spec.cpu_cores) if spec.cpu_cores else None
+    if not cores or core not in cores:
+        raise ValueError(f"--serving-deployment: {name!r} runs on cpu_cores "
+                         f"{spec.cpu_cores!r}; pass --cpu-core with one of its cores")
+    need, have = plan.kv_blocks(), num_usable_blocks(spec, kv_bytes_per_token)
+    if need > have:
+        raise ValueError(f"--serving-deployment: {name!r} has {have} KV blocks, the largest "
+                         f"batch needs {need}; use smaller --serving-batch-sizes")
+    return path, name
 
 
 def _load_profile(path: str):

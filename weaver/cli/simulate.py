@@ -12,7 +12,7 @@ import logging
 import os
 from pathlib import Path
 
-from weaver.cli import calibrate_serving
+from weaver.cli import calibrate_serving, calibrate_weaving
 from weaver.cli.pairs import parse_pairs
 
 logger = logging.getLogger(__name__)
@@ -114,6 +114,7 @@ def _register_profile(subparsers: argparse._SubParsersAction) -> None:
                              "again and write PROFILE_JSON with it to --out, its engine-step "
                              "tables (and any serving calibration) kept; about 30 s")
     calibrate_serving.add_arguments(parser)
+    calibrate_weaving.add_arguments(parser)
     parser.set_defaults(handler=run_profile)
 
 
@@ -324,6 +325,8 @@ def run_profile(args: argparse.Namespace) -> int:
 
     if args.calibrate_serving:
         return calibrate_serving.run_calibrate_serving(args)
+    if args.calibrate_weaving:
+        return calibrate_weaving.run_calibrate_weaving(args)
     if args.retime_attention:
         return run_retime_attention(args)
     if args.engine:

@@ -85,6 +85,15 @@ class PerfModel:
     def kv_bytes(self, num_tokens: int) -> int:
         return num_tokens * self.shape.kv_bytes_per_token
 
+    def woven_step_overhead(self, num_remote_seqs: int) -> float:
+        """The hot side's own cost of a step with remote sequences, beyond what
+        `OffloadCostModel` prices (the profile's `woven_step_*` fields; 0 unless measured).
+        Clamped at 0, as a woven step cannot cost less than its modelled parts."""
+        if num_remote_seqs <= 0:
+            return 0.0
+        return max(0.0, self.profile.woven_step_intercept_s
+                   + self.profile.woven_step_per_remote_seq_s * num_remote_seqs)
+
 
 @dataclass(frozen=True)
 class PollContext:
@@ -147,7 +156,8 @@ class OffloadCostModel:
 
     Every layer the hot side sends q and the new k/v of its remote sequences, runs its
     local attention meanwhile, then waits for the remote outputs. Per layer the step grows
-    by max(0, send + poll wait + remote attention + receive - local attention)."""
+    by max(0, send + poll wait + remote attention + receive - local attention); per step
+    by the hot profile's measured woven-step overhead (`PerfModel.woven_step_overhead`)."""
 
     def __init__(self, hot: PerfModel, remote: PerfModel, link: LinkModel,
                  poll_wait_fn: PollWaitFn = mg1_poll_wait) -> None:
@@ -174,7 +184,8 @@ class OffloadCostModel:
         # CPU, benchmarks/README.md).
         local = self.hot.attention_time(num_local_context) / layers
         wait = self.poll_wait_fn(poll)
-        return layers * max(0.0, send + wait + remote + receive - local)
+        return (layers * max(0.0, send + wait + remote + receive - local)
+                + self.hot.woven_step_overhead(num_remote_seqs))
 
     def remote_busy_time(self, num_remote_context: int) -> float:
         """Time the cold device spends per hot step running offloaded attention."""

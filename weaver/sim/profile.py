@@ -134,6 +134,12 @@ class Profile:
     attention_s: list[float]  # decode attention over all layers for that many tokens
     link_bandwidth_bps: float = 64 * GB
     link_latency_s: float = 10e-6
+    # What a woven step of this model pays beyond `OffloadCostModel`'s transfer, wait and
+    # remote-attention terms (splitting the batch, submitting tasks, merging the outputs):
+    # max(0, intercept + per_remote_seq x remote sequences), per step with remote
+    # sequences. Zero unless measured (`weaver profile --calibrate-weaving`).
+    woven_step_intercept_s: float = 0.0
+    woven_step_per_remote_seq_s: float = 0.0
     version: int = PROFILE_FORMAT_VERSION
     notes: dict[str, str] = field(default_factory=dict)
 
@@ -147,6 +153,9 @@ class Profile:
         _check_axis("decode_batch_sizes", self.decode_batch_sizes, self.decode_s)
         for row in self.decode_s:
             _check_axis("decode_context_tokens", self.decode_context_tokens, row)
+        for name in ("woven_step_intercept_s", "woven_step_per_remote_seq_s"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"profile field {name} must be a finite number of seconds")
         if self.version != PROFILE_FORMAT_VERSION:
             raise ValueError(
                 f"profile format version {self.version} is not supported (expected "
