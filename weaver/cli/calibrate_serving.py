@@ -12,7 +12,7 @@ import shlex
 import sys
 import tempfile
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -65,9 +65,9 @@ def run_calibrate_serving(args: argparse.Namespace) -> int:
         if not args.engine:
             raise ValueError("--calibrate-serving needs --engine MODEL: the model the profile "
                              "was measured for")
-        profile = _load_profile(args.calibrate_serving)
+        profile = load_profile(args.calibrate_serving)
         require_in_process(profile)
-        model_dir = _check_model(args.engine, profile)
+        model_dir = check_model(args.engine, profile)
         if args.cpu_core not in os.sched_getaffinity(0):
             raise ValueError(f"--cpu-core {args.cpu_core} is not one of this process's cores "
                              f"{sorted(os.sched_getaffinity(0))}")
@@ -143,6 +143,7 @@ def _serving_deployment(value: str | None, core: int, plan,
     from weaver.config.cpu_cores import parse_cpu_cores
     from weaver.config.deployment import load_deployment
     from weaver.sim.deployment import num_usable_blocks
+    from weaver.weaving.plan import block_size_of
 
     path_text, sep, name = value.rpartition(":")
     path = Path(path_text)
@@ -158,22 +159,25 @@ def _serving_deployment(value: str | None, core: int, plan,
     if not cores or core not in cores:
         raise ValueError(f"--serving-deployment: {name!r} runs on cpu_cores "
                          f"{spec.cpu_cores!r}; pass --cpu-core with one of its cores")
-    need, have = plan.kv_blocks(), num_usable_blocks(spec, kv_bytes_per_token)
+    # The plan's requests in the deployment's own blocks.
+    need = replace(plan, block_size=block_size_of(spec)).kv_blocks()
+    have = num_usable_blocks(spec, kv_bytes_per_token)
     if need > have:
         raise ValueError(f"--serving-deployment: {name!r} has {have} KV blocks, the largest "
                          f"batch needs {need}; use smaller --serving-batch-sizes")
     return path, name
 
 
-def _load_profile(path: str):
+def load_profile(path: str, flag: str = "--calibrate-serving"):
+    """The profile at `path`, given with `flag` (named in the error if it is missing)."""
     from weaver.sim.profile import Profile
 
     if not Path(path).is_file():
-        raise ValueError(f"--calibrate-serving {path!r}: no such profile file")
+        raise ValueError(f"{flag} {path!r}: no such profile file")
     return Profile.load(path)
 
 
-def _check_model(engine: str, profile) -> Path:
+def check_model(engine: str, profile) -> Path:
     """The model directory, after checking that the profile was measured for its shape (a
     calibration against another model's step times would be meaningless)."""
     from weaver.models.registry import resolve_model

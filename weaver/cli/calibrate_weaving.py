@@ -124,7 +124,7 @@ def run_calibrate_weaving(args: argparse.Namespace) -> int:
 
 def _inputs(args: argparse.Namespace):
     """The profile, the deployment's weaving pair, facts about its hot model, the file."""
-    from weaver.cli.calibrate_serving import _check_model, _load_profile
+    from weaver.cli.calibrate_serving import check_model, load_profile
     from weaver.config.cpu_cores import parse_cpu_cores
     from weaver.config.deployment import load_deployment
     from weaver.sim.deployment import num_usable_blocks
@@ -143,8 +143,8 @@ def _inputs(args: argparse.Namespace):
                          f"cold model); it has {len(deployment.weaving)} weaving entries")
     pair = deployment.weaving[0]
     hot_spec, cold_spec = deployment.model(pair.hot), deployment.model(pair.cold[0])
-    profile = _load_profile(args.calibrate_weaving)
-    _check_model(hot_spec.model, profile)
+    profile = load_profile(args.calibrate_weaving, "--calibrate-weaving")
+    check_model(hot_spec.model, profile)
     cores = parse_cpu_cores(hot_spec.cpu_cores) if hot_spec.cpu_cores else None
     if not cores:
         raise ValueError(f"{path}: give the hot model {pair.hot!r} cpu_cores, so that its "
