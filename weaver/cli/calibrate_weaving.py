@@ -129,7 +129,7 @@ def _inputs(args: argparse.Namespace):
     from weaver.config.deployment import load_deployment
     from weaver.sim.deployment import num_usable_blocks
     from weaver.sim.serving_calibration import ServingPlan
-    from weaver.weaving.plan import GiB, block_size_of
+    from weaver.weaving.plan import block_size_of, num_lent_blocks
 
     if not args.deployment:
         raise ValueError("--calibrate-weaving needs --deployment FILE: the weaving deployment "
@@ -154,7 +154,7 @@ def _inputs(args: argparse.Namespace):
     hot = {"block_size": block_size_of(hot_spec),
            "max_model_len": hot_spec.max_model_len or ServingPlan.max_model_len,
            "local_blocks": num_usable_blocks(hot_spec, kv),
-           "remote_blocks": int(cold_spec.lend_kv_gib * GiB) // block_bytes,
+           "remote_blocks": num_lent_blocks(cold_spec, block_bytes),
            "first_core": min(cores)}
     return profile, pair, hot, path
 
@@ -162,9 +162,7 @@ def _inputs(args: argparse.Namespace):
 def _check_room(plan, remote: dict[int, int], hot: dict) -> None:
     """Every batch must fit where the ratio puts it, or the scheduler would spill (or
     queue) and the remote counts would not be the ones fitted."""
-    from weaver.sim.profile import blocks_for
-
-    per_seq = blocks_for(plan.prompt_tokens + plan.output_tokens + 8, plan.block_size)
+    per_seq = plan.blocks_per_request()
     for b, r in remote.items():
         if r * per_seq > hot["remote_blocks"] or (b - r) * per_seq > hot["local_blocks"]:
             raise ValueError(

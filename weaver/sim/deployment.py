@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from weaver.config.deployment import Deployment, ModelSpec, Role
 from weaver.sim.config import SimConfig
 from weaver.sim.profile import CPU_DEVICE, Profile
-from weaver.weaving.plan import GiB, block_size_of
+from weaver.weaving.plan import GiB, block_size_of, num_lent_blocks
 from weaver.workloads.types import TraceRequest
 
 # vLLM's default token budget per step for an API server on CPU
@@ -78,8 +78,8 @@ def _pair(deployment: Deployment, entry, index: Mapping[str, int], shapes: Mappi
     hot, cold = deployment.model(entry.hot), deployment.model(entry.cold[0])
     if hot.role is not Role.HOT:
         raise ValueError(f"weaving names {hot.name!r} as hot but its role is {hot.role.value}")
-    # The same formula as weaving/plan.py `plan_pairs`: whole hot blocks in the lent bytes.
+    # Whole hot blocks in the lent bytes, counted as `plan_pairs` counts them.
     block_bytes = block_size_of(hot) * shapes[hot.name].kv_bytes_per_token
     return {"hot_gpu": index[hot.name], "cold_gpu": index[cold.name],
             "offload_ratio": entry.offload_ratio,
-            "remote_blocks": int(cold.lend_kv_gib * GiB) // block_bytes}
+            "remote_blocks": num_lent_blocks(cold, block_bytes)}

@@ -215,11 +215,15 @@ class ServingPlan:
             raise ValueError(f"a request of up to {longest} tokens does not fit max_model_len "
                              f"{self.max_model_len}")
 
+    def blocks_per_request(self) -> int:
+        """KV blocks one decode point's request holds (a whole number of blocks; slack of
+        8 tokens, as synthetic prompts come out a few tokens off)."""
+        return blocks_for(self.prompt_tokens + self.output_tokens + 8, self.block_size)
+
     def kv_blocks(self) -> int:
         """KV blocks the largest decode point holds (one sequence is a whole number of
         blocks of at most max_model_len tokens)."""
-        per_seq = blocks_for(self.prompt_tokens + self.output_tokens + 8, self.block_size)
-        return max(self.batch_sizes) * per_seq
+        return max(self.batch_sizes) * self.blocks_per_request()
 
     def estimate_s(self, profile: Profile) -> float:
         """Seconds of requests by the in-process profile: a lower bound (serving adds)."""

@@ -83,6 +83,12 @@ def read_attention_shape(model_dir: Path, dtype: str, block_size: int) -> HotAtt
     )
 
 
+def num_lent_blocks(cold: ModelSpec, block_bytes: int) -> int:
+    """Whole hot-model blocks of `block_bytes` in the memory the cold model lends
+    (`lend_kv_gib`, floored to whole blocks)."""
+    return int(cold.lend_kv_gib * GiB) // block_bytes
+
+
 def lend_kv_gib_for(num_blocks: int, block_bytes: int) -> str:
     """The `lend_kv_gib` value (as YAML text) that lends exactly `num_blocks` blocks of
     `block_bytes`: rounded up at nine decimals, since `plan_pairs` floors the lent bytes to
@@ -114,7 +120,7 @@ def plan_pairs(
                              max_blocks_per_seq=1)
         # kv_block_bytes is one layer's share of a block; a block spans every layer.
         block_bytes = probe.kv_block_bytes * shape.num_layers
-        num_remote_blocks = int(cold.lend_kv_gib * GiB) // block_bytes
+        num_remote_blocks = num_lent_blocks(cold, block_bytes)
         pool = None
         if cold.unified_kv:
             if cold.name not in pools:
