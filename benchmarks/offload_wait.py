@@ -280,15 +280,19 @@ def hot_worker(conn: Any, region_or_handle: Any, cfg: RunConfig, shape: ColdShap
     import torch
 
     from weaver.offload.cuda.jit import KernelLibrary
-    from weaver.offload.cuda.transport import CudaOffloadSender, CudaRegion
+    from weaver.offload.cuda.transport import CudaRegion
+    from weaver.offload.protocol import OffloadError
+    from weaver.offload.sender import OffloadSender
 
     torch.cuda.set_device(0)
     layout = region_layout(cfg, shape)
     if isinstance(region_or_handle, bytes):
-        region = CudaRegion.attach(layout, "offload-wait-bench", region_or_handle)
-    else:
-        region = region_or_handle
-    sender = CudaOffloadSender(region, KernelLibrary(0), timeout_s=2.0)
+        region = CudaRegion.attach(layout, "offload-wait-bench", region_or_handle,
+                                   KernelLibrary(0))
+    else:  # a thread of the cold process: the same memory, its own kernels and state
+        region = CudaRegion(layout, region_or_handle.name, region_or_handle.region_tensor,
+                            False, KernelLibrary(0))
+    sender = OffloadSender(region)
     gen = torch.Generator(device="cuda").manual_seed(cfg.seed + 1)
     n, max_blocks = cfg.task_seqs, layout.max_blocks_per_seq
     q = torch.randn(n, shape.num_q_heads, shape.head_size, generator=gen, device="cuda")
@@ -316,9 +320,10 @@ def hot_worker(conn: Any, region_or_handle: Any, cfg: RunConfig, shape: ColdShap
                     0, q[:num_seqs], lens[:num_seqs], table[:num_seqs],
                     scale=shape.head_size**-0.5, stamp=stamps[i, 0:1],
                 )  # fmt: skip
-                sender.wait(ticket, stamp=stamps[i, 1:2])
-                status, _ = sender.status()  # synchronises the hot stream
-                if status.name != "OK":
+                sender.wait(ticket, timeout_s=2.0, stamp=stamps[i, 1:2])
+                try:
+                    sender.settle(ticket)  # synchronises the hot stream
+                except OffloadError:
                     num_failed += 1
                     deadline = time.monotonic() + 10.0
                     while not sender.recover() and time.monotonic() < deadline:
@@ -529,8 +534,8 @@ class CpuLauncher:
         from weaver.offload.layout import DONE_SEQ_OFFSET, TASK_SEQ_OFFSET
 
         self._receiver = receiver
-        self._task = region.word(TASK_SEQ_OFFSET)
-        self._done = region.word(DONE_SEQ_OFFSET)
+        self._task = region.tensor(TASK_SEQ_OFFSET, (1,), torch.int64)
+        self._done = region.tensor(DONE_SEQ_OFFSET, (1,), torch.int64)
         self._host = torch.zeros(2, dtype=torch.int64).pin_memory()
         self._stream = torch.cuda.Stream()
         self._stop = threading.Event()
@@ -557,7 +562,7 @@ class CpuLauncher:
                     self._stream.synchronize()
 
 
-def time_task_attention(library: Any, region: Any, cfg: RunConfig, shape: ColdShape,
+def time_task_attention(library: Any, receiver: Any, cfg: RunConfig, shape: ColdShape,
                         grids: list[int | None]) -> dict[str, Any]:  # fmt: skip
     """The offloaded task's attention alone (standalone kernel, CUDA events, median of 50):
     the floor under any receiver's wait. Bytes = the K/V read once + q + out."""
@@ -565,7 +570,7 @@ def time_task_attention(library: Any, region: Any, cfg: RunConfig, shape: ColdSh
 
     from weaver.offload.cuda import kernels
 
-    layout = region.layout
+    layout = receiver.layout
     gen = torch.Generator(device="cuda").manual_seed(cfg.seed + 2)
     n, max_blocks = cfg.task_seqs, layout.max_blocks_per_seq
     q = torch.randn(n, shape.num_q_heads, shape.head_size, generator=gen, device="cuda")
@@ -574,7 +579,7 @@ def time_task_attention(library: Any, region: Any, cfg: RunConfig, shape: ColdSh
                          generator=gen, dtype=torch.int32)  # fmt: skip
     table = torch.randperm(n * max_blocks, device="cuda", generator=gen).to(torch.int32)
     table = table.view(n, max_blocks)
-    pool = region.kv_layer(0)
+    pool = receiver.kv_layer(0)
     num_bytes = int(lens.sum()) * shape.num_kv_heads * shape.head_size * 2 * 2 + 2 * q.nbytes
     result: dict[str, Any] = {"bytes": num_bytes}
     for grid in grids:
@@ -872,22 +877,24 @@ def run(args: argparse.Namespace) -> Path:
     import torch
 
     from weaver.offload.cuda.jit import KernelLibrary
-    from weaver.offload.cuda.transport import CudaOffloadReceiver, CudaRegion
+    from weaver.offload.cuda.transport import CudaPollingExecutor, CudaRegion
+    from weaver.offload.receiver import OffloadReceiver
 
     cfg, shape = run_config(args), ColdShape()
     torch.cuda.set_device(0)
     props = torch.cuda.get_device_properties(0)
     library = KernelLibrary(0)
     layout = region_layout(cfg, shape)
-    region = CudaRegion.create(layout, "offload-wait-bench", "cuda:0")
-    region.kv_layer(0).normal_()  # random remote KV (never time on zeros)
-    receiver = CudaOffloadReceiver(region, library, num_blocks=cfg.poll_blocks or None)
+    region = CudaRegion.create(layout, "offload-wait-bench", "cuda:0", library)
+    poll_blocks = cfg.poll_blocks or props.multi_processor_count
+    receiver = OffloadReceiver(region, CudaPollingExecutor(poll_blocks))
+    receiver.kv_layer(0).normal_()  # random remote KV (never time on zeros)
     print(f"GPU {props.name}, {props.multi_processor_count} SMs; building the cold model...")
     model = ColdModel(cfg, shape, library)
     receiver.poll()  # compile/load the kernels before anything is timed
     torch.cuda.synchronize()
-    task_attention = time_task_attention(library, region, cfg, shape,
-                                         [None, receiver.num_blocks, cfg.spin_blocks])  # fmt: skip
+    task_attention = time_task_attention(library, receiver, cfg, shape,
+                                         [None, poll_blocks, cfg.spin_blocks])  # fmt: skip
     print(f"task attention alone: {task_attention}", flush=True)
 
     n_steps = cfg.num_no_traffic_steps
@@ -900,8 +907,9 @@ def run(args: argparse.Namespace) -> Path:
     baseline = make_step(model, noop, {}, cfg.use_graphs)
     # Measured before the plan: the unsplit step is the hot iteration of the profile.
     baseline_quiet = no_traffic(baseline)
-    decision, split_section = profile_and_plan(model, receiver, cfg, shape, task_attention,
-                                               baseline_quiet, props.name)  # fmt: skip
+    decision, split_section = profile_and_plan(model, receiver, poll_blocks, cfg, shape,
+                                               task_attention, baseline_quiet,
+                                               props.name)  # fmt: skip
     steps = {
         "baseline": baseline,
         "poll": make_step(model, receiver.poll, {}, cfg.use_graphs),
@@ -926,15 +934,15 @@ def run(args: argparse.Namespace) -> Path:
     control_stream = torch.cuda.Stream()
 
     def start_spin(max_s: float) -> None:
-        receiver.clear_stop()
+        region.clear_stop()
         torch.cuda.synchronize()
         with torch.cuda.stream(spin_stream):
-            receiver.spin(max_s, num_blocks=cfg.spin_blocks)
+            region.spin(max_s, num_blocks=cfg.spin_blocks)
 
     def stop_spin() -> None:
-        receiver.request_stop(control_stream)
+        region.request_stop(control_stream)
         spin_stream.synchronize()
-        receiver.clear_stop()
+        region.clear_stop()
         torch.cuda.synchronize()
 
     def busy(step: Callable[[], None]) -> Callable[[Callable[[], bool]], list[float]]:
@@ -949,7 +957,7 @@ def run(args: argparse.Namespace) -> Path:
         # starts as the last ends and no task lands in a host-side launch gap.
         queued: list[Any] = []
         while not done():
-            receiver.spin(1e-3)
+            region.spin(1e-3, num_blocks=poll_blocks)
             event = torch.cuda.Event()
             event.record()
             queued.append(event)
@@ -973,7 +981,7 @@ def run(args: argparse.Namespace) -> Path:
     # a task faster. Each point is the no-traffic overhead of polling after every operator.
     sweep: dict[str, float] = {}
     for grid in sorted({1, 8, 32, props.multi_processor_count}):
-        step = make_step(model, lambda g=grid: receiver.poll(num_blocks=g), {}, cfg.use_graphs)
+        step = make_step(model, lambda g=grid: region.poll(num_blocks=g), {}, cfg.use_graphs)
         sweep[str(grid)] = float(np.median(no_traffic(step))) / base_ms - 1.0
         del step
     print(f"no-traffic poll overhead by poll grid size: {sweep}", flush=True)
@@ -1049,12 +1057,12 @@ def run(args: argparse.Namespace) -> Path:
     return path
 
 
-def profile_and_plan(model: ColdModel, receiver: Any, cfg: RunConfig, shape: ColdShape,
-                     task_attention: Mapping[str, Any], step_ms: list[float],
+def profile_and_plan(model: ColdModel, receiver: Any, poll_blocks: int, cfg: RunConfig,
+                     shape: ColdShape, task_attention: Mapping[str, Any], step_ms: list[float],
                      device: str) -> tuple[SplitDecision, dict[str, Any]]:  # fmt: skip
     """The profiling phase and the plan; prints the plan before anything else runs."""
     print("profiling the cold operators for the split planner ...", flush=True)
-    times = measure_profile_times(model, receiver.poll, receiver.num_blocks, cfg,
+    times = measure_profile_times(model, receiver.poll, poll_blocks, cfg,
                                   task_attention, step_ms)  # fmt: skip
     profile = build_split_profile(times, shape, cfg, device)
     decision = decide_split(profile, cfg.split_plan, cfg.threshold_frac, cfg.split_chunks)

@@ -41,7 +41,7 @@ enum : i64 { kResultOk = 0, kResultFailed = 1 };
 enum : i64 { kStatusInitializing = 0, kStatusAlive = 1, kStatusClosing = 2, kStatusClosed = 3 };
 
 // Outcome of a device-side wait, written to the hot side's status word
-// (weaver/offload/cuda/kernels.py WaitStatus).
+// (weaver/offload/protocol.py WaitStatus; its DEAD is seen from the host only).
 enum WaitStatus : int {
   kWaitPending = 0,
   kWaitOk = 1,

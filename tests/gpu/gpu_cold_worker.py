@@ -14,8 +14,9 @@ import sys
 import torch
 
 from weaver.offload.cuda.jit import KernelLibrary
-from weaver.offload.cuda.transport import CudaOffloadReceiver, CudaRegion
+from weaver.offload.cuda.transport import CudaPollingExecutor, CudaRegion
 from weaver.offload.layout import HotAttentionShape, RegionLayout
+from weaver.offload.receiver import OffloadReceiver
 
 
 def main() -> int:
@@ -30,16 +31,16 @@ def main() -> int:
     device = torch.device(spec["device"])
     torch.cuda.set_device(device)
     library = KernelLibrary(device.index)
-    region = CudaRegion.create(layout, spec["name"], device)
-    receiver = CudaOffloadReceiver(region, library, num_blocks=8)
+    region = CudaRegion.create(layout, spec["name"], device, library)
+    receiver = OffloadReceiver(region, CudaPollingExecutor(num_blocks=8))
     print("HANDLE", region.export_handle().hex(), flush=True)
     spin_stream = torch.cuda.Stream(device, priority=-1)  # high priority
     with torch.cuda.stream(spin_stream):
-        receiver.spin(spec["max_spin_s"])
+        region.spin(spec["max_spin_s"], num_blocks=8)
     sys.stdin.readline()  # "stop" or EOF
-    receiver.request_stop(torch.cuda.Stream(device))
+    region.request_stop(torch.cuda.Stream(device))
     spin_stream.synchronize()
-    print("SERVED", receiver.num_served(), flush=True)
+    print("SERVED", region.num_served(), flush=True)
     receiver.close()
     return 0
 

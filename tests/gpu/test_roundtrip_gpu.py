@@ -15,10 +15,17 @@ import pytest
 import torch
 
 from weaver.offload.cuda.pool import write_kv
-from weaver.offload.cuda.region_desc import WaitStatus
-from weaver.offload.cuda.transport import CudaOffloadReceiver, CudaOffloadSender, CudaRegion
+from weaver.offload.cuda.transport import CudaPollingExecutor, CudaRegion
 from weaver.offload.layout import STATUS_OFFSET, HotAttentionShape, RegionLayout, RegionStatus
+from weaver.offload.protocol import (
+    OffloadTaskFailed,
+    OffloadTimeout,
+    WaitPolicy,
+    WaitStatus,
+)
+from weaver.offload.receiver import OffloadReceiver
 from weaver.offload.reference_attention import paged_decode_attention_reference
+from weaver.offload.sender import OffloadSender
 
 pytestmark = pytest.mark.gpu
 
@@ -37,7 +44,7 @@ def _layout() -> RegionLayout:
     )
 
 
-def _task(sender: CudaOffloadSender, layer: int, seed: int):
+def _task(sender: OffloadSender, layer: int, seed: int):
     """Write random K/V of ragged sequences into the remote pool; return q, lens, table."""
     gen = torch.Generator().manual_seed(seed)
     num_seqs = int(torch.randint(1, MAX_SEQS + 1, (1,), generator=gen))
@@ -61,7 +68,7 @@ def _used_slots(table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _expected(sender: CudaOffloadSender, layer: int, q, seq_lens, table) -> torch.Tensor:
+def _expected(sender: OffloadSender, layer: int, q, seq_lens, table) -> torch.Tensor:
     pool = sender.kv_layer(layer).cpu()
     return paged_decode_attention_reference(
         q.cpu(), pool, seq_lens.cpu(), table.cpu(), 0.125, key_layout="nd"
@@ -75,18 +82,18 @@ def _assert_close(got: torch.Tensor, expected: torch.Tensor) -> None:
 
 @pytest.fixture
 def pair(library):
-    region = CudaRegion.create(_layout(), f"test-{uuid.uuid4().hex[:8]}", "cuda")
-    receiver = CudaOffloadReceiver(region, library, num_blocks=4)
-    sender = CudaOffloadSender(region, library, timeout_s=2.0)
+    region = CudaRegion.create(_layout(), f"test-{uuid.uuid4().hex[:8]}", "cuda", library)
+    receiver = OffloadReceiver(region, CudaPollingExecutor(num_blocks=4))
+    sender = OffloadSender(region)
     yield sender, receiver, region
     receiver.close()
 
 
 def test_poll_kernel_serves_tasks_in_one_process(pair) -> None:
-    sender, receiver, _ = pair
+    sender, receiver, region = pair
     receiver.poll()  # nothing pending: returns at once, serves nothing
     torch.cuda.synchronize()
-    assert receiver.num_served() == 0
+    assert region.num_served() == 0
     for i in range(4):
         layer = i % 2
         q, seq_lens, table = _task(sender, layer, seed=i)
@@ -94,74 +101,79 @@ def test_poll_kernel_serves_tasks_in_one_process(pair) -> None:
         torch.cuda.synchronize()
         assert receiver.has_pending()
         receiver.poll()
-        out = sender.wait(ticket).clone()
-        assert sender.status()[0] == WaitStatus.OK
+        out = sender.wait(ticket, timeout_s=2.0).clone()
+        sender.settle(ticket)  # raises unless the device wait ended OK
         _assert_close(out, _expected(sender, layer, q, seq_lens, table))
-    assert receiver.num_served() == 4 and not receiver.has_pending()
+    assert region.num_served() == 4 and not receiver.has_pending()
 
 
 def test_wait_times_out_instead_of_hanging_then_recovers(pair) -> None:
-    sender, receiver, _ = pair
+    sender, receiver, region = pair
     q, seq_lens, table = _task(sender, 0, seed=10)
     ticket = sender.submit(0, q, seq_lens, table, scale=0.125)
     sender.wait(ticket, timeout_s=0.02)  # nobody polls
-    status, num_polls = sender.status()
+    status, num_polls = region.wait_status()
     assert status == WaitStatus.TIMEOUT and num_polls > 1
-    with pytest.raises(ValueError, match="recover"):
+    with pytest.raises(OffloadTimeout, match="not done"):
+        sender.settle(ticket)
+    with pytest.raises(OffloadTimeout, match="still being served"):
         sender.submit(0, q, seq_lens, table, scale=0.125)
     assert not sender.recover()  # still pending
     receiver.poll()
     assert sender.recover()
-    sender.wait(sender.submit(0, q, seq_lens, table, scale=0.125), timeout_s=0.02)
+    ticket = sender.submit(0, q, seq_lens, table, scale=0.125)
+    sender.wait(ticket, timeout_s=0.02)
     receiver.poll()  # after the wait on the same stream: the wait times out first
-    assert sender.status()[0] == WaitStatus.TIMEOUT
+    assert region.wait_status()[0] == WaitStatus.TIMEOUT
 
 
 def test_wait_ends_when_the_cold_side_closes(pair) -> None:
     sender, _, region = pair
     q, seq_lens, table = _task(sender, 1, seed=11)
     ticket = sender.submit(1, q, seq_lens, table, scale=0.125)
-    region.word(STATUS_OFFSET).fill_(int(RegionStatus.CLOSING))
+    region.write_word(STATUS_OFFSET, int(RegionStatus.CLOSING))
     sender.wait(ticket, timeout_s=60.0)
-    assert sender.status()[0] == WaitStatus.CLOSED
+    assert region.wait_status()[0] == WaitStatus.CLOSED
 
 
 def test_bad_block_id_fails_the_task(pair) -> None:
     sender, receiver, _ = pair
     q, seq_lens, table = _task(sender, 0, seed=12)
-    table[0, 0] = NUM_REMOTE_BLOCKS + 7
+    table[0, 0] = NUM_REMOTE_BLOCKS + 7  # a device batch: the cold kernel checks it
     ticket = sender.submit(0, q, seq_lens, table, scale=0.125)
     receiver.poll()
-    sender.wait(ticket)
-    assert sender.status()[0] == WaitStatus.FAILED
+    sender.wait(ticket, timeout_s=2.0)
+    with pytest.raises(OffloadTaskFailed):
+        sender.settle(ticket)
 
 
 def test_spin_server_serves_concurrently_and_stops_on_request(pair) -> None:
-    sender, receiver, _ = pair
+    sender, receiver, region = pair
     # One full round trip first: with CUDA lazy loading, the first launch of a kernel may
     # wait for the context to go idle, which never happens while the spin kernel runs.
     q, seq_lens, table = _task(sender, 0, seed=19)
     ticket = sender.submit(0, q, seq_lens, table, scale=0.125)
     receiver.poll()
-    sender.wait(ticket).clone()
+    sender.wait(ticket, timeout_s=2.0).clone()
     _expected(sender, 0, q, seq_lens, table)
-    assert sender.status()[0] == WaitStatus.OK
+    sender.settle(ticket)
     spin_stream = torch.cuda.Stream(priority=-1)  # high priority (lower number = higher)
     hot_stream = torch.cuda.Stream()
     with torch.cuda.stream(spin_stream):
-        receiver.spin(max_spin_s=120.0, num_blocks=2)
+        region.spin(max_spin_s=120.0, num_blocks=2)
     with torch.cuda.stream(hot_stream):
         for i in range(3):
             q, seq_lens, table = _task(sender, i % 2, seed=20 + i)
-            out = sender.wait(sender.submit(i % 2, q, seq_lens, table, scale=0.125)).clone()
-            assert sender.status()[0] == WaitStatus.OK
+            ticket = sender.submit(i % 2, q, seq_lens, table, scale=0.125)
+            out = sender.wait(ticket, timeout_s=2.0).clone()
+            sender.settle(ticket)
             _assert_close(out, _expected(sender, i % 2, q, seq_lens, table))
     start = time.monotonic()
-    receiver.request_stop(torch.cuda.Stream())
+    region.request_stop(torch.cuda.Stream())
     spin_stream.synchronize()
     # functional, not a timing bound: it stopped on the flag, not at its 120 s limit
     assert time.monotonic() - start < 60.0
-    assert receiver.num_served() == 4
+    assert region.num_served() == 4
 
 
 def test_cross_process_round_trip_on_one_device(library) -> None:
@@ -186,12 +198,14 @@ def test_cross_process_round_trip_on_one_device(library) -> None:
     try:
         line = proc.stdout.readline()  # type: ignore[union-attr]
         assert line.startswith("HANDLE "), f"cold worker said {line!r}"
-        region = CudaRegion.attach(layout, spec["name"], bytes.fromhex(line.split()[1]))
-        sender = CudaOffloadSender(region, library, timeout_s=5.0)
+        region = CudaRegion.attach(layout, spec["name"], bytes.fromhex(line.split()[1]),
+                                   library)
+        sender = OffloadSender(region, policy=WaitPolicy())
         for i in range(5):
             q, seq_lens, table = _task(sender, i % 2, seed=30 + i)
-            out = sender.wait(sender.submit(i % 2, q, seq_lens, table, scale=0.125)).clone()
-            assert sender.status()[0] == WaitStatus.OK
+            ticket = sender.submit(i % 2, q, seq_lens, table, scale=0.125)
+            out = sender.wait(ticket, timeout_s=5.0).clone()
+            sender.settle(ticket)
             _assert_close(out, _expected(sender, i % 2, q, seq_lens, table))
         del sender, region, out
         torch.cuda.synchronize()

@@ -12,10 +12,11 @@ import json
 import os
 import sys
 
-from weaver.offload.channel import OffloadReceiver, OffloadTask
 from weaver.offload.layout import HotAttentionShape, RegionLayout
+from weaver.offload.protocol import OffloadTask
+from weaver.offload.receiver import OffloadReceiver
 from weaver.offload.reference_attention import paged_decode_attention_reference
-from weaver.offload.shm_transport import ShmRegion
+from weaver.offload.shm import ShmRegion
 
 
 def _reference_executor(task: OffloadTask) -> None:

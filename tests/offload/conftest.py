@@ -5,7 +5,7 @@ import uuid
 
 import pytest
 
-from weaver.offload.shm_transport import DEFAULT_SHM_DIR, region_name, region_paths
+from weaver.offload.naming import DEFAULT_SHM_DIR, region_name, region_paths
 
 
 @pytest.fixture

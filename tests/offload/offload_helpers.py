@@ -10,8 +10,8 @@ from dataclasses import asdict
 
 import torch
 
-from weaver.offload.channel import OffloadTask
 from weaver.offload.layout import RegionLayout
+from weaver.offload.protocol import OffloadTask
 from weaver.offload.reference_attention import paged_decode_attention_reference
 
 COLD_WORKER = os.path.join(os.path.dirname(__file__), "cold_worker.py")

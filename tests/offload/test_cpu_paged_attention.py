@@ -12,14 +12,14 @@ import pytest
 import torch
 from offload_helpers import spawn_cold_worker, stop_cold_worker, wait_cold_worker_ready
 
-from weaver.offload.channel import OffloadSender
 from weaver.offload.layout import HotAttentionShape, RegionLayout
 from weaver.offload.reference_attention import (
     gather_kv_reference,
     paged_decode_attention_reference,
     write_kv_reference,
 )
-from weaver.offload.shm_transport import ShmRegion, region_name, region_paths
+from weaver.offload.sender import OffloadSender
+from weaver.offload.shm import ShmRegion, region_name, region_paths
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM (CPU build) is not installed", allow_module_level=True)

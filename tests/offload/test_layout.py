@@ -15,7 +15,7 @@ from weaver.offload.layout import (
     RegionLayout,
     read_header_fields,
 )
-from weaver.offload.shm_transport import region_name
+from weaver.offload.naming import region_name
 
 SHAPE = HotAttentionShape(
     num_layers=3, num_q_heads=9, num_kv_heads=3, head_size=64, block_size=32, dtype="bfloat16"
@@ -122,9 +122,10 @@ def test_region_name_is_sanitised_and_unique():
 def test_offload_package_imports_without_vllm():
     code = (
         "import sys\n"
-        "import weaver.offload.layout, weaver.offload.channel, weaver.offload.naming\n"
-        "import weaver.offload.shm_transport, weaver.offload.reference_attention\n"
-        "import weaver.offload.transport, weaver.offload.probe, weaver.offload.cli\n"
+        "import weaver.offload.layout, weaver.offload.protocol, weaver.offload.naming\n"
+        "import weaver.offload.sender, weaver.offload.receiver, weaver.offload.shm\n"
+        "import weaver.offload.reference_attention, weaver.offload.cuda.transport\n"
+        "import weaver.offload.probe, weaver.offload.cli\n"
         "import torch\n"
         "assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules), 'vllm'\n"
         "assert 'cupy' not in sys.modules\n"

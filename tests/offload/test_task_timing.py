@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from weaver.offload.channel import OffloadTask
 from weaver.offload.layout import HotAttentionShape
+from weaver.offload.protocol import OffloadTask
 from weaver.offload.reference_attention import paged_decode_attention_reference
 from weaver.offload.task_timing import time_offloaded_attention
 

@@ -1,9 +1,9 @@
 """Offload channel between a hot engine and a cold engine (architecture.md part 4).
 
 Modules: layout (region byte layout, pure Python), naming (region names from config),
-transport (the interface), shm_transport (CPU: POSIX shm + FIFO doorbells), channel
-(the protocol: OffloadSender / OffloadReceiver), reference_attention (torch oracle),
-probe / probe_config / cli (`weaver offload-probe`). The vLLM-backed executor lives in
-weaver/vllm_ext/cpu_paged_attention.py. Nothing is re-exported here so that importing
-the package stays free of torch.
+protocol (records, errors and the Transport interface), sender / receiver (the two sides,
+written once over any transport), shm (the CPU transport: POSIX shm + FIFO doorbells),
+cuda/ (the CUDA transport: device counters and kernels), reference_attention (torch
+oracle). The vLLM-backed CPU executor lives in weaver/vllm_ext/attention/cpu_kernels.py.
+Nothing is re-exported here so that importing the package stays free of torch.
 """

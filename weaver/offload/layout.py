@@ -21,6 +21,10 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 CACHE_LINE_BYTES = 64
 REGION_MAGIC = b"WEAVRGN\x00"
@@ -87,6 +91,12 @@ class HotAttentionShape:
     @property
     def itemsize(self) -> int:
         return dtype_itemsize(self.dtype)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch  # only here: the layout is pure Python otherwise
+
+        return getattr(torch, self.dtype)
 
     @property
     def num_queries_per_kv(self) -> int:

@@ -20,10 +20,13 @@ from dataclasses import asdict
 
 import torch
 
-from weaver.offload.channel import OffloadReceiver, OffloadSender, OffloadTask
+from weaver.offload.naming import region_name
 from weaver.offload.probe_config import ProbeConfig
+from weaver.offload.protocol import OffloadTask
+from weaver.offload.receiver import OffloadReceiver
 from weaver.offload.reference_attention import paged_decode_attention_reference
-from weaver.offload.shm_transport import ShmRegion, region_name
+from weaver.offload.sender import OffloadSender
+from weaver.offload.shm import ShmRegion
 
 logger = logging.getLogger(__name__)
 

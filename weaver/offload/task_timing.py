@@ -25,10 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
-from weaver.offload.channel import OffloadReceiver, OffloadSender, OffloadTask
 from weaver.offload.layout import HotAttentionShape, RegionLayout
 from weaver.offload.naming import DEFAULT_SHM_DIR, region_name
-from weaver.offload.shm_transport import ShmRegion
+from weaver.offload.protocol import OffloadTask
+from weaver.offload.receiver import OffloadReceiver
+from weaver.offload.sender import OffloadSender
+from weaver.offload.shm import ShmRegion
 
 # Streamed before every timed task. Larger than the last-level cache of the CPUs we profile
 # on (32 MiB L3 on the benchmark machine), so the task's K/V are not left in it.

@@ -16,8 +16,8 @@ from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.v1.attention.backends import cpu_attn
 
-from weaver.offload.channel import TORCH_DTYPES, OffloadTask
 from weaver.offload.layout import HotAttentionShape
+from weaver.offload.protocol import OffloadTask
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def validate_cpu_attn_shape(shape: HotAttentionShape) -> None:
             f"block_size {shape.block_size} must be a multiple of {CPU_ATTN_BLOCK_MULTIPLE} "
             "for vLLM CPU_ATTN; set the hot engine's --block-size accordingly"
         )
-    if TORCH_DTYPES[shape.dtype] not in cpu_attn.CPUAttentionBackend.supported_dtypes:
+    if shape.torch_dtype not in cpu_attn.CPUAttentionBackend.supported_dtypes:
         raise ValueError(f"dtype {shape.dtype} is not supported by vLLM CPU_ATTN")
 
 
@@ -53,7 +53,7 @@ def select_cpu_attn_isa(shape: HotAttentionShape) -> str:
             "vllm.v1.attention.backends.cpu_attn._get_attn_isa is gone: vLLM changed; "
             "update weaver/vllm_ext/cpu_paged_attention.py"
         )
-    return get_isa(TORCH_DTYPES[shape.dtype], shape.block_size, shape.head_size, "auto")
+    return get_isa(shape.torch_dtype, shape.block_size, shape.head_size, "auto")
 
 
 # Views of more pool layers than this are not kept (a hot model has fewer layers).
@@ -109,7 +109,7 @@ class CpuPagedAttentionExecutor:
         validate_cpu_attn_shape(shape)
         self.shape = shape
         self.isa = select_cpu_attn_isa(shape)
-        self._dtype = TORCH_DTYPES[shape.dtype]
+        self._dtype = shape.torch_dtype
         self._enable_kv_split = (
             envs.VLLM_CPU_ATTN_SPLIT_KV if enable_kv_split is None else enable_kv_split
         )

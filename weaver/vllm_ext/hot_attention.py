@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
-from weaver.offload.channel import OffloadError, OffloadSender, TaskBatch
+from weaver.offload.protocol import OffloadError, TaskBatch
+from weaver.offload.sender import OffloadSender
 from weaver.vllm_ext.attention_rows import BatchRows, attend_rows, select_mask
 from weaver.vllm_ext.split_attention import ATTN_OP_NAME, AttentionChunks
 from weaver.weaving.plan import PairPlan

@@ -127,12 +127,11 @@ def time_attention(shape: HotAttentionShape, num_seqs: int, context_len: int, *,
     """One decode-attention call of ``num_seqs`` sequences of ``context_len`` tokens at
     ``shape``, with vLLM's CPU kernel (what the hot side runs locally and what the cold
     side runs for an offloaded task)."""
-    from weaver.offload.channel import TORCH_DTYPES
     from weaver.vllm_ext.cpu_paged_attention import CpuPagedAttentionExecutor
 
     if num_seqs < 1 or context_len < 1:
         raise ValueError(f"num_seqs={num_seqs} and context_len={context_len} must be >= 1")
-    dtype = TORCH_DTYPES[shape.dtype]
+    dtype = shape.torch_dtype
     blocks_per_seq = -(-context_len // shape.block_size)
     num_blocks = num_seqs * blocks_per_seq
     gen = torch.Generator().manual_seed(0)

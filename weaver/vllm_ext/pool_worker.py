@@ -167,10 +167,8 @@ def attach_page_table(plan: PoolPlan, tenant: str) -> tuple[SharedPageTable, tor
 
 def hot_geometry(shape: Any) -> HeadwiseGeometry:
     """The head-wise geometry of a weaving plan's hot attention shape."""
-    from weaver.offload.channel import TORCH_DTYPES
-
     return HeadwiseGeometry(shape.num_q_heads, shape.num_kv_heads, shape.head_size,
-                            shape.block_size, TORCH_DTYPES[shape.dtype])
+                            shape.block_size, shape.torch_dtype)
 
 
 class RemotePoolKV:

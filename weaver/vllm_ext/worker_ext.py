@@ -12,13 +12,12 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import struct
 import threading
 from typing import Any
 
-from weaver.offload.channel import OffloadReceiver, OffloadSender
-from weaver.offload.layout import OWNER_PID_OFFSET
-from weaver.offload.shm_transport import ShmRegion
+from weaver.offload.receiver import OffloadReceiver
+from weaver.offload.sender import OffloadSender
+from weaver.offload.shm import ShmRegion, host_wait_policy
 from weaver.vllm_ext.poll_points import PollPoints
 from weaver.vllm_ext.split_layers import install_split_polls, split_stats
 from weaver.weaving.plan import PairPlan
@@ -26,8 +25,6 @@ from weaver.weaving.plan import PairPlan
 logger = logging.getLogger(__name__)
 
 ATTACH_TIMEOUT_S = 30.0
-OWN_CORE_SPIN_S = 2e-3
-SHARED_CORE_SPIN_S = 50e-6
 IDLE_WAIT_S = 0.05  # the idle poller's longest sleep; a task's doorbell wakes it at once
 
 
@@ -49,21 +46,6 @@ def _poll_point_modules(model: Any) -> list[Any]:
     return [m for m in model.modules() if isinstance(m, kinds)]
 
 
-def _hot_spin_s(region: ShmRegion) -> float:
-    """How long the hot worker spins on a completion before sleeping on the doorbell.
-
-    While it waits, the hot worker has nothing else to run. When it has cores of its own
-    (none shared with the cold worker), spinning a while saves a sleep/wake-up per layer
-    and steals from no one; when they share a core, spinning would delay the very task
-    being waited for, so it sleeps almost at once."""
-    owner_pid = struct.unpack_from("<q", region.buffer, OWNER_PID_OFFSET)[0]
-    try:
-        shares_cores = bool(os.sched_getaffinity(0) & os.sched_getaffinity(owner_pid))
-    except OSError:  # the owner is gone or not visible: assume the worst
-        shares_cores = True
-    return SHARED_CORE_SPIN_S if shares_cores else OWN_CORE_SPIN_S
-
-
 class WeaverWorkerExtension:
     _weaver_hot: Any = None  # HotWeavingRuntime of a hot worker
     _weaver_receivers: list | None = None  # (region name, OffloadReceiver, task doorbell)
@@ -79,13 +61,13 @@ class WeaverWorkerExtension:
 
         plan = PairPlan.from_dict(plan_data)
         region = ShmRegion.attach(plan.layout(), plan.region_name, wait_s=ATTACH_TIMEOUT_S)
-        spin_s = _hot_spin_s(region)
+        policy = host_wait_policy(region)
         remote_kv = None
         if plan.pool is not None:  # the region exists, so the cold side's pool does too
             from weaver.vllm_ext.pool_worker import RemotePoolKV
 
             remote_kv = RemotePoolKV(plan)
-        runtime = HotWeavingRuntime(plan, OffloadSender(region, spin_s=spin_s), remote_kv)
+        runtime = HotWeavingRuntime(plan, OffloadSender(region, policy=policy), remote_kv)
         layers = _attention_layers(self)
         for name, layer in layers.items():
             if not isinstance(layer.impl, WeaverCPUAttentionImpl):
@@ -96,7 +78,7 @@ class WeaverWorkerExtension:
             layer.impl.weaving_runtime = runtime
         self._weaver_hot = runtime
         logger.info("hot worker attached region %s to %d attention layers (spin %.0f us)",
-                    plan.region_name, len(layers), spin_s * 1e6)
+                    plan.region_name, len(layers), policy.spin_s * 1e6)
         return {"region": plan.region_name, "num_layers": len(layers)}
 
     # --- cold side ----------------------------------------------------------------
@@ -119,7 +101,7 @@ class WeaverWorkerExtension:
                 executor = CpuPagedAttentionExecutor(plan.shape)
             region = ShmRegion.create(plan.layout(), plan.region_name)
             receiver = OffloadReceiver(region, executor)
-            receivers.append((plan.region_name, receiver, region.task_wakeup))
+            receivers.append((plan.region_name, receiver, receiver))
         self._weaver_receivers = receivers
         model = self.model_runner.get_model()
         modules = _poll_point_modules(model)
@@ -195,10 +177,10 @@ class WeaverWorkerExtension:
         receivers = self._weaver_receivers or []
         wait_s = IDLE_WAIT_S / max(1, len(receivers))
         while not self._weaver_stop.is_set():
-            for _, receiver, wakeup in receivers:
+            for _, receiver, _ in receivers:
                 # Sleeps on the region's doorbell (no busy-wait: the machine's other
                 # engine needs the core); a published task wakes it at once.
-                if not wakeup.wait(wait_s) and not receiver.has_pending():
+                if not receiver.wait_for_task(wait_s) and not receiver.has_pending():
                     continue
                 with self._weaver_step_lock:
                     if receiver.poll(by_idle_poller=True):

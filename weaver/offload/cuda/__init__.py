@@ -1,15 +1,17 @@
 """CUDA transport of the offload channel (architecture.md part 4).
 
 Same region layout and protocol as the CPU transport (weaver/offload/layout.py,
-channel.py); the counters are moved by device kernels instead of the host:
+protocol.py); the counters are moved by device kernels instead of the host:
 
 - ``jit``: compiles ``csrc/*.cu`` at run time (NVRTC through ctypes, or nvcc), cached on
   disk by sha256(source with headers inlined + flags + compiler version); ``KernelLibrary``
   loads the cubins through CuPy.
 - ``kernels``: one validating wrapper per kernel (``paged_decode_attention``, ``publish``,
   ``wait_done``, ``poll_and_attend``), launched on ``torch.cuda.current_stream()``.
-- ``transport``: ``CudaRegion`` (the region in cold-device memory, exported once through
-  CUDA IPC), ``CudaOffloadSender`` (hot side) and ``CudaOffloadReceiver`` (cold side).
+- ``transport``: ``CudaRegion``, the region in cold-device memory (exported once through
+  CUDA IPC) implementing ``protocol.Transport`` with those kernels, so the one
+  ``OffloadSender`` and ``OffloadReceiver`` run over it; ``CudaPollingExecutor`` is the
+  cold side's executor (the polling kernel serves tasks on the device).
 - ``region_desc``: the int64 descriptor of a RegionLayout that device code reads.
 - ``pool``: writes K/V into the remote pool (layout [num_blocks, num_kv_heads, block_size,
   2*head_size], K then V per (block, head) page, token-major: one layout for both

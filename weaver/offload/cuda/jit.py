@@ -270,6 +270,22 @@ def compile_file(
     return CompiledKernelFile(file_name, key, cubin_path, was_cached=False)
 
 
+def unavailable_reason() -> str | None:
+    """Why Weaver's kernels cannot be launched here (no torch CUDA device, no CuPy), or
+    None when they can."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "needs a CUDA device (torch.cuda.is_available() is False)"
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return "needs CuPy to load the kernels (pip install cupy-cuda13x)"
+    return None
+
+
 class KernelLibrary:
     """Compiled kernels for one device, loaded on first use and kept by this object.
 

@@ -7,8 +7,6 @@ weaver/offload/layout.py, and both transports share them. Pure Python.
 
 from __future__ import annotations
 
-from enum import IntEnum
-
 from weaver.offload.layout import (
     DONE_RESULT_OFFSET,
     DONE_SEQ_OFFSET,
@@ -16,18 +14,6 @@ from weaver.offload.layout import (
     TASK_SEQ_OFFSET,
     RegionLayout,
 )
-
-
-class WaitStatus(IntEnum):
-    """What weaver_wait_done wrote (csrc/offload_region.cuh WaitStatus)."""
-
-    PENDING = 0  # the wait kernel has not run yet
-    OK = 1
-    FAILED = 2  # the cold side ran the task and flagged it (bad block id or metadata)
-    TIMEOUT = 3
-    CLOSED = 4  # the cold side is closing or closed
-    PROTOCOL_ERROR = 5  # done_seq passed the awaited seq
-
 
 # Order = csrc/offload_region.cuh DescIndex (tests/gpu/test_region_desc.py checks it).
 DESC_FIELDS: tuple[str, ...] = (

@@ -1,7 +1,15 @@
+"""The CPU transport: the region in POSIX shared memory (creation, attachment, cleanup,
+doorbells) and what only a host transport does (the idle poller thread, poll points and
+that thread serving together, a cold process that dies, host executors). The protocol
+itself is tested over every transport in test_protocol.py."""
+
 from __future__ import annotations
 
 import contextlib
+import os
 import struct
+import subprocess
+import sys
 import threading
 import time
 
@@ -9,39 +17,171 @@ import pytest
 import torch
 from offload_helpers import random_batch, reference_executor, start_cold_worker, stop_cold_worker
 
-from weaver.offload.channel import (
-    OffloadReceiver,
-    OffloadSender,
-    OffloadTaskFailed,
-    OffloadTimeout,
-)
 from weaver.offload.layout import (
-    DONE_SEQ_OFFSET,
-    INT64_MAX,
-    TASK_SEQ_OFFSET,
+    OWNER_PID_OFFSET,
+    REGION_MAGIC,
     HotAttentionShape,
     RegionLayout,
 )
+from weaver.offload.protocol import OffloadTaskFailed, OffloadTimeout
+from weaver.offload.receiver import OffloadReceiver
 from weaver.offload.reference_attention import (
     paged_decode_attention_reference,
     write_kv_reference,
 )
-from weaver.offload.shm_transport import ShmRegion
+from weaver.offload.sender import OffloadSender
+from weaver.offload.shm import (
+    DEFAULT_SHM_DIR,
+    ShmRegion,
+    is_process_alive,
+    region_paths,
+)
 
 SHAPE = HotAttentionShape(
     num_layers=2, num_q_heads=4, num_kv_heads=2, head_size=32, block_size=32, dtype="float32"
 )
-LAYOUT = RegionLayout(SHAPE, num_remote_blocks=12, max_seqs_per_task=4, max_blocks_per_seq=3)
+LAYOUT = RegionLayout(SHAPE, num_remote_blocks=8, max_seqs_per_task=4, max_blocks_per_seq=4)
+CHANNEL_LAYOUT = RegionLayout(SHAPE, num_remote_blocks=12, max_seqs_per_task=4,
+                              max_blocks_per_seq=3)
 SCALE = SHAPE.head_size**-0.5
+
+
+
+def test_create_attach_share_bytes_and_owner_cleans_up(shm_name):
+    owner = ShmRegion.create(LAYOUT, shm_name)
+    assert all(os.path.exists(p) for p in region_paths(shm_name))
+    assert os.path.getsize(owner.path) == LAYOUT.total_bytes
+    hot = ShmRegion.attach(LAYOUT, shm_name)
+    hot.buffer[LAYOUT.kv_offset] = 42
+    assert owner.buffer[LAYOUT.kv_offset] == 42
+    assert bytes(hot.buffer[: len(REGION_MAGIC)]) == REGION_MAGIC
+    hot.close()
+    hot.close()  # safe twice
+    assert all(os.path.exists(p) for p in region_paths(shm_name)), "attacher must not unlink"
+    owner.close()
+    owner.close()
+    assert not any(os.path.exists(p) for p in region_paths(shm_name))
+    with pytest.raises(ValueError, match="is closed"):
+        _ = owner.buffer
+
+
+def test_attach_with_other_shape_names_the_mismatch(shm_name):
+    with ShmRegion.create(LAYOUT, shm_name):
+        other = RegionLayout(
+            HotAttentionShape(2, 8, 2, 32, 32, "float32"),
+            num_remote_blocks=8,
+            max_seqs_per_task=4,
+            max_blocks_per_seq=4,
+        )
+        with pytest.raises(ValueError, match="num_q_heads: region has 4, this side expects 8"):
+            ShmRegion.attach(other, shm_name)
+        same_size = RegionLayout(
+            HotAttentionShape(2, 4, 2, 32, 32, "float32"),
+            num_remote_blocks=8,
+            max_seqs_per_task=4,
+            max_blocks_per_seq=5,  # block table grows inside the metadata padding
+        )
+        if same_size.total_bytes == LAYOUT.total_bytes:
+            with pytest.raises(ValueError, match="max_blocks_per_seq"):
+                ShmRegion.attach(same_size, shm_name)
+
+
+def test_attach_missing_region_is_a_clear_error(shm_name):
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="start the cold side first"):
+        ShmRegion.attach(LAYOUT, shm_name, wait_s=0.1)
+    assert time.monotonic() - start < 5
+
+
+def test_attach_waits_for_a_late_owner(shm_name):
+    owners: list[ShmRegion] = []
+    timer = threading.Timer(0.2, lambda: owners.append(ShmRegion.create(LAYOUT, shm_name)))
+    timer.start()
+    try:
+        hot = ShmRegion.attach(LAYOUT, shm_name, wait_s=10)
+        hot.close()
+    finally:
+        timer.join()
+        for region in owners:
+            region.close()
+
+
+def test_live_owner_is_refused_and_dead_owner_is_reclaimed(shm_name):
+    first = ShmRegion.create(LAYOUT, shm_name)
+    with pytest.raises(ValueError, match="owned by live process"):
+        ShmRegion.create(LAYOUT, shm_name)
+    # Pretend the owner died without cleaning up: point the header at a reaped pid.
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    struct.pack_into("<q", first.buffer, OWNER_PID_OFFSET, child.pid)
+    second = ShmRegion.create(LAYOUT, shm_name)
+    assert os.path.exists(second.path)
+    first._is_owner = False  # its names now belong to `second`
+    first.close()
+    second.close()
+
+
+def test_bad_names_and_dirs_raise_value_error(tmp_path):
+    with pytest.raises(ValueError, match="invalid shared-memory region name"):
+        ShmRegion.create(LAYOUT, "../etc/passwd")
+    with pytest.raises(ValueError, match="does not exist"):
+        ShmRegion.create(LAYOUT, "ok-name", shm_dir=str(tmp_path / "missing"))
+
+
+def test_fifo_wakeup_sleeps_until_notified(shm_name):
+    with ShmRegion.create(LAYOUT, shm_name) as owner:
+        hot = ShmRegion.attach(LAYOUT, shm_name)
+        assert not owner.wait_for_task(0.01)
+        for _ in range(3):
+            hot.wake_waiters()  # several notifications coalesce into one wakeup
+        assert owner.wait_for_task(1.0)
+        assert not owner.wait_for_task(0.01)
+        timer = threading.Timer(0.05, hot.wake_waiters)
+        timer.start()
+        start = time.monotonic()
+        assert owner.wait_for_task(5.0)
+        assert time.monotonic() - start < 4.0
+        timer.join()
+        hot.close()
+
+
+def test_is_process_alive():
+    assert is_process_alive(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert not is_process_alive(child.pid)
+    assert not is_process_alive(0)
+
+
+def test_dev_shm_default():
+    assert DEFAULT_SHM_DIR == "/dev/shm" and os.path.isdir(DEFAULT_SHM_DIR)
+
+
+def test_attacher_process_exit_leaves_region_in_place(shm_name):
+    # The resource_tracker trap: an attaching process must never unlink at exit.
+    with ShmRegion.create(LAYOUT, shm_name) as owner:
+        code = (
+            "import sys\n"
+            "from weaver.offload.layout import HotAttentionShape, RegionLayout\n"
+            "from weaver.offload.shm import ShmRegion\n"
+            "shape = HotAttentionShape(2, 4, 2, 32, 32, 'float32')\n"
+            "layout = RegionLayout(shape, 8, 4, 4)\n"
+            f"region = ShmRegion.attach(layout, {shm_name!r})\n"
+            "assert 'torch' not in sys.modules\n"  # attaching alone stays light
+            "region.buffer[0:0]\n"  # exit without close()
+        )
+        subprocess.run([sys.executable, "-c", code], check=True)
+        assert all(os.path.exists(p) for p in region_paths(shm_name))
+        assert bytes(owner.buffer[: len(REGION_MAGIC)]) == REGION_MAGIC
 
 
 @contextlib.contextmanager
 def channel_pair(name, executor=reference_executor, *, poller=True, receiver=True):
-    owner = ShmRegion.create(LAYOUT, name)
+    owner = ShmRegion.create(CHANNEL_LAYOUT, name)
     recv = OffloadReceiver(owner, executor, idle_wait_s=0.02) if receiver else None
     if recv is not None and poller:
         recv.start_idle_poller()
-    sender = OffloadSender(ShmRegion.attach(LAYOUT, name))
+    sender = OffloadSender(ShmRegion.attach(CHANNEL_LAYOUT, name))
     try:
         yield sender, recv, owner
     finally:
@@ -54,7 +194,7 @@ def channel_pair(name, executor=reference_executor, *, poller=True, receiver=Tru
 
 def fill_pool(sender: OffloadSender, gen: torch.Generator) -> None:
     """Random K/V for every slot of every layer, in the oracle's layout."""
-    num_slots = LAYOUT.num_remote_blocks * SHAPE.block_size
+    num_slots = CHANNEL_LAYOUT.num_remote_blocks * SHAPE.block_size
     slots = torch.arange(num_slots)
     for layer in range(SHAPE.num_layers):
         key = torch.randn(num_slots, SHAPE.num_kv_heads, SHAPE.head_size, generator=gen)
@@ -64,7 +204,7 @@ def fill_pool(sender: OffloadSender, gen: torch.Generator) -> None:
 
 def submit_random(sender, layer, num_seqs, gen):
     q = torch.randn(num_seqs, SHAPE.num_q_heads, SHAPE.head_size, generator=gen)
-    lens, table = random_batch(LAYOUT, num_seqs, gen)
+    lens, table = random_batch(CHANNEL_LAYOUT, num_seqs, gen)
     ticket = sender.submit(layer, q, lens, table, scale=SCALE)
     expected = paged_decode_attention_reference(
         q, sender.kv_layer(layer), lens, table, SCALE, key_layout="nd"
@@ -77,7 +217,7 @@ def test_round_trip_through_idle_poller(shm_name):
     with channel_pair(shm_name) as (sender, recv, _):
         fill_pool(sender, gen)
         for step in range(6):
-            layer, num_seqs = step % 2, 1 + step % LAYOUT.max_seqs_per_task
+            layer, num_seqs = step % 2, 1 + step % CHANNEL_LAYOUT.max_seqs_per_task
             ticket, expected = submit_random(sender, layer, num_seqs, gen)
             result = sender.wait_with_timing(ticket, timeout_s=10)
             torch.testing.assert_close(result.output, expected)
@@ -143,37 +283,11 @@ def test_poll_points_and_idle_thread_serve_each_task_once(shm_name):
             stats.total_busy_s)
 
 
-def test_wait_times_out_without_receiver_then_recovers(shm_name):
-    gen = torch.Generator().manual_seed(3)
-    with channel_pair(shm_name, receiver=False) as (sender, _, owner):
-        ticket, _ = submit_random(sender, 0, 2, gen)
-        start = time.monotonic()
-        with pytest.raises(OffloadTimeout, match="not done after") as err:
-            sender.wait(ticket, timeout_s=0.3)
-        elapsed = time.monotonic() - start
-        assert err.value.reason == "timeout"
-        assert 0.3 <= elapsed < 3.0
-        assert sender.stats.num_timeouts == 1
-        assert not sender.can_submit()
-        with pytest.raises(OffloadTimeout, match="still being served") as busy:
-            submit_random(sender, 0, 2, gen)
-        assert busy.value.reason == "busy"
-        # A receiver that shows up late serves the stale task; the channel is usable again.
-        recv = OffloadReceiver(owner, reference_executor)
-        assert recv.poll()
-        assert sender.can_submit()
-        fill_pool(sender, gen)
-        ticket, expected = submit_random(sender, 1, 2, gen)
-        assert recv.poll()
-        torch.testing.assert_close(sender.wait(ticket, timeout_s=1), expected)
-        recv.close()
-
-
 def test_receiver_close_makes_pending_wait_fail_fast(shm_name):
     gen = torch.Generator().manual_seed(4)
-    owner = ShmRegion.create(LAYOUT, shm_name)
+    owner = ShmRegion.create(CHANNEL_LAYOUT, shm_name)
     recv = OffloadReceiver(owner, reference_executor)  # alive, but never serves
-    sender = OffloadSender(ShmRegion.attach(LAYOUT, shm_name))
+    sender = OffloadSender(ShmRegion.attach(CHANNEL_LAYOUT, shm_name))
     ticket, _ = submit_random(sender, 0, 1, gen)
     timer = threading.Timer(0.1, recv.close)
     timer.start()
@@ -192,9 +306,9 @@ def test_receiver_close_makes_pending_wait_fail_fast(shm_name):
 
 def test_cross_process_round_trip_then_dead_cold_process_fails_fast(shm_name):
     gen = torch.Generator().manual_seed(5)
-    proc = start_cold_worker(shm_name, LAYOUT, executor="reference", poller=True)
+    proc = start_cold_worker(shm_name, CHANNEL_LAYOUT, executor="reference", poller=True)
     try:
-        sender = OffloadSender(ShmRegion.attach(LAYOUT, shm_name, wait_s=30))
+        sender = OffloadSender(ShmRegion.attach(CHANNEL_LAYOUT, shm_name, wait_s=30))
         fill_pool(sender, gen)
         for step in range(4):  # served by the other process's idle poller
             ticket, expected = submit_random(sender, step % 2, 1 + step, gen)
@@ -210,7 +324,7 @@ def test_cross_process_round_trip_then_dead_cold_process_fails_fast(shm_name):
     finally:
         stop_cold_worker(proc)
     # The killed owner could not unlink; the next owner reclaims the stale region.
-    ShmRegion.create(LAYOUT, shm_name).close()
+    ShmRegion.create(CHANNEL_LAYOUT, shm_name).close()
 
 
 def test_executor_failure_is_reported_and_channel_survives(shm_name):
@@ -242,58 +356,11 @@ def test_cold_side_rejects_out_of_pool_metadata(shm_name):
         table = torch.tensor([[0, 1, 2]], dtype=torch.int32)
         ticket = sender.submit(0, torch.zeros(1, 4, 32), torch.tensor([70]), table, scale=SCALE)
         # corrupt the staged block id of block 2 after validation, as a stray write would
-        struct.pack_into("<i", owner.buffer, LAYOUT.block_table_offset + 8, 1000)
+        struct.pack_into("<i", owner.buffer, CHANNEL_LAYOUT.block_table_offset + 8, 1000)
         assert recv.poll()
         with pytest.raises(OffloadTaskFailed):
             sender.wait(ticket, timeout_s=1)
         assert calls == [] and recv.stats.num_failed == 1
-
-
-def test_sequence_number_refuses_to_wrap(shm_name):
-    gen = torch.Generator().manual_seed(7)
-    with channel_pair(shm_name, receiver=False) as (sender, _, owner):
-        struct.pack_into("<q", owner.buffer, TASK_SEQ_OFFSET, INT64_MAX)
-        struct.pack_into("<q", owner.buffer, DONE_SEQ_OFFSET, INT64_MAX)
-        with pytest.raises(OverflowError, match="overflow int64"):
-            submit_random(sender, 0, 1, gen)
-
-
-@pytest.mark.parametrize(
-    "change, match",
-    [
-        (dict(layer=2), "layer 2 out of range"),
-        (dict(q=torch.zeros(2, 4, 16)), "q must be"),
-        (dict(q=torch.zeros(2, 4, 32, dtype=torch.float16)), "dtype"),
-        (dict(q=torch.zeros(5, 4, 32), seq_lens=torch.ones(5, dtype=torch.int32),
-              block_table=torch.zeros(5, 3, dtype=torch.int32)), r"num_seqs in \[1, 4\]"),
-        (dict(q=torch.zeros(3, 4, 32)), r"q must be \[2, 4, 32\]"),
-        (dict(seq_lens=torch.tensor([1, 97], dtype=torch.int32)), "seq_lens must be in"),
-        (dict(seq_lens=torch.tensor([0, 3], dtype=torch.int32)), "seq_lens must be in"),
-        (dict(block_table=torch.tensor([[0, 1, 2], [3, 4, 12]], dtype=torch.int32)), "block ids"),
-        (dict(block_table=torch.zeros(2, 4, dtype=torch.int32)), "max_blocks_per_seq"),
-    ],
-)
-def test_submit_rejects_bad_input(shm_name, change, match):
-    args = dict(
-        layer=0,
-        q=torch.zeros(2, 4, 32),
-        seq_lens=torch.tensor([1, 96], dtype=torch.int32),
-        block_table=torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32),
-    )
-    args.update(change)
-    with channel_pair(shm_name, receiver=False) as (sender, _, _):
-        with pytest.raises(ValueError, match=match):
-            sender.submit(**args, scale=SCALE)
-        assert sender.stats.num_submitted == 0
-
-
-def test_unused_block_ids_beyond_seq_len_are_not_checked(shm_name):
-    # Columns past a sequence's last block are padding in vLLM's block tables.
-    with channel_pair(shm_name, poller=False) as (sender, recv, _):
-        table = torch.tensor([[0, 99, -1]], dtype=torch.int32)
-        ticket = sender.submit(0, torch.zeros(1, 4, 32), torch.tensor([5]), table, scale=SCALE)
-        assert recv.poll()
-        sender.wait(ticket, timeout_s=1)
 
 
 def test_receiver_close_releases_the_executors_views_before_unmapping(shm_name):
@@ -327,12 +394,19 @@ def test_layers_of_one_step_share_the_staged_batch(shm_name, monkeypatch, caplog
     first layer's task and not copied again; another batch in between is staged in turn.
     The batch keeps its own copy, so changing the caller's tensors afterwards changes
     nothing. Each answer is still the oracle's."""
-    import weaver.offload.channel as channel
+    import weaver.offload.protocol as protocol
+    import weaver.offload.sender as sender_module
+    import weaver.offload.shm as shm
 
     checks = []
-    real_check = channel.check_task_bounds
-    monkeypatch.setattr(channel, "check_task_bounds",
-                        lambda *args: checks.append(1) or real_check(*args))
+
+    def counting_check(*args):
+        checks.append(1)
+        return protocol.check_task_bounds(*args)
+
+    # the hot side checks in the sender, the cold side in the CPU transport
+    monkeypatch.setattr(sender_module, "check_task_bounds", counting_check)
+    monkeypatch.setattr(shm, "check_task_bounds", counting_check)
     gen = torch.Generator().manual_seed(11)
     with channel_pair(shm_name, poller=False) as (sender, recv, owner):
         fill_pool(sender, gen)
@@ -346,20 +420,20 @@ def test_layers_of_one_step_share_the_staged_batch(shm_name, monkeypatch, caplog
                                            q, sender.kv_layer(layer), lens, table, SCALE,
                                            key_layout="nd"))
 
-        lens, table = random_batch(LAYOUT, 3, gen)
+        lens, table = random_batch(CHANNEL_LAYOUT, 3, gen)
         first = sender.prepare_batch(lens, table)
         expected_lens, expected_table = lens.clone(), table.clone()
         lens[1], table[1] = 1, 0  # the caller's tensors change: the batch does not
         round_trip(0, expected_lens, expected_table, first)
         # a stray write into the staged block table: the next layer's task does not restage
-        struct.pack_into("<i", owner.buffer, LAYOUT.block_table_offset, 1000)
+        struct.pack_into("<i", owner.buffer, CHANNEL_LAYOUT.block_table_offset, 1000)
         q = torch.zeros(3, SHAPE.num_q_heads, SHAPE.head_size)
         ticket = sender.submit_batch(1, q, first, scale=SCALE)
         assert recv.poll()
         with pytest.raises(OffloadTaskFailed):  # the cold side's own check caught it
             sender.wait(ticket, timeout_s=1)
         assert "task 2 rejected: block ids must be in [0, 12)" in caplog.text
-        other_lens, other_table = random_batch(LAYOUT, 2, gen)
+        other_lens, other_table = random_batch(CHANNEL_LAYOUT, 2, gen)
         other = sender.prepare_batch(other_lens, other_table)
         round_trip(1, other_lens, other_table, other)
         round_trip(0, expected_lens, expected_table, first)  # staged again, intact
@@ -369,4 +443,4 @@ def test_layers_of_one_step_share_the_staged_batch(shm_name, monkeypatch, caplog
         # (first, the corrupted first, other, first again: 4).
         assert len(checks) == 2 + 4
         with pytest.raises(ValueError, match="seq_lens must be in"):
-            sender.prepare_batch(torch.tensor([LAYOUT.max_tokens_per_seq + 1]), table[:1])
+            sender.prepare_batch(torch.tensor([CHANNEL_LAYOUT.max_tokens_per_seq + 1]), table[:1])
