@@ -45,9 +45,9 @@ if str(_REPO_ROOT) not in sys.path:
 import httpx  # noqa: E402
 
 from weaver.bench.loadgen import LoadGenConfig, run_load_sync  # noqa: E402
-from weaver.bench.results import RequestStatus  # noqa: E402
+from weaver.bench.server_process import weaver_server  # noqa: E402
 from weaver.models.registry import prepare_model  # noqa: E402
-from weaver.server.process import weaver_server  # noqa: E402
+from weaver.results.records import RequestStatus  # noqa: E402
 from weaver.splitting.algorithm import plan_split  # noqa: E402
 from weaver.splitting.profile import SplitProfile  # noqa: E402
 from weaver.weaving.plan import lend_kv_gib_for  # noqa: E402

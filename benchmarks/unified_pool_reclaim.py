@@ -42,8 +42,8 @@ from pathlib import Path
 import httpx
 import openai
 
+from weaver.bench.server_process import weaver_server
 from weaver.models.registry import prepare_model
-from weaver.server.process import weaver_server
 
 DEPLOYMENT = """
 models:

@@ -40,11 +40,11 @@ import httpx
 
 from weaver.bench.loadgen import LoadGenConfig, run_load_sync
 from weaver.bench.prom_histogram import read_counter, read_histogram
-from weaver.bench.results import RequestStatus
+from weaver.bench.server_process import weaver_server
 from weaver.cli.pairs import parse_pairs
 from weaver.config.cpu_cores import usable_cpu_cores
 from weaver.models.registry import prepare_model
-from weaver.server.process import weaver_server
+from weaver.results.records import RequestStatus
 from weaver.splitting.deploy import validate_split_chunks
 from weaver.weaving.plan import lend_kv_gib_for
 from weaver.workloads.types import TraceRequest

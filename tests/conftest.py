@@ -1,10 +1,17 @@
-"""Fixtures shared by the whole suite."""
+"""Fixtures shared by the whole suite.
+
+The linear profile (the `lin` fixture), whose step times are easy to compute by hand,
+serves the simulator's tests and the profiling calibrations' tests; helpers travel as
+fixtures because test modules of different folders cannot import each other."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+
+from weaver.sim.profile import ModelShape, Profile
 
 
 @pytest.fixture(scope="session")
@@ -14,3 +21,64 @@ def smollm2_dir() -> Path:
     from weaver.models.registry import prepare_model
 
     return prepare_model("smollm2-135m-instruct")
+
+
+class Linear:
+    """prefill(n) = P0 + P1 n; decode(b, c) = D0 + DB b + DC c; attention(c) = A1 c;
+    link: 1 GB/s with 1 ms latency; KV blocks of BLOCK tokens."""
+
+    P0, P1 = 0.010, 1e-4
+    D0, DB, DC = 0.020, 1e-3, 1e-6
+    A1 = 5e-7
+    SHAPE = ModelShape("test-1b", num_layers=4, hidden_size=256, num_heads=4,
+                       num_kv_heads=2, head_size=64, intermediate_size=512, vocab_size=1000)
+    BLOCK = 16
+    BLOCK_BYTES = BLOCK * SHAPE.kv_bytes_per_token
+
+    @classmethod
+    def prefill_time(cls, n: int) -> float:
+        return cls.P0 + cls.P1 * n
+
+    @classmethod
+    def decode_time(cls, b: int, c: int) -> float:
+        return cls.D0 + cls.DB * b + cls.DC * c
+
+    @classmethod
+    def profile(cls) -> Profile:
+        batches, contexts = [1, 1000], [0, 1_000_000]
+        return Profile(
+            device="A100-80GB", shape=cls.SHAPE, source="synthetic linear profile for tests",
+            memory_bytes=80 << 30,
+            prefill_tokens=[1, 10_000],
+            prefill_s=[cls.prefill_time(1), cls.prefill_time(10_000)],
+            decode_batch_sizes=batches, decode_context_tokens=contexts,
+            decode_s=[[cls.decode_time(b, c) for c in contexts] for b in batches],
+            attention_context_tokens=contexts, attention_s=[cls.A1 * c for c in contexts],
+            link_bandwidth_bps=1e9, link_latency_s=1e-3,
+        )
+
+
+@pytest.fixture
+def lin() -> type[Linear]:
+    return Linear
+
+
+@pytest.fixture
+def lin_model_dir(tmp_path):
+    """A model directory whose config.json has the linear profile's shape (what the
+    calibration commands check a profile against)."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    s = Linear.SHAPE
+    (model_dir / "config.json").write_text(json.dumps({
+        "num_hidden_layers": s.num_layers, "hidden_size": s.hidden_size,
+        "num_attention_heads": s.num_heads, "num_key_value_heads": s.num_kv_heads,
+        "intermediate_size": s.intermediate_size, "vocab_size": s.vocab_size}))
+    return model_dir
+
+
+@pytest.fixture
+def profile_path(tmp_path):
+    path = tmp_path / "linear.json"
+    Linear.profile().save(path)
+    return str(path)

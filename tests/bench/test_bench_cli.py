@@ -11,8 +11,8 @@ from bench_fake_server import FakeBehavior
 from weaver.bench.compare import compare_deployments, parse_target
 from weaver.bench.loadgen import LoadGenConfig
 from weaver.bench.report import comparison_table
-from weaver.bench.results import ALL_MODELS, load_result
 from weaver.cli import bench
+from weaver.results.records import ALL_MODELS, load_result
 from weaver.workloads.types import TraceRequest
 
 

@@ -12,7 +12,7 @@ from bench_fake_server import FakeBehavior
 
 from weaver.bench.loadgen import LoadGenConfig, build_payload, run_load_sync
 from weaver.bench.prompts import synthetic_prompt
-from weaver.bench.results import RequestStatus
+from weaver.results.records import RequestStatus
 from weaver.workloads.types import TraceRequest
 
 TTFT_S, ITL_S = 0.15, 0.02

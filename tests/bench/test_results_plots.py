@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from weaver.bench.metrics import summarize
 from weaver.bench.plots import ordered_models, plot_results
-from weaver.bench.results import (
+from weaver.results.metrics import summarize
+from weaver.results.records import (
     RequestRecord,
     RequestStatus,
     RunResult,

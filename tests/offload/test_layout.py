@@ -125,7 +125,7 @@ def test_offload_package_imports_without_vllm():
         "import weaver.offload.layout, weaver.offload.protocol, weaver.offload.naming\n"
         "import weaver.offload.sender, weaver.offload.receiver, weaver.offload.shm\n"
         "import weaver.offload.reference_attention, weaver.offload.cuda.transport\n"
-        "import weaver.offload.probe, weaver.offload.cli\n"
+        "import weaver.profiling.channel_probe, weaver.cli.offload_probe\n"
         "import torch\n"
         "assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules), 'vllm'\n"
         "assert 'cupy' not in sys.modules\n"
@@ -138,8 +138,8 @@ def test_cli_and_naming_import_without_torch():
     # `weaver --help` imports every CLI module; region names are computed by config code.
     code = (
         "import sys\n"
-        "import weaver.offload.cli, weaver.offload.naming, weaver.offload.layout\n"
-        "import weaver.offload.probe_config\n"
+        "import weaver.cli.offload_probe, weaver.offload.naming, weaver.offload.layout\n"
+        "import weaver.profiling.probe_config\n"
         "assert 'torch' not in sys.modules and 'numpy' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -21,8 +21,8 @@ import openai
 import psutil
 import pytest
 
+from weaver.bench.server_process import weaver_server
 from weaver.config.deployment import load_deployment
-from weaver.server.process import weaver_server
 
 pytestmark = pytest.mark.engine
 

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from weaver.sim.measure import MeasureSettings, measure_cpu_profile
+from weaver.profiling.torch_layers import MeasureSettings, measure_cpu_profile
 from weaver.sim.profile import (
     KNOWN_DEVICES,
     Profile,

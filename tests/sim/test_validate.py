@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from weaver.bench.metrics import summarize
-from weaver.bench.results import BenchResult, RequestRecord, RequestStatus, RunResult
 from weaver.cli.main import build_parser
 from weaver.config.deployment import load_deployment
+from weaver.results.metrics import summarize
+from weaver.results.records import BenchResult, RequestRecord, RequestStatus, RunResult
 from weaver.sim.deployment import sim_config_from_deployment
 from weaver.sim.metrics import bench_duration_s, bench_record
 from weaver.sim.profile import KNOWN_SHAPES, Profile

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
+from weaver.profiling.timer import TimingStats, measure
 from weaver.splitting.profile import LM_HEAD_NAME, PER_LAYER_OP_NAMES, OpTiming, SplitProfile
-from weaver.splitting.timing import TimingStats, measure
 
 
 def test_json_round_trip(tmp_path, profile_dict):

@@ -1,4 +1,4 @@
-"""The report table and `weaver plan-split` (weaver/cli/plan_split.py), called directly."""
+"""The report table and `weaver plan-split` (weaver.cli.profile.py), called directly."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from weaver.cli import plan_split as plan_split_cli
+from weaver.cli import profile as plan_split_cli
 from weaver.splitting.algorithm import SplitPlan, plan_split
 from weaver.splitting.profile import SplitProfile
 from weaver.splitting.report import format_report
@@ -105,7 +105,7 @@ def test_cli_help_explains_itself(capsys):
 
 def test_imports_without_vllm_or_torch():
     code = (
-        "import sys, weaver.splitting.report, weaver.cli.plan_split;"
+        "import sys, weaver.splitting.report, weaver.cli.profile;"
         "print([m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch', 'cupy')])"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -21,7 +21,7 @@ import psutil
 import pytest
 from weaving_client import complete_all, make_prompts, metric, openai_client
 
-from weaver.server.process import weaver_server
+from weaver.bench.server_process import weaver_server
 
 pytestmark = pytest.mark.engine
 

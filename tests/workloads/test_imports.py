@@ -9,7 +9,7 @@ MODULES = [
     "weaver.workloads.builder",
     "weaver.workloads.traces",
     "weaver.bench.loadgen",
-    "weaver.bench.metrics",
+    "weaver.results.metrics",
     "weaver.bench.plots",
     "weaver.bench.compare",
     "weaver.cli.bench",

@@ -1,2 +1,3 @@
-"""Benchmarks against running OpenAI-compatible servers: load generator, metrics (TTFT,
-TPOT, ITL, E2E, SLO attainment, goodput), JSON results and plots drawn from them."""
+"""Benchmarks against running OpenAI-compatible servers: a `weaver serve` process of one's
+own (server_process), the load generator, runs and comparisons, plots drawn from saved
+results. The results' schema and metrics are `weaver.results`, shared with the simulator."""

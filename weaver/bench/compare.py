@@ -10,9 +10,9 @@ import logging
 from collections.abc import Mapping, Sequence
 
 from weaver.bench.loadgen import LoadGenConfig
-from weaver.bench.metrics import IsolatedEstimate
-from weaver.bench.results import RunResult
 from weaver.bench.runner import run_benchmark, with_base_url
+from weaver.results.metrics import IsolatedEstimate
+from weaver.results.records import RunResult
 from weaver.workloads.types import TraceRequest
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 
 from weaver.bench.prompts import synthetic_prompt
-from weaver.bench.results import RequestRecord, RequestStatus
+from weaver.results.records import RequestRecord, RequestStatus
 from weaver.workloads.types import TraceRequest
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from weaver.bench.results import ALL_MODELS, RunResult, load_result
+from weaver.results.records import ALL_MODELS, RunResult, load_result
 
 logger = logging.getLogger(__name__)
 

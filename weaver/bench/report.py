@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from weaver.bench.results import ALL_MODELS, LatencyStats, RunResult
+from weaver.results.records import ALL_MODELS, LatencyStats, RunResult
 
 
 def _ms(stats: LatencyStats | None, percentile: float | None = None) -> float:

@@ -9,8 +9,8 @@ from datetime import datetime, timezone
 from typing import Any
 
 from weaver.bench.loadgen import LoadGenConfig, run_load_sync
-from weaver.bench.metrics import IsolatedEstimate, by_model, slo_summary, summarize
-from weaver.bench.results import ALL_MODELS, RunResult
+from weaver.results.metrics import IsolatedEstimate, by_model, slo_summary, summarize
+from weaver.results.records import ALL_MODELS, RunResult
 from weaver.workloads.types import TraceRequest
 
 logger = logging.getLogger(__name__)

@@ -221,8 +221,8 @@ def _guarded(fn):
 
 
 def _isolated(args: argparse.Namespace):
-    from weaver.bench.metrics import IsolatedEstimate, fit_isolated
-    from weaver.bench.results import load_result
+    from weaver.results.metrics import IsolatedEstimate, fit_isolated
+    from weaver.results.records import load_result
 
     if args.isolated_from:
         result = load_result(args.isolated_from)
@@ -318,7 +318,7 @@ def _client_config(args: argparse.Namespace, url: str):
 def _run_targets(args: argparse.Namespace, targets: list[tuple[str, str]]) -> list:
     from weaver.bench.compare import compare_deployments
     from weaver.bench.report import slo_table, summary_table
-    from weaver.bench.results import new_result, save_result
+    from weaver.results.records import new_result, save_result
 
     isolated = _isolated(args)
     roles = _roles(args)
@@ -364,7 +364,7 @@ def _served(label: str, where: str, out: Path):
     if where.startswith(("http://", "https://")):
         yield where
         return
-    from weaver.server.process import weaver_server
+    from weaver.bench.server_process import weaver_server
 
     config = Path(where)
     if not config.is_file():
@@ -409,10 +409,10 @@ def _compare_handler(args: argparse.Namespace) -> int:
 
 @_guarded
 def _summary_handler(args: argparse.Namespace) -> int:
-    from weaver.bench.metrics import max_sustainable_rate
     from weaver.bench.plots import load_runs
     from weaver.bench.report import slo_table, summary_table
-    from weaver.bench.results import ALL_MODELS
+    from weaver.results.metrics import max_sustainable_rate
+    from weaver.results.records import ALL_MODELS
 
     runs = load_runs(args.results)
     print(summary_table(runs))

@@ -1,6 +1,6 @@
 """`weaver profile --calibrate-serving PROFILE --engine MODEL`: measure the serving path
-(`weaver.bench.serving_probe`), fit the overhead an in-process profile lacks and write the
-calibrated profile (`weaver.sim.serving_calibration`)."""
+(`weaver.profiling.serving_probe`), fit the overhead an in-process profile lacks and write the
+calibrated profile (`weaver.profiling.serving_calibration`)."""
 
 from __future__ import annotations
 
@@ -51,15 +51,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_calibrate_serving(args: argparse.Namespace) -> int:
-    from weaver.bench import serving_probe
-    from weaver.sim.perf_model import PerfModel
-    from weaver.sim.serving_calibration import (
+    from weaver.profiling import serving_probe
+    from weaver.profiling.serving_calibration import (
         ServingDecodePoint,
         ServingPlan,
         apply_serving_overhead,
         fit_serving_overhead,
         require_in_process,
     )
+    from weaver.sim.perf_model import PerfModel
 
     try:
         if not args.engine:
@@ -181,7 +181,7 @@ def check_model(engine: str, profile) -> Path:
     """The model directory, after checking that the profile was measured for its shape (a
     calibration against another model's step times would be meaningless)."""
     from weaver.models.registry import resolve_model
-    from weaver.sim.engine_profile import shape_from_hf_config
+    from weaver.profiling.engine_profile import shape_from_hf_config
 
     model_dir = resolve_model(engine)
     config = json.loads((model_dir / "config.json").read_text())

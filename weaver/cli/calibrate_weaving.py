@@ -1,7 +1,7 @@
 """`weaver profile --calibrate-weaving PROFILE --deployment FILE`: measure the hot model's
-woven steps through `weaver serve` (`weaver.bench.serving_probe.measure_woven_points`), fit
+woven steps through `weaver serve` (`weaver.profiling.serving_probe.measure_woven_points`), fit
 what they pay beyond the offload cost model and write the calibrated profile
-(`weaver.sim.weaving_calibration`)."""
+(`weaver.profiling.weaving_calibration`)."""
 
 from __future__ import annotations
 
@@ -51,9 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_calibrate_weaving(args: argparse.Namespace) -> int:
-    from weaver.bench import serving_probe
-    from weaver.sim.serving_calibration import ServingPlan
-    from weaver.sim.weaving_calibration import (
+    from weaver.profiling import serving_probe
+    from weaver.profiling.serving_calibration import ServingPlan
+    from weaver.profiling.weaving_calibration import (
         apply_woven_overhead,
         fit_woven_overhead,
         modelled_woven_step_s,
@@ -127,8 +127,8 @@ def _inputs(args: argparse.Namespace):
     from weaver.cli.calibrate_serving import check_model, load_profile
     from weaver.config.cpu_cores import parse_cpu_cores
     from weaver.config.deployment import load_deployment
+    from weaver.profiling.serving_calibration import ServingPlan
     from weaver.sim.deployment import num_usable_blocks
-    from weaver.sim.serving_calibration import ServingPlan
     from weaver.weaving.plan import block_size_of, num_lent_blocks
 
     if not args.deployment:

@@ -18,10 +18,10 @@ SUBCOMMAND_MODULES = (
     "weaver.cli.serve",
     "weaver.cli.models",
     "weaver.cli.config",
-    "weaver.cli.plan_split",
+    "weaver.cli.profile",
     "weaver.cli.bench",
     "weaver.cli.simulate",
-    "weaver.offload.cli",
+    "weaver.cli.offload_probe",
 )
 
 

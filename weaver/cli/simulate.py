@@ -1,4 +1,4 @@
-"""`weaver simulate`, `weaver plan` and `weaver profile`: the cluster simulator's commands.
+"""`weaver simulate` and `weaver plan`: the cluster simulator's commands.
 
 Results are JSON in a folder named after the config (`OUT/CONFIG_NAME/`); plots are drawn
 from those saved files afterwards, never from in-memory state.
@@ -9,10 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 from pathlib import Path
 
-from weaver.cli import calibrate_serving, calibrate_weaving
 from weaver.cli.pairs import parse_pairs
 
 logger = logging.getLogger(__name__)
@@ -23,7 +21,6 @@ PAPER_HOT_GAIN = 0.60  # Weaver §5: +60 % hot max throughput under the TPOT SLO
 def register(subparsers: argparse._SubParsersAction) -> None:
     _register_simulate(subparsers)
     _register_plan(subparsers)
-    _register_profile(subparsers)
 
 
 def _config_help() -> str:
@@ -79,45 +76,6 @@ def _register_plan(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run_plan)
 
 
-def _register_profile(subparsers: argparse._SubParsersAction) -> None:
-    from weaver.sim.profile import KNOWN_DEVICES, KNOWN_SHAPES
-
-    parser = subparsers.add_parser(
-        "profile", help="write a performance profile (measured on CPU, or roofline)",
-        description="With --device cpu, time prefill, decode steps and decode attention of "
-                    "a random-weight Llama-shaped layer stack in plain torch on this CPU "
-                    "(about 10 s for --shape tiny). With a GPU name, write the roofline "
-                    "profile from its published specs instead. With --engine MODEL, time "
-                    "vLLM's own engine in-process; with --calibrate-serving PROFILE "
-                    "--engine MODEL as well, add to that profile the per-step overhead of "
-                    "the real serving path, measured through `weaver serve`. The format is "
-                    "in weaver/sim/PROFILE_FORMAT.md.")
-    parser.add_argument("--device", default="cpu",
-                        choices=["cpu", *sorted(KNOWN_DEVICES)],
-                        help="cpu measures; a GPU name writes its roofline (default: cpu)")
-    parser.add_argument("--shape", default="tiny", choices=sorted(KNOWN_SHAPES),
-                        help="model shape (default: %(default)s; measure only tiny or small "
-                             "on CPU, the others take long)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per point")
-    parser.add_argument("--out", required=True, help="profile JSON to write")
-    parser.add_argument("--engine", metavar="MODEL",
-                        help="time vLLM's own engine serving MODEL (a prepared model name "
-                             "or a directory) on one CPU core instead: prefill steps, decode "
-                             "steps over batch x context, and the CPU attention kernel the "
-                             "cold side runs (about 2-3 minutes for smollm2-135m-instruct); "
-                             "with --calibrate-serving: the model to serve")
-    parser.add_argument("--cpu-core", type=int, default=0,
-                        help="--engine: the core to pin to, as a deployment's cpu_cores "
-                             "(default: %(default)s)")
-    parser.add_argument("--retime-attention", metavar="PROFILE_JSON",
-                        help="with --engine MODEL: time only the offloaded-attention table "
-                             "again and write PROFILE_JSON with it to --out, its engine-step "
-                             "tables (and any serving calibration) kept; about 30 s")
-    calibrate_serving.add_arguments(parser)
-    calibrate_weaving.add_arguments(parser)
-    parser.set_defaults(handler=run_profile)
-
-
 def resolve_config(name_or_path: str):
     from weaver.sim.config import load_config, packaged_configs
 
@@ -167,8 +125,8 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 
 def run_validate(args: argparse.Namespace) -> int:
-    from weaver.bench.results import load_result
     from weaver.config.deployment import load_deployment
+    from weaver.results.records import load_result
     from weaver.sim.validate import deployment_paths_from_command, format_table, validate_results
 
     try:
@@ -236,113 +194,6 @@ def run_plan(args: argparse.Namespace) -> int:
     if not args.no_plot:
         print(f"plot: {plots.plot_plan(path, path.with_suffix('.png'))}")
     print(f"results: {path}")
-    return 0
-
-
-def _engine_model(args: argparse.Namespace):
-    """--engine MODEL's directory and shape (float32, as the engine is timed); ValueError
-    if --cpu-core is not ours."""
-    from weaver.models.registry import resolve_model
-    from weaver.sim.engine_profile import shape_from_hf_config
-
-    model_dir = resolve_model(args.engine)
-    config = json.loads((model_dir / "config.json").read_text())
-    shape = shape_from_hf_config(config, Path(args.engine).name, dtype_bytes=4)
-    if args.cpu_core not in os.sched_getaffinity(0):
-        raise ValueError(f"--cpu-core {args.cpu_core} is not one of this process's cores "
-                         f"{sorted(os.sched_getaffinity(0))}")
-    return model_dir, shape
-
-
-def run_engine_profile(args: argparse.Namespace) -> int:
-    """`weaver profile --engine MODEL`: the vLLM import stays in weaver.vllm_ext."""
-    from weaver.sim.engine_profile import EngineGrid, build_profile
-
-    try:
-        model_dir, shape = _engine_model(args)
-    except (ValueError, OSError) as exc:
-        logger.error("%s", exc)
-        return 2
-    from weaver.vllm_ext.engine_timing import time_engine
-
-    grid = EngineGrid()
-    logger.info("profiling %s on core %d: %d prefill tokens in all", model_dir,
-                args.cpu_core, grid.num_prefill_tokens())
-    timings = time_engine(model_dir, shape, grid, args.cpu_core)
-    profile = build_profile(grid, shape, timings, device="cpu",
-                            memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    profile.save(args.out)
-    _print_profile(profile, args.out)
-    return 0
-
-
-def run_retime_attention(args: argparse.Namespace) -> int:
-    """`weaver profile --retime-attention PROFILE --engine MODEL`: a new attention table,
-    the engine-step tables kept (timed earlier; this machine's speed drifts between runs,
-    so re-timing them would move more than the attention)."""
-    import datetime
-
-    from weaver.sim.engine_profile import attention_grid, require_same_shape, with_attention
-    from weaver.sim.profile import Profile
-
-    try:
-        if not args.engine:
-            raise ValueError("--retime-attention needs --engine MODEL: the model the profile "
-                             "was measured on")
-        profile = Profile.load(args.retime_attention)
-        grid = attention_grid(profile)
-        _, shape = _engine_model(args)
-        require_same_shape(profile, shape)
-    except (ValueError, OSError) as exc:
-        logger.error("%s", exc)
-        return 2
-    from weaver.vllm_ext.engine_timing import attention_note, retime_attention
-
-    old = profile.attention_s
-    attention_s, isa = retime_attention(shape, grid, args.cpu_core)
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    profile = with_attention(profile, shape, attention_s, attention_note(grid, isa),
-                             f"{when} on core {args.cpu_core}")
-    for tokens, before, after in zip(profile.attention_context_tokens, old, attention_s,
-                                     strict=True):
-        print(f"attention, {tokens:6d} tokens, all layers: {before * 1e3:8.2f} ms -> "
-              f"{after * 1e3:8.2f} ms")
-    profile.save(args.out)
-    _print_profile(profile, args.out)
-    return 0
-
-
-def _print_profile(profile, out: str) -> None:
-    print(f"{profile.shape.name} on {profile.device}: prefill({profile.prefill_tokens[-1]} "
-          f"tokens)={profile.prefill_s[-1] * 1e3:.2f} ms, decode(batch "
-          f"{profile.decode_batch_sizes[0]}, {profile.decode_context_tokens[0]} context)="
-          f"{profile.decode_s[0][0] * 1e3:.2f} ms; source: {profile.source}")
-    print(f"profile: {out}")
-
-
-def run_profile(args: argparse.Namespace) -> int:
-    from weaver.sim.profile import get_device, get_shape, roofline_profile
-
-    if args.calibrate_serving:
-        return calibrate_serving.run_calibrate_serving(args)
-    if args.calibrate_weaving:
-        return calibrate_weaving.run_calibrate_weaving(args)
-    if args.retime_attention:
-        return run_retime_attention(args)
-    if args.engine:
-        return run_engine_profile(args)
-    shape = get_shape(args.shape)
-    if args.device == "cpu":
-        from weaver.sim.measure import MeasureSettings, measure_cpu_profile
-
-        if args.repeats < 1:
-            logger.error("--repeats must be at least 1")
-            return 2
-        profile = measure_cpu_profile(shape, MeasureSettings(num_repeats=args.repeats))
-    else:
-        profile = roofline_profile(shape, get_device(args.device))
-    profile.save(args.out)
-    _print_profile(profile, args.out)
     return 0
 
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from weaver.bench.metrics import summarize as bench_summarize
-from weaver.bench.results import ModelSummary, RequestRecord, RequestStatus
+from weaver.results.metrics import summarize as bench_summarize
+from weaver.results.records import ModelSummary, RequestRecord, RequestStatus
 from weaver.sim.instance import SimRequest
 
 
@@ -113,7 +113,7 @@ def _summarize_one(records: list[dict], slo: Slo, num_submitted: int,
 
 def bench_record(rec: dict) -> RequestRecord:
     """A simulated request as `weaver bench` records a measured one, so both are summarised
-    by `weaver.bench.metrics.summarize`. The simulated client sends at the arrival time
+    by `weaver.results.metrics.summarize`. The simulated client sends at the arrival time
     and sees every token as it is generated; it streams no per-token gaps (`itl_s`)."""
     if rec["is_rejected"]:
         status = RequestStatus.ERROR

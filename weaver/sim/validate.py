@@ -2,7 +2,7 @@
 
 For every run of a saved `BenchResult` (one deployment at one rate), the measured requests
 are replayed in a simulated copy of that deployment (`weaver.sim.deployment`), and the
-simulated requests are summarised by the benchmark's own `weaver.bench.metrics.summarize`.
+simulated requests are summarised by the benchmark's own `weaver.results.metrics.summarize`.
 Mean TPOT and output-token throughput per model are compared as sim / measured; a number
 is within tolerance when |ratio - 1| <= tolerance (15 % by default).
 
@@ -21,8 +21,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from weaver.bench.results import ALL_MODELS, BenchResult, ModelSummary, RunResult
 from weaver.config.deployment import Deployment
+from weaver.results.records import ALL_MODELS, BenchResult, ModelSummary, RunResult
 from weaver.sim.deployment import sim_config_from_deployment
 from weaver.sim.metrics import bench_record, bench_summary
 from weaver.sim.runner import simulate

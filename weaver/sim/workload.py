@@ -4,7 +4,7 @@ Two sources, both yielding `TraceRequest`s:
 - a config's `workload:` section becomes a `weaver.workloads.builder.WorkloadSpec` (the
   same trace loaders, filters, length scaling, arrival processes and seeds as
   `weaver bench`), with the config's per-model rates;
-- a saved `weaver bench` run (`weaver.bench.results.RunResult`) is replayed request by
+- a saved `weaver bench` run (`weaver.results.records.RunResult`) is replayed request by
   request: the measured send times, prompt and output lengths and model names.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from weaver.bench.results import RequestStatus, RunResult
+from weaver.results.records import RequestStatus, RunResult
 from weaver.workloads.builder import ModelLoad, WorkloadSpec, build_workload, load_rows
 from weaver.workloads.lengths import scale_lengths
 from weaver.workloads.traces import TraceRow

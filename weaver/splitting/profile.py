@@ -32,12 +32,11 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from weaver.splitting.algorithm import DEFAULT_THRESHOLD_FRAC, OperatorSpec, SplitConfig
-from weaver.splitting.timing import TimingStats
 
 PROFILE_SCHEMA_VERSION = 1
 # The per-layer operators of a Llama-style decoder layer, in execution order
@@ -46,6 +45,14 @@ PER_LAYER_OP_NAMES = ("qkv", "attn", "o", "gate_up", "down")
 LM_HEAD_NAME = "lm_head"
 
 Statistic = Literal["mean", "p50"]
+
+
+class TimingSummary(Protocol):
+    """What a timer reports of one operator (weaver.profiling.timer.TimingStats has it)."""
+
+    mean_s: float
+    p50_s: float
+    num_samples: int
 
 
 def _check_seconds(value: float, label: str) -> float:
@@ -73,9 +80,9 @@ class OpTiming(BaseModel):
 
     @classmethod
     def from_stats(
-        cls, name: str, stats: TimingStats, split_dim_size: int, min_chunk_size: int = 1
+        cls, name: str, stats: TimingSummary, split_dim_size: int, min_chunk_size: int = 1
     ) -> OpTiming:
-        """Build an entry from :func:`weaver.splitting.timing.measure`'s result."""
+        """Build an entry from a timer's result (weaver.profiling.timer.measure)."""
         return cls(
             name=name,
             mean_s=stats.mean_s,

@@ -117,7 +117,7 @@ class CpuPagedAttentionExecutor:
         self._query_start_loc = torch.arange(0, 1, dtype=torch.int32)
         # Kept between tasks: what does not depend on the task's data. The cold side serves
         # tasks between its own operators, which evict the caches; after a cache flush
-        # (as weaver.offload.task_timing times tasks) building the scheduler metadata took
+        # (as weaver.profiling.task_timing times tasks) building the scheduler metadata took
         # 155-190 us and the K/V views 90-100 us per task (benchmarks/README.md).
         # - scheduler metadata: a function of the batch's sequence lengths only; a hot step
         #   sends one task per layer with the same lengths, and vLLM's own CPU backend

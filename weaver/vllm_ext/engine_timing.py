@@ -7,9 +7,9 @@ scheduler + model step, timed from here; the process and vLLM's OpenMP threads a
 to one core, as `cpu_cores` pins a deployment's engine. Decode attention alone is timed
 as the cold side serves offloaded tasks: through a real region, with the executor it runs
 (`cpu_paged_attention.CpuPagedAttentionExecutor`) and the K/V read from memory
-(`weaver.offload.task_timing`), i.e. the remote attention of weaving.
+(`weaver.profiling.task_timing`), i.e. the remote attention of weaving.
 What to time and how timings become a profile is pure Python in
-`weaver.sim.engine_profile`.
+`weaver.profiling.engine_profile`.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import platform
 import random
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 
-from weaver.sim.engine_profile import DecodePoint, EngineGrid, EngineTimings, attention_batch
+from weaver.profiling.engine_profile import DecodePoint, EngineGrid, EngineTimings, attention_batch
+from weaver.profiling.timer import copy_bandwidth
 from weaver.sim.profile import ModelShape
 
 logger = logging.getLogger(__name__)
@@ -162,9 +162,9 @@ def time_attention(shape: ModelShape, grid: EngineGrid,
                    num_repeats: int = 5) -> tuple[list[float], str]:
     """All-layer decode attention at each total context, as the cold side serves it:
     one offloaded task per layer through a real region, with the cold side's executor
-    and the K/V read from memory (`weaver.offload.task_timing`)."""
+    and the K/V read from memory (`weaver.profiling.task_timing`)."""
     from weaver.offload.layout import HotAttentionShape
-    from weaver.offload.task_timing import time_offloaded_attention
+    from weaver.profiling.task_timing import time_offloaded_attention
     from weaver.vllm_ext.cpu_paged_attention import CpuPagedAttentionExecutor
 
     hot = HotAttentionShape(num_layers=shape.num_layers, num_q_heads=shape.num_heads,
@@ -175,21 +175,3 @@ def time_attention(shape: ModelShape, grid: EngineGrid,
                for total in grid.attention_context_tokens]
     timings = time_offloaded_attention(hot, batches, executor, num_repeats=num_repeats)
     return [t.all_layers_s for t in timings], executor.isa
-
-
-def _best_time(fn: Callable[[], object], num_repeats: int) -> float:
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(num_repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def copy_bandwidth(num_bytes: int = 64 << 20) -> float:
-    import torch
-
-    src = torch.empty(num_bytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    return num_bytes / _best_time(lambda: dst.copy_(src), 3)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from weaver.offload.layout import HotAttentionShape
-from weaver.splitting.timing import measure
+from weaver.profiling.timer import measure
 from weaver.vllm_ext.split_layers import LINEAR_OP_KINDS, ChunkedLinear
 
 

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from weaver.offload import cli
-from weaver.offload.probe_config import ProbeConfig
+from weaver.cli import offload_probe as cli
+from weaver.profiling.probe_config import ProbeConfig
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,13 +13,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from weaver.bench import serving_probe
-from weaver.cli import simulate as cli
-from weaver.sim.perf_model import LinkModel, OffloadCostModel, PerfModel, PollContext
-from weaver.sim.profile import Profile
-from weaver.sim.serving_calibration import NOTES_KEY as SERVING_NOTES_KEY
-from weaver.sim.serving_calibration import ServingDecodePoint
-from weaver.sim.weaving_calibration import (
+from weaver.cli import profile as cli
+from weaver.profiling import serving_probe
+from weaver.profiling.serving_calibration import NOTES_KEY as SERVING_NOTES_KEY
+from weaver.profiling.serving_calibration import ServingDecodePoint
+from weaver.profiling.weaving_calibration import (
     NOTES_KEY,
     apply_woven_overhead,
     fit_woven_overhead,
@@ -27,6 +25,8 @@ from weaver.sim.weaving_calibration import (
     num_remote_of,
     require_calibratable,
 )
+from weaver.sim.perf_model import LinkModel, OffloadCostModel, PerfModel, PollContext
+from weaver.sim.profile import Profile
 
 SMOLLM2_PROFILE = (Path(__file__).resolve().parents[2] / "benchmarks" / "profiles"
                    / "smollm2_135m_cpu_vllm_serving.json")

@@ -6,7 +6,7 @@ deployments pin theirs), driven over HTTP by the load generator; this module imp
 vLLM. Decode points: b requests sent at once (fixed prompt and output lengths, ignore_eos
 as the load generator sends them), for each batch size of a `ServingPlan`. Prefill points:
 one request at a time on the idle server, its TTFT. The fit is pure Python in
-`weaver.sim.serving_calibration`.
+`weaver.profiling.serving_calibration`.
 
 Where the gateway, the engines' frontends and this client run matters: on the two-core
 benchmark machine every core also runs an engine, so their work takes time from the
@@ -31,11 +31,15 @@ from pathlib import Path
 import yaml
 
 from weaver.bench.loadgen import LoadGenConfig, run_load_sync
-from weaver.bench.results import RequestRecord, RequestStatus
+from weaver.bench.server_process import weaver_server
 from weaver.config.cpu_cores import usable_cpu_cores
 from weaver.config.deployment import parse_deployment
-from weaver.server.process import weaver_server
-from weaver.sim.serving_calibration import ServingDecodePoint, ServingPlan, ServingPrefillPoint
+from weaver.profiling.serving_calibration import (
+    ServingDecodePoint,
+    ServingPlan,
+    ServingPrefillPoint,
+)
+from weaver.results.records import RequestRecord, RequestStatus
 from weaver.workloads.types import TraceRequest
 
 logger = logging.getLogger(__name__)

@@ -16,36 +16,41 @@ import queue
 import statistics
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
 
+from weaver.offload.layout import HotAttentionShape
 from weaver.offload.naming import region_name
-from weaver.offload.probe_config import ProbeConfig
-from weaver.offload.protocol import OffloadTask
+from weaver.offload.protocol import Executor, OffloadTask
 from weaver.offload.receiver import OffloadReceiver
 from weaver.offload.reference_attention import paged_decode_attention_reference
 from weaver.offload.sender import OffloadSender
 from weaver.offload.shm import ShmRegion
+from weaver.profiling.probe_config import ProbeConfig
 
 logger = logging.getLogger(__name__)
 
 
-def _make_executor(config: ProbeConfig):
-    if config.executor == "vllm":
-        from weaver.vllm_ext.cpu_paged_attention import CpuPagedAttentionExecutor
+ExecutorFactory = Callable[[HotAttentionShape], Executor]
 
-        return CpuPagedAttentionExecutor(config.shape)
-    if config.executor == "reference":
 
-        def reference(task: OffloadTask) -> None:
-            task.out.copy_(
-                paged_decode_attention_reference(
-                    task.q, task.kv_layer, task.seq_lens, task.block_table, task.scale
-                )
+def reference_executor(shape: HotAttentionShape) -> Executor:
+    """The pure-torch oracle as the cold side's executor."""
+
+    def reference(task: OffloadTask) -> None:
+        task.out.copy_(
+            paged_decode_attention_reference(
+                task.q, task.kv_layer, task.seq_lens, task.block_table, task.scale
             )
+        )
 
-        return reference
+    return reference
+
+
+def noop_executor(shape: HotAttentionShape) -> Executor:
+    """Serves a task without computing anything: the channel alone."""
 
     def noop(task: OffloadTask) -> None:
         return None
@@ -53,9 +58,10 @@ def _make_executor(config: ProbeConfig):
     return noop
 
 
-def _cold_main(config: ProbeConfig, name: str, results: mp.Queue, stop: mp_sync.Event) -> None:
+def _cold_main(config: ProbeConfig, make_executor: ExecutorFactory, name: str,
+               results: mp.Queue, stop: mp_sync.Event) -> None:
     region = ShmRegion.create(config.layout, name, shm_dir=config.shm_dir)
-    receiver = OffloadReceiver(region, _make_executor(config))
+    receiver = OffloadReceiver(region, make_executor(config.shape))
     try:
         start = time.perf_counter()
         for _ in range(config.num_idle_polls):
@@ -99,8 +105,12 @@ def _percentiles(samples_us: list[float]) -> dict[str, float]:
     }
 
 
-def run_probe(config: ProbeConfig, *, show_progress: bool = True) -> dict:
-    """Run the probe; returns the result dict (config, environment, latencies in µs)."""
+def run_probe(config: ProbeConfig, make_executor: ExecutorFactory, *,
+              show_progress: bool = True) -> dict:
+    """Run the probe; returns the result dict (config, environment, latencies in µs).
+
+    make_executor: builds the cold side's executor for the probe's shape, in the cold
+    process (a module-level function or class: it crosses a spawn)."""
     from tqdm import tqdm
 
     layout = config.layout
@@ -108,7 +118,8 @@ def run_probe(config: ProbeConfig, *, show_progress: bool = True) -> dict:
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
     stop = ctx.Event()
-    cold = ctx.Process(target=_cold_main, args=(config, name, results, stop), daemon=True)
+    cold = ctx.Process(target=_cold_main, args=(config, make_executor, name, results, stop),
+                       daemon=True)
     cold.start()
     try:
         cold_info = _get_from(cold, results, timeout_s=300)

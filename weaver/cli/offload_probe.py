@@ -23,7 +23,7 @@ _DESCRIPTION = (
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from weaver.offload.probe_config import EXECUTORS, ProbeConfig
+    from weaver.profiling.probe_config import EXECUTORS, ProbeConfig
 
     parser = subparsers.add_parser(
         "offload-probe",
@@ -63,8 +63,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from weaver.offload.probe import run_probe
-    from weaver.offload.probe_config import ProbeConfig
+    from weaver.profiling.channel_probe import run_probe
+    from weaver.profiling.probe_config import ProbeConfig
 
     try:
         config = ProbeConfig(**{f.name: getattr(args, f.name) for f in fields(ProbeConfig)})
@@ -72,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"weaver offload-probe: error: {err}", file=sys.stderr)
         return 2
-    results = run_probe(config, show_progress=not args.no_progress)
+    results = run_probe(config, executor_factory(config.executor),
+                        show_progress=not args.no_progress)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:
         json.dump(results, f, indent=1)
@@ -91,6 +92,18 @@ def run(args: argparse.Namespace) -> int:
         plot_from_json(args.output, args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+def executor_factory(name: str):
+    """The cold side's executor for --executor NAME (vllm imports vLLM, in the cold process
+    only: the factory crosses the spawn by reference)."""
+    from weaver.profiling import channel_probe
+
+    if name == "vllm":
+        from weaver.vllm_ext.cpu_paged_attention import CpuPagedAttentionExecutor
+
+        return CpuPagedAttentionExecutor
+    return channel_probe.reference_executor if name == "reference" else channel_probe.noop_executor
 
 
 def plot_from_json(json_path: str, png_path: str) -> None:

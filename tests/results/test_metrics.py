@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from weaver.bench.metrics import (
+from weaver.results.metrics import (
     IsolatedEstimate,
     fit_isolated,
     goodput,
@@ -15,7 +15,7 @@ from weaver.bench.metrics import (
     slowdown_percentiles,
     summarize,
 )
-from weaver.bench.results import ALL_MODELS, ModelSummary, RequestRecord, RequestStatus
+from weaver.results.records import ALL_MODELS, ModelSummary, RequestRecord, RequestStatus
 
 OK, ERROR, UNFINISHED, NOT_SENT = (
     RequestStatus.OK,

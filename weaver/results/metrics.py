@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 from pydantic import BaseModel
 
-from weaver.bench.results import (
+from weaver.results.records import (
     ALL_MODELS,
     LatencyStats,
     ModelSummary,

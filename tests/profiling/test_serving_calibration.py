@@ -11,14 +11,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from weaver.bench import serving_probe
-from weaver.bench.results import RequestRecord, RequestStatus
-from weaver.cli import simulate as cli
+from weaver.cli import profile as cli
 from weaver.config.deployment import parse_deployment
-from weaver.sim.engine_profile import least_squares
-from weaver.sim.perf_model import PerfModel
-from weaver.sim.profile import Profile
-from weaver.sim.serving_calibration import (
+from weaver.profiling import serving_probe
+from weaver.profiling.engine_profile import least_squares
+from weaver.profiling.serving_calibration import (
     NOTES_KEY,
     ServingDecodePoint,
     ServingPlan,
@@ -26,6 +23,9 @@ from weaver.sim.serving_calibration import (
     apply_serving_overhead,
     fit_serving_overhead,
 )
+from weaver.results.records import RequestRecord, RequestStatus
+from weaver.sim.perf_model import PerfModel
+from weaver.sim.profile import Profile
 
 SMOLLM2_PROFILE = (Path(__file__).resolve().parents[2] / "benchmarks" / "profiles"
                    / "smollm2_135m_cpu_vllm.json")

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import os
 import platform
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
+from weaver.profiling.timer import best_time, copy_bandwidth
 from weaver.sim.profile import ModelShape, Profile
 
 DEFAULT_PREFILL_TOKENS = [16, 32, 64, 128, 256, 512]
@@ -92,16 +91,6 @@ class _Stack:
         return x[:, -1] @ self.lm_head.T
 
 
-def _best_time(fn: Callable[[], object], num_repeats: int) -> float:
-    fn()  # warm-up: allocator and kernel selection
-    times = []
-    for _ in range(num_repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def _kv_cache(shape: ModelShape, batch: int, per_seq: int):
     import torch
 
@@ -126,7 +115,7 @@ def measure_cpu_profile(shape: ModelShape, settings: MeasureSettings | None = No
         prefill_s = []
         for n in settings.prefill_tokens:
             x = torch.randn(1, n, hidden)
-            prefill_s.append(_best_time(lambda x=x: stack.forward(x, None),
+            prefill_s.append(best_time(lambda x=x: stack.forward(x, None),
                                           settings.num_repeats))
             bar.update()
         decode_s = []
@@ -135,7 +124,7 @@ def measure_cpu_profile(shape: ModelShape, settings: MeasureSettings | None = No
             for total in settings.context_tokens:
                 cache = _kv_cache(shape, b, max(total // b, 1))
                 x = torch.randn(b, 1, hidden)
-                row.append(_best_time(lambda x=x, c=cache: stack.forward(x, c),
+                row.append(best_time(lambda x=x, c=cache: stack.forward(x, c),
                                         settings.num_repeats))
                 bar.update()
             decode_s.append(row)
@@ -143,7 +132,7 @@ def measure_cpu_profile(shape: ModelShape, settings: MeasureSettings | None = No
         for total in settings.context_tokens:
             attention_s.append(_attention_time(stack, total, settings.num_repeats))
             bar.update()
-        bandwidth = _copy_bandwidth()
+        bandwidth = copy_bandwidth()
         bar.update()
     bar.close()
     return Profile(
@@ -151,7 +140,7 @@ def measure_cpu_profile(shape: ModelShape, settings: MeasureSettings | None = No
         shape=shape,
         source=f"measured on {platform.processor() or platform.machine()} CPU, "
                f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, "
-               f"random-weight Llama-shaped layers (weaver.sim.measure)",
+               f"random-weight Llama-shaped layers (weaver.profiling.torch_layers)",
         memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
         prefill_tokens=list(settings.prefill_tokens),
         prefill_s=prefill_s,
@@ -180,13 +169,4 @@ def _attention_time(stack: _Stack, total: int, num_repeats: int) -> float:
         for k, v in cache:
             stack.attention(q, k, v, causal=False)
 
-    return _best_time(run, num_repeats)
-
-
-def _copy_bandwidth(num_bytes: int = 64 << 20) -> float:
-    import torch
-
-    src = torch.empty(num_bytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    seconds = _best_time(lambda: dst.copy_(src), 3)
-    return num_bytes / seconds
+    return best_time(run, num_repeats)

@@ -6,7 +6,7 @@ overlaps them. A served woven step pays more than that on the hot side: the batc
 into local and remote rows (one kernel call each, metadata built for both), the remote
 rows' task is staged, and their outputs are merged back. This module fits that remainder
 from points measured by a streaming client through `weaver serve` running a weaving
-deployment with its cold model idle (`weaver.bench.serving_probe.measure_woven_points`):
+deployment with its cold model idle (`weaver.profiling.serving_probe.measure_woven_points`):
 
     overhead(point) = served TPOT - (decode(b, ctx) + OffloadCostModel.step_overhead(r, ...))
 
@@ -26,7 +26,9 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
-from weaver.sim.engine_profile import least_squares
+from weaver.profiling.engine_profile import least_squares
+from weaver.profiling.serving_calibration import NOTES_KEY as SERVING_NOTES_KEY
+from weaver.profiling.serving_calibration import ServingDecodePoint
 from weaver.sim.perf_model import (
     LinkModel,
     OffloadCostModel,
@@ -35,8 +37,6 @@ from weaver.sim.perf_model import (
     operator_fractions,
 )
 from weaver.sim.profile import Profile
-from weaver.sim.serving_calibration import NOTES_KEY as SERVING_NOTES_KEY
-from weaver.sim.serving_calibration import ServingDecodePoint
 from weaver.weaving.placement import Placement, RatioPlacement
 
 NOTES_KEY = "weaving_calibration"

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from weaver.sim.engine_profile import (
+from weaver.profiling.engine_profile import (
     DecodePoint,
     EngineGrid,
     EngineTimings,

@@ -1,8 +1,10 @@
-"""Time a callable many times, on any device.
+"""The one timer of Weaver's measurements: time a callable many times, on any device.
 
-The profiler of the cold model (CPU or GPU) measures each operator with this. It is
-device-agnostic: asynchronous devices pass ``synchronize`` (e.g. ``torch.cuda.synchronize``)
-so that a sample covers the work itself and not only its launch.
+Every profile goes through it: the cold model's operators (split planning), vLLM's engine
+steps and kernels (``weaver profile --engine``), the random-weight layer stack
+(``weaver profile``) and the host's copy bandwidth. It is device-agnostic: asynchronous
+devices pass ``synchronize`` (e.g. ``torch.cuda.synchronize``) so that a sample covers the
+work itself and not only its launch.
 """
 
 from __future__ import annotations
@@ -53,6 +55,21 @@ def measure(
         max_s=max(samples),
         num_samples=len(samples),
     )
+
+
+def best_time(fn: Callable[[], object], num_repeats: int) -> float:
+    """The fastest of `num_repeats` timed runs after one warm-up (as ``timeit`` advises:
+    on a shared machine noise only ever adds time)."""
+    return measure(fn, num_warmup=1, num_iters=num_repeats).min_s
+
+
+def copy_bandwidth(num_bytes: int = 64 << 20) -> float:
+    """Bytes per second of a host memcpy (the CPU transport's link is shared memory)."""
+    import torch
+
+    src = torch.empty(num_bytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return num_bytes / best_time(lambda: dst.copy_(src), 3)
 
 
 def _no_sync() -> None:

@@ -1,4 +1,4 @@
-"""A server started by `weaver.server.process` does not outlive a killed parent."""
+"""A server started by `weaver.bench.server_process` does not outlive a killed parent."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 PARENT = """
 import subprocess, sys, time
-from weaver.server.process import popen_dying_with_parent
+from weaver.bench.server_process import popen_dying_with_parent
 start = popen_dying_with_parent if sys.argv[1] == "dying" else subprocess.Popen
 child = start([sys.executable, "-c", "import time; time.sleep(120)"])
 print(child.pid, flush=True)

@@ -1,4 +1,4 @@
-"""Timing offloaded attention tasks through a real region (weaver.offload.task_timing)."""
+"""Timing offloaded attention tasks through a real region (weaver.profiling.task_timing)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from weaver.offload.layout import HotAttentionShape
 from weaver.offload.protocol import OffloadTask
 from weaver.offload.reference_attention import paged_decode_attention_reference
-from weaver.offload.task_timing import time_offloaded_attention
+from weaver.profiling.task_timing import time_offloaded_attention
 
 SHAPE = HotAttentionShape(num_layers=3, num_q_heads=4, num_kv_heads=2, head_size=16,
                           block_size=8, dtype="float32")

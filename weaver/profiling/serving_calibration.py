@@ -5,7 +5,7 @@ per step: the EngineCore <-> frontend IPC, detokenisation, SSE streaming through
 gateway, and the frontend and client processes sharing the cores with the engines. That
 work matters most at small batches (where it is a large share of a step) and caps
 throughput at saturation. This module fits it from points measured by a client through
-`weaver serve` (`weaver.bench.serving_probe` measures them) and adds it to the profile:
+`weaver serve` (`weaver.profiling.serving_probe` measures them) and adds it to the profile:
 
 - decode: overhead per step as a least-squares line over the batch size,
   overhead(b) = max(0, a + k b), measured as served TPOT - in-process decode step time at
@@ -37,7 +37,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
-from weaver.sim.engine_profile import least_squares
+from weaver.profiling.engine_profile import least_squares
 from weaver.sim.perf_model import PerfModel
 from weaver.sim.profile import Profile, blocks_for
 
