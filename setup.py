@@ -1,4 +1,10 @@
-# Minimal shim so that tools which still call `setup.py` work; pyproject.toml holds everything.
-from setuptools import setup
+"""Packages: weaver/ and, as weaver.patches, the top-level patches/ folder (every change to
+vLLM outside its official hooks, kept apart and listed in patches/registry.py).
+pyproject.toml holds everything else."""
 
-setup()
+from setuptools import find_packages, setup
+
+setup(
+    packages=[*find_packages(include=["weaver", "weaver.*"]), "weaver.patches"],
+    package_dir={"weaver.patches": "patches"},
+)

@@ -1,7 +1,7 @@
 """Decode attention over head-wise pool pages vs vLLM's own cache layout, side by side.
 
 The unified KV pool (issue 6) stores each (block, layer, KV head) in a page of its own
-anywhere in the pool; `weaver.vllm_ext.headwise_attention` runs vLLM's CPU_ATTN kernel over
+anywhere in the pool; `weaver.vllm_ext.attention.headwise` runs vLLM's CPU_ATTN kernel over
 it by making every (sequence, KV head) a sequence of its own. This script times one decode
 step's attention, all layers, both ways on the same numbers, in alternating rounds on one
 core (as a CPU engine runs it), and prints the per-layer medians and their ratio. The
@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from weaver.vllm_ext.cpu_paged_attention import key_value_caches
-    from weaver.vllm_ext.headwise_attention import HeadwiseBatch, HeadwiseGeometry, page_view
+    from weaver.vllm_ext.attention.cpu_kernels import key_value_caches
+    from weaver.vllm_ext.attention.headwise import HeadwiseBatch, HeadwiseGeometry, page_view
 
     torch.set_num_threads(1)  # a CPU engine runs its kernels on one pinned core
     try:

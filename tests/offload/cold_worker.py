@@ -40,7 +40,7 @@ def main() -> int:
         max_blocks_per_seq=lay["max_blocks_per_seq"],
     )
     if spec["executor"] == "vllm":
-        from weaver.vllm_ext.cpu_paged_attention import CpuPagedAttentionExecutor
+        from weaver.vllm_ext.attention.cpu_kernels import CpuPagedAttentionExecutor
 
         executor = CpuPagedAttentionExecutor(layout.shape)
     else:

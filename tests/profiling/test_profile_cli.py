@@ -23,7 +23,7 @@ def test_profile_command_roofline(tmp_path):
 
 
 def test_retime_attention_refuses_bad_input_before_measuring(tmp_path, monkeypatch):
-    from weaver.vllm_ext import engine_timing
+    from weaver.vllm_ext.engine import timing as engine_timing
 
     def no_timing(*args, **kwargs):
         raise AssertionError("nothing should be timed")

@@ -1,5 +1,5 @@
 """Split plans from the deployment (weaver/splitting/deploy.py) and the chunked GEMM the
-cold engine runs (weaver/vllm_ext/split_layers.py), without an engine."""
+cold engine runs (weaver/vllm_ext/layers.py), without an engine."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def test_chunked_gemm_equals_the_packed_whole_and_polls_between_chunks():
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     from weaver.splitting.algorithm import chunk_bounds
-    from weaver.vllm_ext.split_layers import ChunkedLinear
+    from weaver.vllm_ext.layers import ChunkedLinear
 
     assert chunk_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
     gen = torch.Generator().manual_seed(0)

@@ -1,5 +1,5 @@
-"""Operator splitting applied inside real vLLM engines (weaver/vllm_ext/split_layers.py),
-and the profile measured on them (weaver/vllm_ext/split_profiler.py).
+"""Operator splitting applied inside real vLLM engines (weaver/vllm_ext/layers.py),
+and the profile measured on them (weaver/vllm_ext/engine/split_profiler.py).
 
 Engines run in child processes with PYTHONPATH set to this checkout, so vLLM's worker
 imports this tree's `weaver` (checked). Four engine starts in all: tiny-llama-a unsplit

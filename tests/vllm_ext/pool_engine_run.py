@@ -66,7 +66,7 @@ def main() -> int:
     from vllm import LLM, SamplingParams
 
     from weaver.vllm_ext.additional_config import make_additional_config
-    from weaver.vllm_ext.engine_app import HOT_SCHEDULER
+    from weaver.vllm_ext.engine.app import SCHEDULER
 
     plan = pool_plan(shm_prefix, int(quota_blocks))
     cached = mode.endswith("-cached")
@@ -75,8 +75,8 @@ def main() -> int:
     llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN,
               max_num_seqs=NUM_PROMPTS, block_size=plan.tenant("cold").shape.block_size,
               kv_cache_memory_bytes=KV_BUDGET_BYTES, **blocks,
-              enable_prefix_caching=cached, scheduler_cls=HOT_SCHEDULER,
-              worker_extension_cls="weaver.vllm_ext.worker_ext.WeaverWorkerExtension",
+              enable_prefix_caching=cached, scheduler_cls=SCHEDULER,
+              worker_extension_cls="weaver.vllm_ext.worker.WeaverWorkerExtension",
               additional_config=make_additional_config(None, [], pool=pool))
     if cached:  # a shared 40-token prefix (one full block) and 1 to 8 tokens of their own
         prompts = [{"prompt_token_ids": list(range(100, 140)) + list(range(10 + i, 11 + 2 * i))}

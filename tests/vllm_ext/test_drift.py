@@ -24,7 +24,7 @@ def test_installed_vllm_is_the_pinned_one():
     assert installed_vllm_version().split("+")[0] == "0.32.0"
 
 
-def test_engine_app_launcher_functions():  # weaver/vllm_ext/engine_app.py
+def test_engine_app_launcher_functions():  # weaver/vllm_ext/engine/app.py
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
     from vllm.entrypoints.launchers.app import build_app
@@ -37,11 +37,11 @@ def test_engine_app_launcher_functions():  # weaver/vllm_ext/engine_app.py
     assert params(validate_parsed_serve_args) == ["args"]
 
 
-def test_engine_cli_args_parse():  # weaver/vllm_ext/engine_app.py::engine_cli_args
+def test_engine_cli_args_parse():  # weaver/vllm_ext/engine/app.py::engine_cli_args
     from pathlib import Path
 
     from weaver.config.deployment import ModelSpec
-    from weaver.vllm_ext.engine_app import parse_engine_args
+    from weaver.vllm_ext.engine.app import parse_engine_args
 
     spec = ModelSpec(name="m", model="x", block_size=32, num_gpu_blocks_override=16,
                      extra_engine_args={"enable_prefix_caching": False})
@@ -82,7 +82,7 @@ def test_drop_in_imports_resolve_to_vllm():  # weaver/__init__.py
     assert weaver.LLM is vllm.LLM and weaver.SamplingParams is vllm.SamplingParams
 
 
-def test_split_layer_hooks():  # weaver/vllm_ext/split_layers.py
+def test_split_layer_hooks():  # weaver/vllm_ext/layers.py
     from vllm.config import get_current_vllm_config_or_none
     from vllm.model_executor import custom_op
     from vllm.model_executor.layers import linear
@@ -120,7 +120,7 @@ def test_split_layer_hooks():  # weaver/vllm_ext/split_layers.py
     assert callable(get_current_vllm_config_or_none)
 
 
-def test_op_profiler_surface():  # weaver/vllm_ext/op_profiler.py, split_profiler.py
+def test_op_profiler_surface():  # weaver/vllm_ext/engine/op_profiler.py, split_profiler.py
     from vllm.model_executor.layers import linear
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -130,7 +130,7 @@ def test_op_profiler_surface():  # weaver/vllm_ext/op_profiler.py, split_profile
     assert "args" in params(AsyncLLM.collective_rpc)
 
 
-def test_attention_impl_surface():  # weaver/vllm_ext/hot_attention.py, split_attention.py
+def test_attention_impl_surface():  # weaver/vllm_ext/attention/backend.py, cpu.py
     from dataclasses import fields
 
     from vllm.model_executor.layers.attention import attention
@@ -154,9 +154,75 @@ def test_attention_impl_surface():  # weaver/vllm_ext/hot_attention.py, split_at
     # One slot_mapping tensor per KV-cache group and step, shared by its layers: the hot
     # side splits new K/V slots once per step on that identity (a miss only costs time).
     assert "slot_mapping.get(layer_name)" in inspect.getsource(attention.get_attention_context)
+    # The builder Weaver's wraps: built per group with the group's CommonAttentionMetadata.
+    builder = cpu_attn.CPUAttentionMetadataBuilder
+    assert params(builder.__init__)[:5] == ["self", "kv_cache_spec", "layer_names",
+                                            "vllm_config", "device"]
+    assert params(builder.build) == ["self", "common_prefix_len", "common_attn_metadata",
+                                     "fast_build"]
+    assert cpu_attn.CPUAttentionBackend.get_builder_cls() is builder
 
 
-def test_unified_pool_kv_allocation_surface():  # weaver/vllm_ext/pool_worker.py
+def test_micro_batch_slicing_surface():  # weaver/vllm_ext/attention/partition.py
+    from dataclasses import fields
+
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.worker import ubatch_utils
+
+    assert params(ubatch_utils.split_attn_metadata) == ["ubatch_slices", "common_attn_metadata"]
+    assert [f.name for f in fields(ubatch_utils.UBatchSlice)] == ["request_slice", "token_slice"]
+    names = {f.name for f in fields(CommonAttentionMetadata)}
+    # What reorder_requests permutes, and what it refuses to split.
+    from weaver.vllm_ext.attention.partition import _UNSUPPORTED_FIELDS
+
+    assert {"query_start_loc", "query_start_loc_cpu", "seq_lens", "seq_lens_cpu_upper_bound",
+            "is_prefilling", "num_reqs", "num_actual_tokens", "block_table_tensor",
+            "slot_mapping", "positions", "causal"} <= names
+    assert set(_UNSUPPORTED_FIELDS) <= names
+    # The runner's attention groups keep one builder per micro-batch (the hot worker
+    # attaches its runtime to each).
+    from vllm.v1.worker.utils import AttentionGroup
+
+    assert "metadata_builders" in {f.name for f in fields(AttentionGroup)}
+
+
+def _weaver_overrides() -> list[tuple[type, type]]:
+    """Weaver's subclasses of vLLM classes (or mixins in front of one), with the vLLM class."""
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.v1.attention.backends import cpu_attn
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from weaver.vllm_ext.attention.backend import WovenAttentionImpl, WovenMetadataBuilder
+    from weaver.vllm_ext.block_pool import AllocatorBlockPool
+    from weaver.vllm_ext.layers import _logits_processor_cls
+    from weaver.vllm_ext.scheduler import WeaverScheduler
+
+    return [(WeaverScheduler, Scheduler), (AllocatorBlockPool, BlockPool),
+            (WovenAttentionImpl, cpu_attn.CPUAttentionBackendImpl),
+            (WovenMetadataBuilder, cpu_attn.CPUAttentionMetadataBuilder),
+            (_logits_processor_cls(LogitsProcessor), LogitsProcessor)]
+
+
+@pytest.mark.parametrize("pair", range(5))
+def test_every_override_overrides_a_vllm_method(pair):
+    """A public method Weaver defines on a subclass overrides vLLM's (a rename upstream
+    would otherwise leave it uncalled); its own helpers (weaver_* and _private ones) clash
+    with nothing of vLLM's (they would replace vLLM's silently)."""
+    cls, base = _weaver_overrides()[pair]
+    base_names = set(dir(base))
+    own = {name for name, value in vars(cls).items()
+           if (callable(value) or isinstance(value, classmethod)) and not name.startswith("__")}
+    # Weaver's own entry points of the block pool (called by weaver.kv.owner and the
+    # scheduler, never by vLLM).
+    helpers = {name for name in own
+               if name.startswith(("weaver", "_")) or name in ("adopt", "evict_cached")}
+    assert not (own - helpers) - base_names, f"{cls.__name__} overrides nothing with them"
+    clashing = helpers & base_names - {"_apply_head"}  # overridden on purpose (layers.py)
+    assert not clashing, f"{cls.__name__}'s own helpers shadow vLLM's {clashing}"
+
+
+def test_unified_pool_kv_allocation_surface():  # weaver/vllm_ext/attention/pool.py
     from vllm.v1.worker import utils as worker_utils
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -177,7 +243,7 @@ def test_unified_pool_kv_allocation_surface():  # weaver/vllm_ext/pool_worker.py
         KVCacheConfig.needs_kv_cache_zeroing.fget)
 
 
-def test_block_pool_surface():  # weaver/vllm_ext/pool_scheduler.py
+def test_block_pool_surface():  # weaver/vllm_ext/block_pool.py
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
     from vllm.v1.core.sched.scheduler import Scheduler

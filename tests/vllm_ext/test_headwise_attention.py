@@ -23,8 +23,8 @@ if importlib.util.find_spec("vllm") is None:
 
 from vllm import _custom_ops as ops  # noqa: E402
 
-from weaver.vllm_ext.cpu_paged_attention import key_value_caches  # noqa: E402
-from weaver.vllm_ext.headwise_attention import (  # noqa: E402
+from weaver.vllm_ext.attention.cpu_kernels import key_value_caches  # noqa: E402
+from weaver.vllm_ext.attention.headwise import (  # noqa: E402
     HeadwiseBatch,
     HeadwiseGeometry,
     HeadwiseSlots,

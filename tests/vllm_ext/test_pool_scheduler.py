@@ -27,7 +27,10 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
     make_block_hash_with_group_id,
 )
 
-from weaver.vllm_ext.pool_scheduler import AllocatorBlockPool, PoolOwner  # noqa: E402
+from weaver.vllm_ext.block_pool import (
+    AllocatorBlockPool,  # noqa: E402
+    open_pool_owner,  # noqa: E402
+)
 
 SHAPE = TenantShape(num_layers=2, num_kv_heads=2, head_size=32, block_size=32, dtype_bytes=4)
 PAGE = SHAPE.head_block_bytes
@@ -49,7 +52,7 @@ def owner():
     plan = make_plan(quota_blocks=3)
     # vLLM ids 0..10: the null block, then one per block the tenant may ever hold (10)
     pool = BlockPool(plan.max_blocks("cold") + 1, enable_caching=False, hash_block_size=32)
-    owner = PoolOwner(plan, "cold", pool)
+    owner = open_pool_owner(plan, "cold", pool)
     yield owner
     owner.close()
 
@@ -93,7 +96,7 @@ def test_a_block_still_referenced_keeps_its_pages(owner):
 def caching_owner():
     plan = make_plan(quota_blocks=3)
     pool = BlockPool(plan.max_blocks("cold") + 1, enable_caching=True, hash_block_size=32)
-    owner = PoolOwner(plan, "cold", pool)
+    owner = open_pool_owner(plan, "cold", pool)
     yield owner
     owner.close()
 
@@ -177,7 +180,7 @@ def test_an_engine_without_ids_for_the_whole_pool_is_refused():
     plan = make_plan(quota_blocks=3)
     pool = BlockPool(plan.max_blocks("cold"), enable_caching=False, hash_block_size=32)
     with pytest.raises(ValueError, match="KV budget of the whole pool"):
-        PoolOwner(plan, "cold", pool)
+        open_pool_owner(plan, "cold", pool)
 
 
 def test_the_locked_allocator_is_what_the_pool_uses(owner):
@@ -194,14 +197,14 @@ def remote():
     """The owner (quota: cold 3 blocks, hot the other 28 pages = 28 blocks of 1 page) and a
     hot-side block pool leasing 4 blocks at a time through a real socket connection."""
     plan = make_plan(quota_blocks=3, service=True)
-    owner = PoolOwner(plan, "cold", BlockPool(plan.max_blocks("cold") + 1,
+    owner = open_pool_owner(plan, "cold", BlockPool(plan.max_blocks("cold") + 1,
                                               enable_caching=False, hash_block_size=32))
     conn = Client(plan.service_address, family="AF_UNIX",
                   authkey=bytes.fromhex(plan.authkey_hex))
     lease = LeasedTenantAllocator(KVAllocatorClient(conn), "hot", plan.max_blocks("hot"), 4)
     hot_pool = BlockPool(NUM_LOCAL + plan.max_blocks("hot"), enable_caching=False,
                          hash_block_size=32)
-    hot_pool.get_new_blocks(NUM_LOCAL - 1)  # the local range, as WeaverHotScheduler pins it
+    hot_pool.get_new_blocks(NUM_LOCAL - 1)  # the local range, as WeaverScheduler pins it
     hot_pool = AllocatorBlockPool.adopt(hot_pool, lease, "hot", NUM_LOCAL)
     yield owner, lease, hot_pool
     lease.client.close()
@@ -262,7 +265,7 @@ def test_the_owner_reclaims_what_its_next_step_needs(remote):
 
 def test_the_owner_rebalances_and_publishes_its_stats():
     plan = dataclasses.replace(make_plan(quota_blocks=3), rebalance_interval_s=0.05)
-    owner = PoolOwner(plan, "cold", BlockPool(plan.max_blocks("cold") + 1,
+    owner = open_pool_owner(plan, "cold", BlockPool(plan.max_blocks("cold") + 1,
                                               enable_caching=False, hash_block_size=32))
     try:
         deadline = time.monotonic() + 10

@@ -1,4 +1,6 @@
-"""Where RoutingKVCacheManager places a new request (the hot scheduler's local/remote split).
+"""Where RoutingKVCacheManager places a new request (the hot scheduler's local/remote split),
+and that it stands in for all of vLLM's KVCacheManager (a drift check: nothing falls
+through to one pool unlisted).
 
 The two pools are stand-ins for vLLM's KVCacheManager that only count blocks: placement
 reads nothing else of them. The engine-level behaviour (a unified pool whose owner dies)
@@ -7,14 +9,17 @@ is pinned end to end in tests/weaving/test_unified_pool_e2e.py."""
 from __future__ import annotations
 
 import importlib.util
+import inspect
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed", allow_module_level=True)
 
-from weaver.vllm_ext.hot_scheduler import RoutingKVCacheManager  # noqa: E402
+from weaver.vllm_ext.scheduler import RoutingKVCacheManager  # noqa: E402
 from weaver.weaving.placement import Placement, RatioPlacement  # noqa: E402
 
 
@@ -71,3 +76,40 @@ def test_a_spilling_ratio_never_tries_a_remote_pool_that_is_gone():
     assert manager.allocate_slots(FakeRequest("a"), 16) is not None
     assert manager.allocate_slots(FakeRequest("b"), 16) is None  # local full: it waits
     assert manager.remote.held == {}
+
+
+def _public_members(cls: type) -> set[str]:
+    return {name for name, _ in inspect.getmembers(cls) if not name.startswith("_")}
+
+
+def test_every_public_member_of_kv_cache_manager_is_routed_or_placed():
+    """A member vLLM adds to KVCacheManager must be placed on purpose: per request (routed)
+    or pool-wide (LOCAL_*); RoutingKVCacheManager forwards nothing by default."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    missing = _public_members(KVCacheManager) - _public_members(RoutingKVCacheManager)
+    assert not missing, f"KVCacheManager members RoutingKVCacheManager lacks: {missing}"
+
+
+def test_every_member_vllm_reads_of_the_manager_is_there():
+    """Everything vLLM's v1 code reads as `kv_cache_manager.<name>` (attributes set in
+    KVCacheManager.__init__ included), found in its source."""
+    import vllm.v1
+
+    root = Path(vllm.v1.__file__).parent
+    read = {match for path in root.rglob("*.py")
+            for match in re.findall(r"kv_cache_manager\.([A-Za-z]\w*)", path.read_text())}
+    assert read, "found no reads of kv_cache_manager in vLLM: the search is broken"
+    missing = {name for name in read if not hasattr(RoutingKVCacheManager, name)}
+    assert not missing, f"vLLM reads {missing} of the KV-cache manager"
+
+
+def test_pool_wide_members_are_the_local_pools():
+    local, remote = CountingPool(1), CountingPool(1)
+    local.usage, local.block_pool = 0.25, "local pool"
+    local.evict_blocks = lambda ids: ("evicted", ids)
+    manager = RoutingKVCacheManager(local, remote, 8, RatioPlacement(0.5))
+    assert manager.usage == 0.25 and manager.block_pool == "local pool"
+    assert manager.evict_blocks({3}) == ("evicted", {3})
+    with pytest.raises(AttributeError):
+        manager.not_a_member  # noqa: B018  # nothing else falls through

@@ -110,7 +110,7 @@ def unified_deployment(hot_block_size: int, hot_dtype: str = "float32"):
 
 def test_a_unified_cold_model_plans_one_pool_for_itself_and_its_hot_model(tmp_path):
     from weaver.vllm_ext.additional_config import pool_of
-    from weaver.vllm_ext.engine_app import engine_cli_args
+    from weaver.vllm_ext.engine.app import engine_cli_args
 
     # hot: SmolLM2 (head 64), cold: 4 layers x 4 KV heads of 128 -> 32 KiB pages
     dirs = {"h": write_model(tmp_path, "h", 30, 9, 3, 576),

@@ -100,7 +100,7 @@ def executor_factory(name: str):
     from weaver.profiling import channel_probe
 
     if name == "vllm":
-        from weaver.vllm_ext.cpu_paged_attention import CpuPagedAttentionExecutor
+        from weaver.vllm_ext.attention.cpu_kernels import CpuPagedAttentionExecutor
 
         return CpuPagedAttentionExecutor
     return channel_probe.reference_executor if name == "reference" else channel_probe.noop_executor

@@ -95,7 +95,7 @@ def run_engine_profile(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         logger.error("%s", exc)
         return 2
-    from weaver.vllm_ext.engine_timing import time_engine
+    from weaver.vllm_ext.engine.timing import time_engine
 
     grid = EngineGrid()
     logger.info("profiling %s on core %d: %d prefill tokens in all", model_dir,
@@ -128,7 +128,7 @@ def run_retime_attention(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         logger.error("%s", exc)
         return 2
-    from weaver.vllm_ext.engine_timing import attention_note, retime_attention
+    from weaver.vllm_ext.engine.timing import attention_note, retime_attention
 
     old = profile.attention_s
     attention_s, isa = retime_attention(shape, grid, args.cpu_core)
@@ -287,7 +287,11 @@ def _measure(args: argparse.Namespace, deployment, spec):
 
     from weaver.models.registry import resolve_model
     from weaver.splitting.deploy import profile_path_of
-    from weaver.vllm_ext.split_profiler import MeasureSettings, measure_split_profile, pair_of
+    from weaver.vllm_ext.engine.split_profiler import (
+        MeasureSettings,
+        measure_split_profile,
+        pair_of,
+    )
 
     settings = MeasureSettings(args.batch, args.hot_batch, args.prompt_len, args.decode_tokens)
     _, hot, _ = pair_of(deployment, spec.name)

@@ -13,7 +13,7 @@ above it, and learns how many blocks a shrink of the tenant's quota asks for
 must be freed by the scheduler (by preempting remote requests).
 
 The lease has the methods of ``LockedKVAllocator`` that
-``weaver.vllm_ext.pool_scheduler.AllocatorBlockPool`` calls. Pure Python.
+``weaver.vllm_ext.block_pool.AllocatorBlockPool`` calls. Pure Python.
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ def headwise_block_size(page_bytes: int, head_size: int, dtype_bytes: int) -> in
     """The tenant block size (tokens) whose head-block fills exactly one page.
 
     Kernels that read a head-block as one ``[K | V]`` slab (vLLM's CPU_ATTN, through
-    ``weaver.vllm_ext.headwise_attention``) need one page per head-block; tenants with other
+    ``weaver.vllm_ext.attention.headwise``) need one page per head-block; tenants with other
     head sizes or dtypes then get other block sizes over the same pages (head size 64 at
     block 64 next to head size 128 at block 32, for instance)."""
     check_page_bytes(page_bytes)

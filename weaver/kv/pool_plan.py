@@ -66,7 +66,7 @@ class PoolPlan:
             raise ValueError("a pool has at most one owner tenant (the cold model)")
         for tenant in self.tenants:
             # The kernels read a head-block as one [K | V] page
-            # (weaver/vllm_ext/headwise_attention.py).
+            # (weaver/vllm_ext/attention/headwise.py).
             if tenant.shape.head_block_bytes != self.page_bytes:
                 raise ValueError(
                     f"tenant {tenant.name!r}: a head-block is {tenant.shape.head_block_bytes} "

@@ -71,6 +71,10 @@ class OffloadSender:
     def transport(self) -> Transport:
         return self._transport
 
+    @property
+    def policy(self) -> WaitPolicy:
+        return self._policy
+
     def kv_layer(self, layer: int) -> torch.Tensor:
         """The remote pool of one hot layer ([num_blocks, num_kv_heads, block_size, 2*D])
         for writing new K/V."""

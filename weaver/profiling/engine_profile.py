@@ -2,7 +2,7 @@
 time, and how timed points become a `Profile` (PROFILE_FORMAT.md).
 
 The timing itself (vLLM's engine and CPU attention kernel) is in
-`weaver.vllm_ext.engine_timing`; this module imports neither vLLM nor torch.
+`weaver.vllm_ext.engine.timing`; this module imports neither vLLM nor torch.
 
 Decode steps are timed at (batch b, per-sequence prompt c) points whose prompts the engine
 can hold; the total context of a timed step is measured, not assumed (it grows by b per

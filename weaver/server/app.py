@@ -55,7 +55,7 @@ def _default_resolver(name: str, models_dir: Path | None) -> Path:
 
 async def _start_engine(spec: ModelSpec, model_path: Path, stack: contextlib.AsyncExitStack,
                         additional_config: dict):
-    from weaver.vllm_ext.engine_app import open_engine
+    from weaver.vllm_ext.engine.app import open_engine
 
     return await open_engine(spec, model_path, stack, additional_config)
 

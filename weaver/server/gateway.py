@@ -28,7 +28,7 @@ HEALTH_CHECK_TIMEOUT_S = 5.0
 
 
 class ModelBackend(Protocol):
-    """What the gateway needs of one model's engine (see weaver.vllm_ext.engine_app)."""
+    """What the gateway needs of one model's engine (see weaver.vllm_ext.engine.app)."""
 
     app: ASGIApp
 

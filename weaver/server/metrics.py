@@ -10,7 +10,7 @@ from __future__ import annotations
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
-# From each engine's SchedulerStats (weaver.vllm_ext.engine_stats), by model.
+# From each engine's SchedulerStats (weaver.vllm_ext.engine.stats), by model.
 _SCHEDULER_SERIES = {
     "num_running": "Requests in the engine's running batch",
     "num_waiting": "Requests waiting for the engine's scheduler",

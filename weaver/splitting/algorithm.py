@@ -201,7 +201,7 @@ class SplitPlan:
 def chunk_bounds(size: int, num_chunks: int) -> list[tuple[int, int]]:
     """``num_chunks`` contiguous [lo, hi) ranges covering ``range(size)`` whose sizes differ
     by at most one, the larger ones first: the cut :func:`chunk_times` assumes, and the one
-    the engines (weaver/vllm_ext/split_layers.py) and the GPU benchmark apply."""
+    the engines (weaver/vllm_ext/layers.py) and the GPU benchmark apply."""
     if not 1 <= num_chunks <= size:
         raise ValueError(f"cannot cut a dimension of {size} into {num_chunks} non-empty chunks")
     base, num_larger = divmod(size, num_chunks)
@@ -211,6 +211,39 @@ def chunk_bounds(size: int, num_chunks: int) -> list[tuple[int, int]]:
         bounds.append((lo, hi))
         lo = hi
     return bounds
+
+
+def group_bounds(work: list[int], num_chunks: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) ranges of requests, at most ``num_chunks`` of them, none
+    empty, balanced by ``work`` (one positive number per request): how a split attention
+    operator cuts a batch into groups of whole sequences (query tokens x context, what the
+    kernel's time follows, as the work). Whole sequences, not parts of one sequence's
+    context: a paged kernel that returns the normalised output without its log-sum-exp
+    (vLLM's CPU kernel) gives partial results that cannot be merged exactly, while
+    sequences are independent, so the groups give the very same rows."""
+    num_reqs = len(work)
+    if num_chunks < 1:
+        raise ValueError(f"num_chunks must be >= 1, not {num_chunks}")
+    if num_reqs == 0:
+        return []
+    if num_chunks >= num_reqs:
+        return [(i, i + 1) for i in range(num_reqs)]
+    # Greedy, front to back: close a group before the request that would take it past
+    # its fair share of the work still to place (remaining work / groups left).
+    cuts, remaining, group_work = [], sum(work), 0
+    for i, w in enumerate(work):
+        groups_left = num_chunks - len(cuts)
+        if group_work and groups_left > 1 and (group_work + w) * groups_left > remaining:
+            cuts.append(i)
+            remaining -= group_work
+            group_work = 0
+        group_work += w
+    bounds, start = [], 0
+    for end in [*cuts, num_reqs]:
+        bounds.append((start, end))
+        start = end
+    return bounds
+
 
 
 def chunk_times(op: OperatorSpec, num_chunks: int, overhead_s: float = 0.0) -> list[float]:

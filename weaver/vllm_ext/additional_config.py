@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from weaver.kv.pool_plan import PoolPlan
+from weaver.splitting.deploy import validate_split_chunks
 from weaver.weaving.plan import PairPlan
 
 KEY = "weaver"
@@ -31,6 +32,12 @@ def split_section(vllm_config: Any) -> dict:
     """A cold engine's operator split plan, ``{"chunks": {op: n}}``; {} for any other."""
     section = (getattr(vllm_config, "additional_config", None) or {}).get(KEY) or {}
     return section.get("split") or {}
+
+
+def split_chunks_of(vllm_config: Any) -> dict[str, int]:
+    """Chunks per operator kind of this engine's split plan; empty when it has none."""
+    section = split_section(vllm_config)
+    return validate_split_chunks(dict(section.get("chunks", {}))) if section else {}
 
 
 def pool_section(vllm_config: Any) -> tuple[PoolPlan, str] | None:

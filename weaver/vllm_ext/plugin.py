@@ -1,15 +1,17 @@
-"""vLLM general plugin (entry point `vllm.general_plugins: weaver`).
+"""vLLM general plugin (entry point ``vllm.general_plugins: weaver``).
 
-vLLM calls `register()` once in each of its processes (front end, EngineCore, worker;
-vllm-notes §1), so it must be idempotent and cheap. It checks, loudly, that the installed
-vLLM is the one Weaver pins, and on CPU it puts Weaver's attention backend in place of
-CPU_ATTN (the CPU platform ignores any other backend choice, vllm-notes §1). That backend
-is vLLM's own until a hot worker attaches a weaving region, so dedicated and cold
-engines run unchanged. It also registers Weaver's out-of-tree linear layers and logits
-processor (weaver/vllm_ext/split_layers.py), which are vLLM's own unless the engine's
-additional_config carries a split plan (cold engines only), and wraps the CPU model
-runner's KV-cache allocation, which is vLLM's own unless the engine keeps its KV in a
-unified pool (weaver/vllm_ext/pool_worker.py).
+vLLM calls ``register()`` once in each of its processes (front end, EngineCore, worker;
+docs/vllm-hooks.md, "Plugin"), so it must be idempotent and cheap. It checks, loudly,
+that the installed vLLM is the one Weaver pins and that every vLLM attribute Weaver
+patches is still there (weaver/patches/registry.py: start-up fails with the list of what
+moved). Then:
+- on CPU it puts Weaver's attention backend in place of CPU_ATTN (the CPU platform ignores
+  any other backend choice); it is vLLM's own until a worker attaches weaving, a split
+  plan or a unified pool, so dedicated engines run unchanged;
+- it registers Weaver's out-of-tree linear layers and logits processor
+  (weaver/vllm_ext/layers.py), vLLM's own unless the engine has a split plan;
+- it wraps the CPU model runner's KV-cache allocation (patches/kv_cache_allocation.py), a
+  no-op unless the engine keeps its KV in a unified pool.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import logging
 
 logger = logging.getLogger(__name__)
 
-WEAVER_CPU_BACKEND = "weaver.vllm_ext.hot_attention.WeaverCPUAttentionBackend"
+WEAVER_CPU_BACKEND = "weaver.vllm_ext.attention.cpu.WeaverCPUAttentionBackend"
 
 _state = {"registered": False}
 
@@ -26,22 +28,23 @@ _state = {"registered": False}
 def register() -> None:
     if _state["registered"]:
         return
-    _state["registered"] = True
+    from weaver.patches.registry import check_targets
     from weaver.vllm_ext.version import check_vllm_version
 
     problem = check_vllm_version()
     if problem is not None:
         logger.error("%s", problem)
+    check_targets()
+    _state["registered"] = True
     from vllm.platforms import current_platform
 
-    from weaver.vllm_ext.split_layers import register_split_layers
+    from weaver.patches import kv_cache_allocation
+    from weaver.vllm_ext.additional_config import pool_section
+    from weaver.vllm_ext.attention.pool import initialize_with_pool
+    from weaver.vllm_ext.layers import register_split_layers
 
     register_split_layers()
-
-    from weaver.vllm_ext.pool_worker import install_pool_kv_allocation
-
-    install_pool_kv_allocation()
-
+    kv_cache_allocation.install(pool_section, initialize_with_pool)
     if current_platform.is_cpu():
         from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 

@@ -1,12 +1,19 @@
-"""The hot engine's scheduler: a second block pool for blocks that live on the cold side.
+"""Weaver's scheduler (``--scheduler-cls``): vLLM's own, with a second block pool on a hot
+engine and the unified pool's allocator on a cold engine that keeps its KV there.
 
-Composed, not copied (vllm-notes §3): after vLLM's `Scheduler.__init__`, the KV-cache
-manager is wrapped by `RoutingKVCacheManager`, which owns two `KVCacheManager`s. The
-remote one is built over `num_local + num_remote` blocks with ids `1..num_local-1`
-pinned, so it hands out exactly `[num_local, num_local + num_remote)`. Those ids travel
-unchanged to the worker, whose attention wrapper recognises a remote request by its
-first block id (>= num_local), so no side channel is needed. Admission sees both pools,
-which is where the hot model's larger batches come from.
+Composed, not copied (docs/vllm-hooks.md, "Scheduler"):
+- a hot engine (its ``additional_config`` carries a weaving plan): after vLLM's
+  ``Scheduler.__init__`` the KV-cache manager is wrapped by ``RoutingKVCacheManager``
+  (patches/routing_kv_cache_manager.py), which owns two ``KVCacheManager``s. The remote one
+  is built over ``num_local + num_remote`` blocks with ids ``1..num_local-1`` pinned, so it
+  hands out exactly ``[num_local, num_local + num_remote)``. Those ids travel unchanged to
+  the worker, whose attention recognises a remote request by its first block id, so no side
+  channel is needed. Admission sees both pools, which is where the hot model's larger
+  batches come from. When the remote blocks live in the cold device's unified pool they
+  are leased from its allocator a step at a time (``weaver.kv.lease``).
+- a pool engine (a cold engine with ``unified_kv``): its block pool allocates through the
+  pool's allocator, which this process owns (``weaver.kv.owner.PoolOwner``).
+Any other engine runs vLLM's scheduler unchanged.
 """
 
 from __future__ import annotations
@@ -21,7 +28,11 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from weaver.kv.lease import LeasedTenantAllocator
+from weaver.kv.owner import PoolClient, PoolOwner
+from weaver.patches import routing_kv_cache_manager
 from weaver.vllm_ext.additional_config import hot_plan, pool_section
+from weaver.vllm_ext.block_pool import AllocatorBlockPool, open_pool_owner
 from weaver.weaving.placement import Placement, RatioPlacement
 
 if TYPE_CHECKING:
@@ -32,10 +43,36 @@ logger = logging.getLogger(__name__)
 LEASE_SLACK_BLOCKS = 2  # spare remote blocks beyond what the next step is known to need
 STARVED_NAP_S = 0.01  # an idle engine waiting for pool blocks sleeps this long per loop
 
+# KVCacheManager's members that are the whole pool's, not a request's: they are the local
+# pool's (remote requests get no prefix caching, events or stats). Listed, not forwarded
+# wholesale, so that a member vLLM adds is not silently sent to one pool: the drift test
+# (tests/vllm_ext/test_routing_kv_cache_manager.py) fails until it is placed here or below.
+LOCAL_ATTRIBUTES = ("block_pool", "coordinator", "kv_cache_config", "enable_caching",
+                    "empty_kv_cache_blocks", "max_model_len", "mamba_shared_prefix_checkpoint",
+                    "num_kv_cache_groups", "prefix_cache_stats", "log_stats", "usage")
+LOCAL_METHODS = ("make_prefix_cache_stats", "prefix_cache_lookup_enabled",
+                 "record_prefix_cache_stats", "evict_blocks", "reset_prefix_cache",
+                 "take_events", "create_kv_cache_blocks", "truncate_computed_blocks",
+                 "take_boundary_state_offloads")
+
+
+def _local_attribute(name: str) -> property:
+    return property(lambda self: getattr(self.local, name),
+                    doc=f"The local pool's {name}.")
+
+
+def _local_method(name: str) -> Callable[..., Any]:
+    def forward(self: RoutingKVCacheManager, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.local, name)(*args, **kwargs)
+
+    forward.__name__ = name
+    forward.__doc__ = f"The local pool's {name}."
+    return forward
+
 
 class RoutingKVCacheManager:
-    """Duck-types `KVCacheManager`: per-request calls go to the pool that holds the
-    request; everything pool-wide (stats, prefix cache, events) is the local pool's."""
+    """Stands in for vLLM's `KVCacheManager`: per-request calls go to the pool that holds
+    the request; the pool-wide members are the local pool's (LOCAL_ATTRIBUTES/METHODS)."""
 
     def __init__(self, local: KVCacheManager, remote: KVCacheManager, num_local_blocks: int,
                  placement: RatioPlacement,
@@ -52,10 +89,6 @@ class RoutingKVCacheManager:
         self.num_placed_remote = 0  # requests ever placed remotely (a Prometheus counter)
         self._logged_remote_gone = False
         self.peak_running_remote = 0
-
-    def __getattr__(self, name: str) -> Any:
-        # Only reached for attributes not defined here: pool-wide state of the local pool.
-        return getattr(self.local, name)
 
     def _pool(self, request_id: str) -> KVCacheManager:
         return self.remote if self.placed.get(request_id) is Placement.REMOTE else self.local
@@ -101,6 +134,7 @@ class RoutingKVCacheManager:
     def num_running_remote(self) -> int:
         return sum(1 for p in self.placed.values() if p is Placement.REMOTE)
 
+    # --- per request: the pool that holds it ------------------------------------------
     def free(self, request: Request) -> None:
         self._pool(request.request_id).free(request)
         self.placed.pop(request.request_id, None)
@@ -109,6 +143,18 @@ class RoutingKVCacheManager:
         blocks = self._pool(request.request_id).pop_blocks_for_free(request)
         self.placed.pop(request.request_id, None)
         return blocks
+
+    def get_computed_blocks(self, request: Request):
+        return self._pool(request.request_id).get_computed_blocks(request)
+
+    def get_computed_blocks_for_connector(self, request: Request):
+        return self._pool(request.request_id).get_computed_blocks_for_connector(request)
+
+    def estimate_cached_tokens(self, request: Request) -> int:
+        return self._pool(request.request_id).estimate_cached_tokens(request)
+
+    def finalize_partial_tail_offloads(self, request: Request):
+        return self._pool(request.request_id).finalize_partial_tail_offloads(request)
 
     def get_blocks(self, request_id: str):
         return self._pool(request_id).get_blocks(request_id)
@@ -132,6 +178,7 @@ class RoutingKVCacheManager:
     def get_num_common_prefix_blocks(self, running_request_id: str):
         return self._pool(running_request_id).get_num_common_prefix_blocks(running_request_id)
 
+    # --- every step: both pools ---------------------------------------------------------
     def new_step_starts(self) -> None:
         self.local.new_step_starts()
         self.remote.new_step_starts()
@@ -139,23 +186,32 @@ class RoutingKVCacheManager:
     def take_new_block_ids(self) -> list[int]:
         return self.local.take_new_block_ids() + self.remote.take_new_block_ids()
 
+    def take_kv_cache_block_copies(self):
+        local_copies, local_retained = self.local.take_kv_cache_block_copies()
+        remote_copies, remote_retained = self.remote.take_kv_cache_block_copies()
+        return local_copies + remote_copies, local_retained + remote_retained
 
-class WeaverHotScheduler(Scheduler):
+
+for _name in LOCAL_ATTRIBUTES:
+    setattr(RoutingKVCacheManager, _name, _local_attribute(_name))
+for _name in LOCAL_METHODS:
+    setattr(RoutingKVCacheManager, _name, _local_method(_name))
+
+
+class WeaverScheduler(Scheduler):
     """vLLM's scheduler with a remote block pool when the engine is a weaving hot model,
     allocating through the unified KV pool when the engine keeps its KV there (cold
-    engines, pool_scheduler.py); exactly vLLM's scheduler otherwise."""
+    engines with unified_kv); exactly vLLM's scheduler otherwise."""
 
-    weaver_pool: Any = None  # PoolOwner of an engine whose KV lives in a unified pool
-    weaver_lease: Any = None  # a hot engine's lease of remote blocks in a unified pool
+    weaver_pool: PoolOwner | None = None  # an engine whose KV lives in a unified pool
+    weaver_lease: LeasedTenantAllocator | None = None  # a hot engine's lease in such a pool
     weaver_num_reclaim_preemptions = 0  # remote requests preempted to give memory back
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         pool = pool_section(self.vllm_config)
         if pool is not None:
-            from weaver.vllm_ext.pool_scheduler import PoolOwner
-
-            self.weaver_pool = PoolOwner(pool[0], pool[1], self.kv_cache_manager.block_pool)
+            self.weaver_pool = open_pool_owner(*pool, self.kv_cache_manager.block_pool)
         plan = hot_plan(self.vllm_config)
         if plan is None:
             return
@@ -177,18 +233,15 @@ class WeaverHotScheduler(Scheduler):
         if plan.pool is not None:
             # The remote blocks are the hot tenant's blocks of the cold device's unified
             # pool: leased from its allocator (in the cold engine), synced every step.
-            from weaver.kv.lease import LeasedTenantAllocator
-            from weaver.vllm_ext.pool_scheduler import AllocatorBlockPool, PoolClient
-
             self.weaver_lease = LeasedTenantAllocator(
                 PoolClient(plan.pool), plan.hot, plan.pool.max_blocks(plan.hot),
                 # schedule() sets the target every step; this is the first one's.
                 lease_blocks=plan.max_blocks_per_seq)
             AllocatorBlockPool.adopt(remote.block_pool, self.weaver_lease, plan.hot, num_local)
         lease = self.weaver_lease
-        self.kv_cache_manager = RoutingKVCacheManager(
+        routing_kv_cache_manager.install(self, RoutingKVCacheManager(
             local, remote, num_local, RatioPlacement(plan.offload_ratio),
-            remote_available=None if lease is None else lambda: lease.broken_reason is None)
+            remote_available=None if lease is None else lambda: lease.broken_reason is None))
         logger.info(
             "weaving %s -> %s: %d local + %d remote KV blocks, offload ratio %.2f",
             plan.hot, plan.cold, num_local, plan.num_remote_blocks, plan.offload_ratio,

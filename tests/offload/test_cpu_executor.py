@@ -1,4 +1,5 @@
-"""vLLM's CPU attention kernels, driven by the cold-side executor, against the oracle."""
+"""vLLM's CPU attention kernels, driven by the cold side's executor (weaver/vllm_ext/attention/
+cpu_kernels.py) through the channel, against the oracle."""
 
 from __future__ import annotations
 
@@ -45,8 +46,8 @@ def vllm_cold_worker():
 
 @pytest.fixture(scope="module")
 def cpm():
-    """weaver.vllm_ext.cpu_paged_attention, imported lazily (it imports vLLM)."""
-    return importlib.import_module("weaver.vllm_ext.cpu_paged_attention")
+    """weaver.vllm_ext.attention.cpu_kernels, imported lazily (it imports vLLM)."""
+    return importlib.import_module("weaver.vllm_ext.attention.cpu_kernels")
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -164,7 +165,7 @@ def test_executor_sliding_window_and_softcap(cpm, window, softcap):
 
 def test_vllm_write_uses_the_documented_key_layout(cpm):
     shape = HotAttentionShape(1, 4, 2, 32, 32, "float32")
-    isa = cpm.select_cpu_attn_isa(shape)
+    isa = cpm.select_cpu_attn_isa(shape.torch_dtype, shape.block_size, shape.head_size)
     if isa not in ("vec", "vec16"):
         pytest.skip(f"key layout of ISA {isa} is kernel-specific; the oracle covers vec/vec16")
     gen = torch.Generator().manual_seed(13)
@@ -262,7 +263,7 @@ def test_cross_process_round_trip_with_vllm_kernel(cpm, vllm_cold_worker):
     """Cold process owns the region and serves from its idle poller with vLLM's kernel."""
     proc, name = vllm_cold_worker
     shape, layout = XPROC_SHAPE, XPROC_LAYOUT
-    isa = cpm.select_cpu_attn_isa(shape)
+    isa = cpm.select_cpu_attn_isa(shape.torch_dtype, shape.block_size, shape.head_size)
     gen = torch.Generator().manual_seed(21)
     wait_cold_worker_ready(proc)
     sender = OffloadSender(ShmRegion.attach(layout, name, wait_s=30))

@@ -1,4 +1,4 @@
-"""Poll points as wrapped forwards (weaver/vllm_ext/poll_points.py): a poll right after
+"""Poll points as wrapped forwards (weaver/weaving/poll_points.py): a poll right after
 each operator, the output untouched, no module hooks, and a clean undo."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weaver.vllm_ext.poll_points import PollPoints
+from weaver.weaving.poll_points import PollPoints
 
 
 class Recorder:

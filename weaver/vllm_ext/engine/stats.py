@@ -13,6 +13,8 @@ import logging
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from weaver.patches import engine_stat_logger
+
 logger = logging.getLogger(__name__)
 
 
@@ -46,11 +48,9 @@ class EngineStatsRecorder:
 
 
 def attach_stats_recorder(client: Any) -> EngineStatsRecorder | None:
-    manager = getattr(client, "logger_manager", None)
-    if manager is None:
+    recorder = EngineStatsRecorder()
+    if not engine_stat_logger.attach(client, recorder):
         logger.warning("engine has no stat logger manager (stats disabled): no per-model "
                        "running/waiting series for it")
         return None
-    recorder = EngineStatsRecorder()
-    manager.stat_loggers.append(recorder)
     return recorder

@@ -1,4 +1,9 @@
-"""Operator splitting inside the cold engine (architecture.md part 7, vllm-notes §4).
+"""The cold model's layers in Weaver: where poll points go, and operator splitting
+(docs/architecture.md, "Operator splitting"; docs/vllm-hooks.md, "Layers").
+
+Poll points follow the operators whose ``forward`` runs on every step in eager mode: the
+linear layers, attention and the ``LogitsProcessor`` (the LM head is applied there, not in
+``ParallelLMHead.forward``).
 
 A split plan (chunks per operator kind, from :mod:`weaver.splitting`) reaches the engine
 in ``additional_config["weaver"]["split"]``. Weaver registers out-of-tree versions of
@@ -6,7 +11,9 @@ vLLM's linear layers and of ``LogitsProcessor`` (``PluggableLayer.register_oot``
 general plugin, so in every process); each reads the plan when the model is built and,
 for an operator kind the plan splits, computes it as chunks along the output dimension
 (output features; the vocabulary for the LM head), calling the cold worker's poll
-between chunks. Without a plan (every hot or dedicated engine) the layers are vLLM's own.
+between chunks. Attention splits into groups of whole sequences (``AttentionChunks``,
+run by weaver/vllm_ext/attention/backend.py). Without a plan (every hot or dedicated
+engine) the layers are vLLM's own.
 
 Why at load time: on CPU, ``UnquantizedLinearMethod.process_weights_after_loading``
 prepacks the weight into a oneDNN handle and drops ``layer.weight``
@@ -25,9 +32,9 @@ from typing import Any
 import torch
 
 from weaver.splitting.algorithm import chunk_bounds
-from weaver.splitting.deploy import validate_split_chunks
 from weaver.splitting.profile import LM_HEAD_NAME
-from weaver.vllm_ext.poll_points import Poll
+from weaver.vllm_ext.additional_config import split_chunks_of
+from weaver.weaving.poll_points import Poll
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +44,25 @@ LINEAR_OP_KINDS = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up",
                    "down_proj": "down"}
 
 
-def split_chunks_of(vllm_config: Any) -> dict[str, int]:
-    """Chunks per operator kind for this engine; empty when it has no split plan."""
-    from weaver.vllm_ext.additional_config import split_section
+ATTN_OP_NAME = "attn"
 
-    section = split_section(vllm_config)
-    return validate_split_chunks(dict(section.get("chunks", {}))) if section else {}
+
+def attention_layers(runner: Any) -> dict[str, Any]:
+    """The model's attention layers by name, as vLLM's forward context holds them."""
+    from vllm.model_executor.layers.attention import Attention
+
+    context = runner.compilation_config.static_forward_context
+    return {name: layer for name, layer in context.items() if isinstance(layer, Attention)}
+
+
+def poll_point_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The cold model's operators after which a poll runs."""
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    kinds = (LinearBase, Attention, LogitsProcessor)
+    return [m for m in model.modules() if isinstance(m, kinds)]
 
 
 def current_split_chunks() -> dict[str, int]:
@@ -68,7 +88,7 @@ class ChunkedLinear:
         self._parts = [self._make_part(weight[lo:hi], None if bias is None else bias[lo:hi],
                                        current_platform.is_cpu())
                        for lo, hi in self.bounds]
-        self.poll: Poll | None = None  # set by the cold worker (worker_ext.weaver_open_cold)
+        self.poll: Poll | None = None  # set by the cold worker (worker.weaver_open_cold)
         self.num_calls = 0
         self.num_chunk_calls = 0
         self.num_polls = 0
@@ -241,9 +261,30 @@ def register_split_layers() -> None:
     _registered["done"] = True
 
 
+class AttentionChunks:
+    """One attention layer's split: ``num_chunks`` groups of sequences (the metadata
+    builder cuts them, weaver/vllm_ext/attention/backend.py), the cold worker's poll
+    between them, and the counters."""
+
+    op_name = ATTN_OP_NAME
+
+    def __init__(self, num_chunks: int) -> None:
+        if num_chunks < 2:
+            raise ValueError(f"an attention split needs >= 2 chunks, not {num_chunks}")
+        self.num_chunks = num_chunks
+        self.poll: Poll | None = None  # set by the cold worker
+        self.num_calls = 0
+        self.num_chunk_calls = 0
+        self.num_polls = 0
+
+    def stats(self) -> dict[str, int]:
+        return {"chunks": self.num_chunks, "calls": self.num_calls,
+                "chunk_calls": self.num_chunk_calls, "polls": self.num_polls}
+
+
 def attention_chunked(layer: torch.nn.Module) -> Any:
-    """The ``AttentionChunks`` of a split attention layer (weaver/vllm_ext/
-    split_attention.py, held by Weaver's attention impl), else None."""
+    """The ``AttentionChunks`` of a split attention layer (held by Weaver's attention
+    impl), else None."""
     return getattr(getattr(layer, "impl", None), "weaver_attn_chunks", None)
 
 

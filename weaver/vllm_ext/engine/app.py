@@ -1,6 +1,7 @@
 """One vLLM engine and its own OpenAI app, built with vLLM 0.32's launcher functions.
 
-This is the only place the gateway touches vLLM's serving internals (vllm-notes §6):
+This is the only place the gateway touches vLLM's serving internals (docs/vllm-hooks.md,
+"Serving several models"):
 `make_arg_parser` → `build_async_engine_client` → `build_app` + `init_app_state`. The
 gateway in `weaver.server` then routes requests to the app of the model they name, so the
 OpenAI protocol itself is vLLM's own code.
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from weaver.config.cpu_cores import pin_engine_processes, usable_cpu_cores
 from weaver.config.deployment import ModelSpec, Role
 from weaver.vllm_ext.additional_config import pool_of
-from weaver.vllm_ext.engine_stats import EngineStatsRecorder, attach_stats_recorder
+from weaver.vllm_ext.engine.stats import EngineStatsRecorder, attach_stats_recorder
 from weaver.weaving.plan import block_size_of
 
 if TYPE_CHECKING:
@@ -63,8 +64,8 @@ class EngineHandle:
         }
 
 
-HOT_SCHEDULER = "weaver.vllm_ext.hot_scheduler.WeaverHotScheduler"
-WORKER_EXTENSION = "weaver.vllm_ext.worker_ext.WeaverWorkerExtension"
+SCHEDULER = "weaver.vllm_ext.scheduler.WeaverScheduler"
+WORKER_EXTENSION = "weaver.vllm_ext.worker.WeaverWorkerExtension"
 # How long an engine's processes get to tear down after SIGTERM before they are killed.
 # vLLM's own exit path passes its request-drain timeout (0 by default), which kills the
 # EngineCore at once: its worker is then force-killed too and neither unlinks its
@@ -84,7 +85,8 @@ def engine_cli_args(
         "--dtype", spec.dtype,
         "--max-num-seqs", str(spec.max_num_seqs),
         "--kv-cache-memory-bytes", str(int(spec.kv_cache_gib * GiB)),
-        # torch.compile costs minutes on this machine and hides Weaver's hooks (vllm-notes §4).
+        # torch.compile costs minutes on a CPU and hides Weaver's poll points inside the
+        # compiled graph (docs/vllm-hooks.md, "Layers").
         "--enforce-eager",
         "--disable-uvicorn-access-log",
     ]
@@ -95,17 +97,17 @@ def engine_cli_args(
     if spec.role is Role.HOT:
         # Remote requests get no prefix-cache hits (their blocks live in another pool),
         # and the remote pool's block size must be the one the plan was computed with.
-        args += ["--scheduler-cls", HOT_SCHEDULER, "--no-enable-prefix-caching",
+        args += ["--scheduler-cls", SCHEDULER, "--no-enable-prefix-caching",
                  "--block-size", str(block_size_of(spec))]
     pool = pool_of(additional_config or {})
     if pool is not None:
         # A cold engine whose KV lives in the unified pool: its scheduler allocates through
         # the pool's allocator (the quota, not the KV budget, bounds it) and needs an id for
         # every block it may ever hold. Prefix caching stays as vLLM sets it: cached free
-        # blocks keep their pages until the pool lends them (pool_scheduler.py).
+        # blocks keep their pages until the pool lends them (weaver/vllm_ext/block_pool.py).
         plan, tenant = pool
         args = _replace_arg(args, "--kv-cache-memory-bytes", str(plan.engine_kv_bytes(tenant)))
-        args += ["--scheduler-cls", HOT_SCHEDULER,
+        args += ["--scheduler-cls", SCHEDULER,
                  "--block-size", str(plan.tenant(tenant).shape.block_size)]
     if additional_config:
         args += ["--additional-config", json.dumps(additional_config)]

@@ -23,7 +23,7 @@ import torch
 
 from weaver.offload.layout import HotAttentionShape
 from weaver.profiling.timer import measure
-from weaver.vllm_ext.split_layers import LINEAR_OP_KINDS, ChunkedLinear
+from weaver.vllm_ext.layers import LINEAR_OP_KINDS, ChunkedLinear
 
 
 def _op_kind(module: Any) -> str | None:
@@ -127,7 +127,7 @@ def time_attention(shape: HotAttentionShape, num_seqs: int, context_len: int, *,
     """One decode-attention call of ``num_seqs`` sequences of ``context_len`` tokens at
     ``shape``, with vLLM's CPU kernel (what the hot side runs locally and what the cold
     side runs for an offloaded task)."""
-    from weaver.vllm_ext.cpu_paged_attention import CpuPagedAttentionExecutor
+    from weaver.vllm_ext.attention.cpu_kernels import CpuPagedAttentionExecutor
 
     if num_seqs < 1 or context_len < 1:
         raise ValueError(f"num_seqs={num_seqs} and context_len={context_len} must be >= 1")

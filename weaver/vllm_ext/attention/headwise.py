@@ -34,10 +34,10 @@ from dataclasses import dataclass
 
 import torch
 from vllm import _custom_ops as ops
-from vllm import envs
 
-from weaver.vllm_ext.cpu_paged_attention import (
+from weaver.vllm_ext.attention.cpu_kernels import (
     CPU_ATTN_BLOCK_MULTIPLE,
+    PagedBatch,
     key_value_caches,
 )
 
@@ -137,8 +137,6 @@ class HeadwiseBatch:
         self.num_layers = num_layers
         self.num_seqs = num_seqs
         self.num_tokens = int(query_start_loc[-1])
-        self.causal = causal
-        self.sliding_window = sliding_window
         # vLLM pads block tables to the longest possible sequence: keep the columns in use.
         max_len = int(seq_lens.max()) if num_seqs else 0
         num_columns = max(1, -(-max_len // geometry.block_size))
@@ -168,20 +166,11 @@ class HeadwiseBatch:
             token = starts.repeat_interleave(pseudo_lens) + offsets
             head = torch.arange(num_kv_heads).repeat(num_seqs).repeat_interleave(pseudo_lens)
             self._rows = (token, head)
-        self.scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=num_seqs * num_kv_heads,
-            num_heads=geometry.group_size,
-            num_kv_heads=1,
-            head_dim=geometry.head_size,
-            seq_lens=self.seq_lens,
-            dtype=geometry.dtype,
-            query_start_loc=self.query_start_loc,
-            causal=causal,
-            sliding_window_size=sliding_window,
-            isa=isa,
-            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV if enable_kv_split is None
-            else enable_kv_split,
-        )
+        self._paged = PagedBatch.build(
+            num_q_heads=geometry.group_size, num_kv_heads=1, head_size=geometry.head_size,
+            dtype=geometry.dtype, query_start_loc=self.query_start_loc,
+            seq_lens=self.seq_lens, isa=isa, causal=causal, sliding_window=sliding_window,
+            enable_kv_split=enable_kv_split)
 
     def attention(
         self,
@@ -214,23 +203,8 @@ class HeadwiseBatch:
         else:
             pseudo_query = query.reshape(per_head)[self._rows]
             pseudo_output = torch.empty(pseudo_shape, dtype=output.dtype)
-        key_cache, value_cache = key_value_caches(pages)
-        ops.cpu_attention_with_kv_cache(
-            query=pseudo_query,
-            key_cache=key_cache,
-            value_cache=value_cache,
-            output=pseudo_output,
-            query_start_loc=self.query_start_loc,
-            seq_lens=self.seq_lens,
-            scale=scale,
-            causal=self.causal,
-            alibi_slopes=None,
-            sliding_window=self.sliding_window,
-            block_table=self._block_tables[layer],
-            softcap=softcap,
-            scheduler_metadata=self.scheduler_metadata,
-            s_aux=None,
-        )
+        self._paged.attend(pseudo_query, key_value_caches(pages), pseudo_output,
+                           self._block_tables[layer], scale=scale, softcap=softcap)
         if self._rows is not None:
             output.view(per_head)[self._rows] = pseudo_output
         elif pseudo_output.data_ptr() != output.data_ptr():

@@ -1,20 +1,20 @@
-"""The cold worker keeps its own KV cache in the unified pool's pages (issue 6).
+"""The unified KV pool on the worker side: a cold engine's own KV in the pool's pages, and a
+hot engine's remote blocks there.
 
-At KV-cache initialisation (``CPUModelRunner.initialize_kv_cache_tensors``, wrapped by the
-plugin in every process; a no-op for engines without a pool), an engine whose
-``additional_config`` carries a pool plan:
+At KV-cache initialisation an engine whose ``additional_config`` carries a pool plan
+(patches/kv_cache_allocation.py calls ``initialize_with_pool``):
 
 - creates the pool: one shared-memory segment of ``num_pages * page_bytes`` bytes, named by
   the plan, unlinked when the worker closes or exits;
 - lets vLLM build its usual per-layer cache views over a buffer that is never touched, so it
-  costs address space but no memory (vLLM would zero-fill it: the only ``torch.zeros`` in
-  ``allocate_kv_cache`` becomes ``torch.empty`` for that call; a drift test pins the line);
+  costs address space but no memory;
 - hands every attention layer a `PoolAttentionRuntime`, which writes new K/V into the
-  tenant's pages and runs attention over them (`headwise_attention`), translating block
-  ids through the shared page table the scheduler's allocator keeps (pool_scheduler.py).
+  tenant's pages and runs attention over them (headwise.py), translating block ids through
+  the shared page table the scheduler's allocator keeps (weaver/vllm_ext/block_pool.py).
 
-vLLM's own views are then never read or written: the engine's attention (Weaver's CPU_ATTN
-impl, hot_attention.py) goes to the runtime instead.
+vLLM's own views are then never read or written: the engine's attention (backend.py) goes
+to the runtime instead. A hot engine's remote blocks in the pool are `RemotePoolKV`; the
+cold side serves their offloaded tasks with `PoolTaskExecutor`.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import warnings
+from collections.abc import Callable
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -31,12 +32,15 @@ import torch
 
 from weaver.kv.pool_plan import PoolPlan
 from weaver.kv.shared_table import SharedPageTable
-from weaver.vllm_ext.headwise_attention import (
+from weaver.offload.protocol import OffloadTask
+from weaver.vllm_ext.attention.cpu_kernels import select_cpu_attn_isa, validate_cpu_attn_shape
+from weaver.vllm_ext.attention.headwise import (
     HeadwiseBatch,
     HeadwiseGeometry,
     HeadwiseSlots,
     page_view,
 )
+from weaver.weaving.hot import RowGroup
 
 logger = logging.getLogger(__name__)
 
@@ -190,28 +194,29 @@ class RemotePoolKV:
         self._slots: tuple[torch.Tensor, HeadwiseSlots] | None = None
         self._batches: dict[int, tuple[Any, HeadwiseBatch]] = {}
 
-    def write(self, impl: Any, layer: Any, layer_index: int, key: torch.Tensor,
-              value: torch.Tensor, slots: torch.Tensor) -> None:
-        # The step's remote slots are one tensor for every layer (hot_attention._SlotSplit).
+    def write(self, ops: Any, key: torch.Tensor, value: torch.Tensor,
+              slots: torch.Tensor) -> None:
+        # The step's remote slots are one tensor for every layer (weaving.hot._SlotSplit).
         if self._slots is None or self._slots[0] is not slots:
             self._slots = (slots, HeadwiseSlots(self.geometry, self.num_layers,
-                                                self.page_table, slots, isa=layer.isa))
-        self._slots[1].write_kv(self.pages, layer_index, key, value)
+                                                self.page_table, slots, isa=ops.layer.isa))
+        self._slots[1].write_kv(self.pages, ops.layer_index, key, value)
 
-    def attend(self, impl: Any, layer: Any, layer_index: int, query: torch.Tensor,
-               output: torch.Tensor, md: Any, rows: Any) -> None:
+    def attend(self, ops: Any, rows: RowGroup, query: torch.Tensor,
+               output: torch.Tensor) -> None:
         cached = self._batches.get(id(rows))
         if cached is None or cached[0] is not rows:
             if len(self._batches) > 8:  # rows of earlier steps
                 self._batches.clear()
             cached = (rows, HeadwiseBatch(
                 self.geometry, self.num_layers, self.page_table, rows.query_start_loc,
-                rows.seq_lens, rows.block_table, causal=md.causal,
-                sliding_window=impl.sliding_window, isa=layer.isa))
+                rows.seq_lens, rows.block_table, causal=rows.causal,
+                sliding_window=ops.impl.sliding_window, isa=ops.layer.isa))
             self._batches[id(rows)] = cached
         sub_out = torch.empty_like(output[rows.tokens])
-        cached[1].attention(self.pages, layer_index, query[rows.tokens], sub_out,
-                            scale=impl.scale, softcap=float(impl.logits_soft_cap or 0.0))
+        cached[1].attention(self.pages, ops.layer_index, query[rows.tokens], sub_out,
+                            scale=ops.impl.scale,
+                            softcap=float(ops.impl.logits_soft_cap or 0.0))
         output[rows.tokens] = sub_out
 
 
@@ -220,21 +225,17 @@ class PoolTaskExecutor:
     model's remote blocks live in the unified pool (the cold worker's own pool)."""
 
     def __init__(self, plan: Any, runtime: PoolAttentionRuntime) -> None:
-        from vllm.v1.attention.backends import cpu_attn
-
-        from weaver.vllm_ext.cpu_paged_attention import validate_cpu_attn_shape
-
         validate_cpu_attn_shape(plan.shape)
         self.tenant = plan.hot
         self.geometry = hot_geometry(plan.shape)
         self.num_layers = plan.shape.num_layers
         self.pages = runtime.pages_for(self.geometry)
         self._table, self.page_table = attach_page_table(plan.pool, plan.hot)
-        self.isa = cpu_attn._get_attn_isa(self.geometry.dtype, self.geometry.block_size,
-                                          self.geometry.head_size, "auto")
+        self.isa = select_cpu_attn_isa(self.geometry.dtype, self.geometry.block_size,
+                                       self.geometry.head_size)
         self._query_start_loc = torch.arange(0, plan.max_seqs_per_task + 1, dtype=torch.int32)
 
-    def __call__(self, task: Any) -> None:
+    def __call__(self, task: OffloadTask) -> None:
         num_seqs = task.q.shape[0]
         block_size = self.geometry.block_size
         # A block id the hot side sends must have pages: page 0 would be another model's.
@@ -259,30 +260,6 @@ def _unregister_from_resource_tracker(shm: shared_memory.SharedMemory) -> None:
 
     with contextlib.suppress(Exception):
         resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
-
-
-class _TorchZerosAsEmpty:
-    """``torch`` for one call of vLLM's ``allocate_kv_cache``: its zero-filled buffer is
-    allocated but never touched, so the OS backs none of it."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
-    @staticmethod
-    def zeros(*args: Any, **kwargs: Any) -> torch.Tensor:
-        return torch.empty(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _kv_buffer_left_untouched():
-    from vllm.v1.worker import utils as worker_utils
-
-    real = worker_utils.torch
-    worker_utils.torch = _TorchZerosAsEmpty()
-    try:
-        yield
-    finally:
-        worker_utils.torch = real
 
 
 def _attention_layers(runner: Any) -> dict[str, Any]:
@@ -329,30 +306,13 @@ def open_pool(runner: Any, plan: PoolPlan, tenant: str) -> PoolAttentionRuntime:
     return runtime
 
 
-def install_pool_kv_allocation() -> None:
-    """Wrap ``CPUModelRunner.initialize_kv_cache_tensors`` once per process (plugin)."""
-    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-
-    original = CPUModelRunner.initialize_kv_cache_tensors
-    if getattr(original, "weaver_wrapped", False):
-        return
-
-    def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes,
-                                    kv_cache_allocation_context=None):
-        from weaver.vllm_ext.additional_config import pool_section
-
-        section = pool_section(self.vllm_config)
-        if section is None:
-            return original(self, kv_cache_config, kernel_block_sizes,
-                            kv_cache_allocation_context)
-        plan, tenant = section
-        rss_before = _resident_bytes()
-        with _kv_buffer_left_untouched():
-            kv_caches = original(self, kv_cache_config, kernel_block_sizes,
-                                 kv_cache_allocation_context)
-        self.weaver_pool = open_pool(self, plan, tenant)
-        self.weaver_pool.vllm_buffer_rss_bytes = _resident_bytes() - rss_before
-        return kv_caches
-
-    initialize_kv_cache_tensors.weaver_wrapped = True
-    CPUModelRunner.initialize_kv_cache_tensors = initialize_kv_cache_tensors
+def initialize_with_pool(runner: Any, section: tuple[PoolPlan, str],
+                         allocate: Callable[[], Any]) -> Any:
+    """vLLM's KV initialisation of a pool engine (patches/kv_cache_allocation.py): vLLM's own,
+    its buffer left untouched, then the pool opened for the runner's attention layers."""
+    plan, tenant = section
+    rss_before = _resident_bytes()
+    kv_caches = allocate()
+    runner.weaver_pool = open_pool(runner, plan, tenant)
+    runner.weaver_pool.vllm_buffer_rss_bytes = _resident_bytes() - rss_before
+    return kv_caches

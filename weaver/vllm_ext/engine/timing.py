@@ -80,7 +80,7 @@ def time_engine(model_dir: Path, shape: ModelShape, grid: EngineGrid, core: int,
                f"core, enforce_eager, float32, block_size {grid.block_size}, "
                f"max_num_batched_tokens {SERVER_MAX_NUM_BATCHED_TOKENS}), torch "
                f"{torch.__version__}; attention: offloaded tasks through a shared-memory "
-               f"region, vLLM CPU_ATTN kernel via weaver.vllm_ext.cpu_paged_attention "
+               f"region, vLLM CPU_ATTN kernel via weaver.vllm_ext.attention.cpu_kernels "
                f"(ISA {isa}), cache flushed before each task",
         notes={"dtype": "float32", "model_dir": str(model_dir),
                "prefill": "one engine step of one prompt of n tokens (min of repeats): "
@@ -165,7 +165,7 @@ def time_attention(shape: ModelShape, grid: EngineGrid,
     and the K/V read from memory (`weaver.profiling.task_timing`)."""
     from weaver.offload.layout import HotAttentionShape
     from weaver.profiling.task_timing import time_offloaded_attention
-    from weaver.vllm_ext.cpu_paged_attention import CpuPagedAttentionExecutor
+    from weaver.vllm_ext.attention.cpu_kernels import CpuPagedAttentionExecutor
 
     hot = HotAttentionShape(num_layers=shape.num_layers, num_q_heads=shape.num_heads,
                             num_kv_heads=shape.num_kv_heads, head_size=shape.head_size,

@@ -1,7 +1,7 @@
 """Measure a cold model's split profile on real engines (architecture.md part 7).
 
 Starts the deployment's cold engine (without a split plan), runs a batch of decode
-requests through it with the worker's operator profiler on (weaver/vllm_ext/op_profiler.py),
+requests through it with the worker's operator profiler on (weaver/vllm_ext/engine/op_profiler.py),
 and keeps the calls of pure decode steps of the full batch: T_i per operator. Then the
 cold worker times vLLM's paged-attention kernel at the hot model's shape for the hot
 side's local sequences (K) and for one remote task (N), and the cost of one extra GEMM
@@ -99,7 +99,7 @@ async def _profile_decode(spec: ModelSpec, model_dir: Path, num_seqs: int,
     """Start ``spec``'s engine, profile ``num_seqs`` decoding sequences; ``extra`` (an
     async function of the handle and the raw profile) runs on the same engine before it
     stops."""
-    from weaver.vllm_ext.engine_app import open_engine
+    from weaver.vllm_ext.engine.app import open_engine
 
     if num_seqs > spec.max_num_seqs:
         raise ValueError(f"model {spec.name!r}: a batch of {num_seqs} exceeds its "

@@ -1,0 +1,152 @@
+"""Every change Weaver makes to vLLM's behaviour outside vLLM's official hooks.
+
+Weaver reaches vLLM through its official hooks first (docs/vllm-hooks.md): the general
+plugin entry point, ``scheduler_cls``, ``worker_extension_cls``, ``register_backend``,
+``PluggableLayer.register_oot``, ``additional_config``. What those cannot do is done by
+the modules of this package, one change each, listed here with why, how and when it can
+go. Each entry names the vLLM attributes it needs (``targets``) and, for callables, the
+parameters it relies on: ``check_targets`` (run by the plugin at start-up in every vLLM
+process) raises when one is missing, and tests/patches/test_patch_drift.py checks every
+entry, so a vLLM upgrade that moves one fails loudly instead of silently dropping it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+
+
+class PatchTargetMissing(RuntimeError):
+    """A vLLM attribute a patch needs is gone or has changed its signature."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """A vLLM attribute, ``module:Qualified.name``, and the parameters Weaver relies on
+    (None: not checked, e.g. a class)."""
+
+    path: str
+    params: tuple[str, ...] | None = None
+
+    def resolve(self) -> object:
+        module_name, _, qualname = self.path.partition(":")
+        try:
+            obj: object = importlib.import_module(module_name)
+            for part in qualname.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError) as exc:
+            raise PatchTargetMissing(f"{self.path} is gone ({exc})") from None
+        return obj
+
+    def problem(self) -> str | None:
+        """Why the target no longer fits, or None."""
+        try:
+            obj = self.resolve()
+        except PatchTargetMissing as exc:
+            return str(exc)
+        if self.params is not None:
+            found = tuple(inspect.signature(obj).parameters)  # type: ignore[arg-type]
+            if found[: len(self.params)] != self.params:
+                return f"{self.path} takes {found}, the patch expects {self.params}"
+        return None
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str  # the module in this package that applies it
+    targets: tuple[Target, ...]
+    why: str
+    how: str
+    remove_when: str
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        name="worker_step_lock",
+        targets=(
+            Target("vllm.v1.worker.gpu_worker:Worker.execute_model",
+                   ("self", "scheduler_output")),
+            Target("vllm.v1.worker.gpu_worker:Worker.sample_tokens",
+                   ("self", "grammar_output")),
+        ),
+        why="A cold worker serves offloaded attention from an idle thread between its own "
+            "steps; the two must never run at once (vLLM's CPU kernels share scratch "
+            "buffers across threads).",
+        how="Rebinds the cold worker instance's execute_model and sample_tokens to wrappers "
+            "that hold the cold runtime's step lock around the originals.",
+        remove_when="vLLM gives workers a hook around each step (a step-context callback).",
+    ),
+    Patch(
+        name="routing_kv_cache_manager",
+        targets=(
+            Target("vllm.v1.core.sched.scheduler:Scheduler.__init__"),
+            Target("vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots",
+                   ("self", "request", "num_new_tokens")),
+        ),
+        why="A hot engine admits requests against its own KV blocks and the blocks a cold "
+            "engine lends, which vLLM's one KVCacheManager per scheduler cannot express.",
+        how="After vLLM's Scheduler.__init__, Weaver's scheduler replaces its "
+            "kv_cache_manager by RoutingKVCacheManager, which owns the local manager and a "
+            "second one over the remote block ids and routes every call by request.",
+        remove_when="vLLM supports several KV pools per scheduler (tiered KV placement).",
+    ),
+    Patch(
+        name="block_pool_class",
+        targets=(
+            Target("vllm.v1.core.block_pool:BlockPool.get_num_free_blocks", ("self",)),
+            Target("vllm.v1.core.block_pool:BlockPool.get_new_blocks", ("self", "num_blocks")),
+            Target("vllm.v1.core.block_pool:BlockPool.free_blocks", ("self", "ordered_blocks")),
+            Target("vllm.v1.core.block_pool:BlockPool.touch", ("self", "blocks")),
+            Target("vllm.v1.core.block_pool:BlockPool.evict_blocks", ("self", "block_ids")),
+            Target("vllm.v1.core.block_pool:BlockPool.reset_prefix_cache", ("self",)),
+            Target("vllm.v1.core.block_pool:BlockPool._maybe_evict_cached_block",
+                   ("self", "block")),
+        ),
+        why="An engine whose KV lives in the unified pool (or a hot engine's remote blocks "
+            "there) must take pages from the pool's allocator for every block vLLM hands "
+            "out and give them back when vLLM frees it.",
+        how="Swaps the class of the scheduler's BlockPool instance to AllocatorBlockPool, a "
+            "subclass that consults the allocator around vLLM's own methods.",
+        remove_when="vLLM lets a scheduler supply its own BlockPool class.",
+    ),
+    Patch(
+        name="kv_cache_allocation",
+        targets=(
+            Target("vllm.v1.worker.cpu_model_runner:CPUModelRunner.initialize_kv_cache_tensors",
+                   ("self", "kv_cache_config", "kernel_block_sizes",
+                    "kv_cache_allocation_context")),
+            Target("vllm.v1.worker.utils:allocate_kv_cache"),
+        ),
+        why="A cold engine with a unified pool keeps its KV in the pool's shared pages, and "
+            "vLLM's own zero-filled cache buffer would take as much memory again.",
+        how="Wraps CPUModelRunner.initialize_kv_cache_tensors (class-wide, a no-op for "
+            "engines without a pool); for a pool engine it lets vLLM allocate with "
+            "torch.empty instead of torch.zeros for that one call, then opens the pool.",
+        remove_when="vLLM's kv_cache_allocation_context can supply external memory on CPU.",
+    ),
+    Patch(
+        name="engine_stat_logger",
+        targets=(
+            Target("vllm.v1.metrics.loggers:StatLoggerManager.__init__"),
+            Target("vllm.v1.engine.async_llm:AsyncLLM.__init__"),
+        ),
+        why="The gateway labels each engine's running/waiting/KV series by model; vLLM's "
+            "Prometheus logger keeps one set per process.",
+        how="Appends a recorder to the engine client's logger_manager.stat_loggers, which "
+            "vLLM calls after every step.",
+        remove_when="vLLM's build_async_engine_client takes stat_loggers.",
+    ),
+)
+
+
+def check_targets() -> None:
+    """Raise PatchTargetMissing naming every patch whose vLLM targets moved."""
+    problems = [f"patches/{patch.name}.py: {problem}" for patch in PATCHES
+                for problem in map(Target.problem, patch.targets) if problem]
+    if problems:
+        raise PatchTargetMissing(
+            "the installed vLLM no longer has what Weaver patches ("
+            + "; ".join(problems)
+            + "); install the vLLM version Weaver pins (pyproject.toml) or update the "
+            "patches in patches/")

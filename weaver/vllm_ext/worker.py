@@ -1,0 +1,189 @@
+"""Worker extension (``--worker-extension-cls``) of hot and cold engines.
+
+vLLM mixes this class into its worker (docs/vllm-hooks.md, "Worker"), so the gateway
+reaches it with ``collective_rpc("weaver_...")``. It only connects vLLM's objects to
+Weaver's runtimes; regions are opened here, at start-up, never on the request path:
+- a cold worker opens its regions (weaver.weaving.cold.ColdWeaving), installs the poll
+  points after its own operators and between split chunks, holds the step lock around its
+  steps (patches/worker_step_lock.py) and starts the idle poller;
+- a hot worker attaches the region (weaver.weaving.hot.HotWeaving) and hands it to its
+  attention impls and metadata builders (weaver/vllm_ext/attention/backend.py).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+from typing import Any
+
+from weaver.patches import worker_step_lock
+from weaver.vllm_ext.layers import (
+    attention_layers,
+    install_split_polls,
+    poll_point_modules,
+    split_stats,
+)
+from weaver.weaving.cold import ColdWeaving
+from weaver.weaving.hot import HotWeaving
+from weaver.weaving.plan import PairPlan
+from weaver.weaving.poll_points import PollPoints
+
+logger = logging.getLogger(__name__)
+
+
+def _metadata_builders(runner: Any) -> list[Any]:
+    return [builder for groups in runner.attn_groups for group in groups
+            for builder in group.metadata_builders]
+
+
+class WeaverWorkerExtension:
+    _weaver_hot: HotWeaving | None = None
+    _weaver_cold: ColdWeaving | None = None
+    _weaver_poll_points: PollPoints | None = None  # over the cold model's operators
+
+    # --- hot side -----------------------------------------------------------------
+    def weaver_attach_hot(self, plan_data: dict) -> dict:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        from weaver.vllm_ext.attention.backend import WovenAttentionImpl, WovenMetadataBuilder
+
+        plan = PairPlan.from_dict(plan_data)
+        remote_kv = None
+        if plan.pool is not None:  # the region exists, so the cold side's pool does too
+            from weaver.vllm_ext.attention.pool import RemotePoolKV
+
+            remote_kv = RemotePoolKV(plan)
+        runtime = HotWeaving.attach(plan, remote_kv)
+        runner = self.model_runner
+        # The scheduler's local pool has exactly the blocks of vLLM's KV-cache config;
+        # remote ids start there (weaver/vllm_ext/scheduler.py).
+        num_local_blocks = runner.kv_cache_config.num_blocks
+        layers = attention_layers(runner)
+        builders = _metadata_builders(runner)
+        for owner in [*(layer.impl for layer in layers.values()), *builders]:
+            if not isinstance(owner, WovenAttentionImpl | WovenMetadataBuilder):
+                raise RuntimeError(
+                    f"{type(owner).__name__} is not Weaver's attention; is the weaver vLLM "
+                    "plugin installed (pip install -e .)?")
+        for name, layer in layers.items():
+            layer.impl.weaver_layer_index = extract_layer_index(name)
+            layer.impl.weaver_num_local_slots = num_local_blocks * runner.cache_config.block_size
+            layer.impl.weaver_hot = runtime
+        for builder in builders:
+            builder.weaver_num_local_blocks = num_local_blocks
+            builder.weaver_hot = runtime
+        self._weaver_hot = runtime
+        logger.info("hot worker attached region %s to %d attention layers (spin %.0f us)",
+                    plan.region_name, len(layers),
+                    runtime.sender.policy.spin_s * 1e6)
+        return {"region": plan.region_name, "num_layers": len(layers)}
+
+    # --- cold side ----------------------------------------------------------------
+    def weaver_open_cold(self, plans_data: list[dict]) -> dict:
+        plans = [PairPlan.from_dict(data) for data in plans_data]
+        cold = ColdWeaving.open(plans, self._weaver_executor_for)
+        model = self.model_runner.get_model()
+        modules = poll_point_modules(model)
+        self._weaver_poll_points = PollPoints(modules, cold.poll)
+        # Split operators (additional_config's split plan, applied at load time) poll
+        # between their chunks with the same function as the poll points.
+        num_split = install_split_polls(model, cold.poll)
+        worker_step_lock.install(self, cold.step_lock)
+        cold.start_idle_poller()
+        self._weaver_cold = cold
+        atexit.register(self.weaver_close)
+        logger.info("cold worker serves %d region(s) with %d poll points, %d split operators",
+                    len(plans), len(modules), num_split)
+        return {"regions": [plan.region_name for plan in plans],
+                "num_poll_points": len(modules), "num_split_operators": num_split}
+
+    def _weaver_executor_for(self, plan: PairPlan) -> Any:
+        """What serves a hot model's tasks: vLLM's CPU kernels over the region's KV, or over
+        this engine's unified pool when the hot model's remote blocks live there."""
+        if plan.pool is None:
+            from weaver.vllm_ext.attention.cpu_kernels import CpuPagedAttentionExecutor
+
+            return CpuPagedAttentionExecutor(plan.shape)
+        from weaver.vllm_ext.attention.pool import PoolTaskExecutor
+
+        pool = getattr(self.model_runner, "weaver_pool", None)
+        if pool is None:
+            raise RuntimeError(
+                f"weaving {plan.hot} -> {plan.cold} keeps remote KV in the unified pool, "
+                "but this cold engine was not started with one")
+        return PoolTaskExecutor(plan, pool)
+
+    # --- operator splitting and profiling ------------------------------------------
+    def weaver_split_stats(self) -> dict:
+        """Per split operator kind: chunks, calls, chunk calls, polls between chunks."""
+        return split_stats(self.model_runner.get_model())
+
+    def weaver_profile_start(self) -> dict:
+        from weaver.vllm_ext.engine.op_profiler import OpProfiler
+
+        if getattr(self, "_weaver_profiler", None) is not None:
+            raise RuntimeError("an operator profile is already running; stop it first")
+        self._weaver_profiler = OpProfiler(self.model_runner.get_model())
+        logger.info("operator profiling started: %d layers", self._weaver_profiler.num_layers)
+        return {"num_layers": self._weaver_profiler.num_layers}
+
+    def weaver_profile_stop(self) -> dict:
+        profiler = getattr(self, "_weaver_profiler", None)
+        if profiler is None:
+            raise RuntimeError("no operator profile is running: call weaver_profile_start")
+        self._weaver_profiler = None
+        return profiler.stop()
+
+    def weaver_time_attention(self, shape_data: dict, num_seqs: int, context_len: int) -> dict:
+        from weaver.offload.layout import HotAttentionShape
+        from weaver.vllm_ext.engine.op_profiler import time_attention
+
+        return time_attention(HotAttentionShape(**shape_data), num_seqs, context_len)
+
+    def weaver_time_split_overhead(self, in_features: int, out_features: int,
+                                   num_tokens: int) -> float:
+        from weaver.vllm_ext.engine.op_profiler import time_split_overhead
+
+        return time_split_overhead(in_features, out_features, num_tokens)
+
+    # --- unified KV pool (weaver/vllm_ext/attention/pool.py) --------------------------
+    def weaver_pool_stats(self) -> dict:
+        """The engine's tenant of its unified KV pool: steps, writes, live/peak blocks."""
+        pool = getattr(self.model_runner, "weaver_pool", None)
+        if pool is None:
+            raise RuntimeError("this engine does not keep its KV in a unified pool")
+        return pool.stats()
+
+    # --- both ---------------------------------------------------------------------
+    def weaver_info(self) -> dict:
+        """Which Weaver this worker runs (a checkout or the installed one) and its pid."""
+        import weaver
+
+        return {"weaver_file": weaver.__file__, "pid": os.getpid()}
+
+    def weaver_stats(self) -> dict:
+        stats: dict[str, Any] = {}
+        if self._weaver_hot is not None:
+            stats["hot"] = self._weaver_hot.drain_stats()
+            stats["hot"]["remote_blocks_used"] = self._weaver_remote_blocks_in_use()
+        if self._weaver_cold is not None:
+            stats["cold"] = self._weaver_cold.stats()
+            stats["cold_served_by_idle_poller"] = self._weaver_cold.num_idle_served
+        return stats
+
+    def _weaver_remote_blocks_in_use(self) -> int:
+        """Remote blocks held by the requests now in the batch (ids >= the local count)."""
+        runner = self.model_runner
+        num_local_blocks = runner.kv_cache_config.num_blocks
+        table = runner.input_batch.block_table.block_tables[0]
+        first_ids = table.block_table.np[:, 0]
+        counts = table.num_blocks_per_row
+        return int(counts[(counts > 0) & (first_ids >= num_local_blocks)].sum())
+
+    def weaver_close(self) -> None:
+        if self._weaver_poll_points is not None:
+            self._weaver_poll_points.remove()
+        self._weaver_poll_points = None
+        if self._weaver_cold is not None:
+            self._weaver_cold.close()

@@ -1,0 +1,106 @@
+"""The cold side of weaving: the regions a cold worker owns and how their tasks are served
+(Weaver §3; docs/architecture.md, "The weaving path").
+
+A cold worker creates and owns one region per hot model weaving into it. Tasks are served
+- at poll points, right after each of the cold model's own operators (poll_points.py) and
+  between the chunks of a split operator, on the model's thread, inside its step;
+- between steps, by an idle poller thread that sleeps on the regions' doorbells, so an
+  idle cold engine still answers within a bounded delay.
+
+The cold model's own steps and the offloaded tasks never run at the same time: vLLM's CPU
+kernels share scratch buffers across threads (running both at once crashed the worker),
+and on a GPU the poll kernel is likewise serialised on the cold stream. The worker holds
+``step_lock`` around each of its steps (weaver/patches/worker_step_lock.py); the idle
+poller takes it to serve. No vLLM here: the worker extension opens the regions with the
+executor its backend provides and installs the poll points.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from weaver.offload.protocol import Transport
+from weaver.offload.receiver import OffloadReceiver
+from weaver.offload.shm import ShmRegion
+from weaver.weaving.plan import PairPlan
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05  # the idle poller's longest sleep; a task's doorbell wakes it at once
+
+
+def create_shm_region(plan: PairPlan) -> Transport:
+    """The region of one pair in shared memory (the CPU transport), owned by this process."""
+    return ShmRegion.create(plan.layout(), plan.region_name)
+
+
+class ColdWeaving:
+    """One cold worker's regions: their receivers, the poll a poll point runs, the step
+    lock and the idle poller."""
+
+    def __init__(self, receivers: dict[str, OffloadReceiver]) -> None:
+        self.receivers = receivers  # by region name
+        self.step_lock = threading.Lock()
+        self.num_idle_served = 0
+        self._stop = threading.Event()
+        self._idle_thread: threading.Thread | None = None
+
+    @classmethod
+    def open(cls, plans: list[PairPlan], make_executor: Callable[[PairPlan], Any],
+             make_transport: Callable[[PairPlan], Transport] = create_shm_region) -> ColdWeaving:
+        """Create and own each plan's region, served by the executor made for it."""
+        receivers: dict[str, OffloadReceiver] = {}
+        try:
+            for plan in plans:
+                executor = make_executor(plan)
+                receivers[plan.region_name] = OffloadReceiver(make_transport(plan), executor)
+        except BaseException:
+            for receiver in receivers.values():
+                receiver.close()
+            raise
+        return cls(receivers)
+
+    def poll(self) -> None:
+        """A poll point: serve whatever is pending, now (cheap when nothing is)."""
+        for receiver in self.receivers.values():
+            receiver.poll()
+
+    def start_idle_poller(self) -> None:
+        if self._idle_thread is not None:
+            return
+        self._stop.clear()
+        self._idle_thread = threading.Thread(target=self._idle_loop,
+                                             name="weaver-idle-poller", daemon=True)
+        self._idle_thread.start()
+
+    def _idle_loop(self) -> None:
+        receivers = list(self.receivers.values())
+        wait_s = IDLE_WAIT_S / max(1, len(receivers))
+        while not self._stop.is_set():
+            for receiver in receivers:
+                # Sleeps on the region's doorbell (no busy-wait: the machine's other
+                # engine needs the core); a published task wakes it at once.
+                if not receiver.wait_for_task(wait_s) and not receiver.has_pending():
+                    continue
+                with self.step_lock:
+                    if receiver.poll(by_idle_poller=True):
+                        self.num_idle_served += 1
+
+    def stats(self) -> list[dict[str, Any]]:
+        return [{"region": name, **vars(receiver.stats)}
+                for name, receiver in self.receivers.items()]
+
+    def close(self) -> None:
+        """Stop the idle poller, then close (and unlink) every region; safe to call twice."""
+        self._stop.set()
+        if self._idle_thread is not None:
+            for receiver in self.receivers.values():
+                receiver.transport.wake_waiters()
+            self._idle_thread.join(timeout=5)
+            self._idle_thread = None
+        for receiver in self.receivers.values():
+            receiver.close()
+        self.receivers = {}
