@@ -12,7 +12,7 @@ receivers serve the tasks:
 
   a  cpu-launched: a host thread polls the counters (small D2H copies) and launches the
      attention on its own stream when it sees a task (what a CPU-driven design does);
-  b  poll kernel after every cold operator (weaver_poll_and_attend, architecture.md 4);
+  b  poll kernel after every cold operator (weaver_poll_and_attend, docs/architecture.md part 4);
   c  b plus the cold operators split as the operator splitter plans it (--split-plan
      planned, the default): GEMMs in chunks along their output (parameter) dimension,
      attention in groups of whole sequences of the batch, a poll after every chunk;
@@ -270,6 +270,21 @@ def region_layout(cfg: RunConfig, shape: ColdShape):
     )
 
 
+def random_task(cfg: RunConfig, shape: ColdShape, max_blocks: int, seed: int) -> tuple[Any, ...]:
+    """One offloaded task's q (bf16), sequence lengths and block table, random, on the GPU:
+    cfg.task_seqs sequences of task_context / 2 .. task_context tokens, scattered blocks."""
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    n = cfg.task_seqs
+    q = torch.randn(n, shape.num_q_heads, shape.head_size, generator=gen, device="cuda")
+    q = q.to(torch.bfloat16)
+    lens = torch.randint(cfg.task_context // 2, cfg.task_context + 1, (n,), device="cuda",
+                         generator=gen, dtype=torch.int32)  # fmt: skip
+    table = torch.randperm(n * max_blocks, device="cuda", generator=gen).to(torch.int32)
+    return q, lens, table.view(n, max_blocks)
+
+
 # --- hot side (its own process) -------------------------------------------------------
 def hot_worker(conn: Any, region_or_handle: Any, cfg: RunConfig, shape: ColdShape) -> None:
     """Publish tasks at random times on the hot stream; send back device-stamped waits.
@@ -293,14 +308,7 @@ def hot_worker(conn: Any, region_or_handle: Any, cfg: RunConfig, shape: ColdShap
         region = CudaRegion(layout, region_or_handle.name, region_or_handle.region_tensor,
                             False, KernelLibrary(0))
     sender = OffloadSender(region)
-    gen = torch.Generator(device="cuda").manual_seed(cfg.seed + 1)
-    n, max_blocks = cfg.task_seqs, layout.max_blocks_per_seq
-    q = torch.randn(n, shape.num_q_heads, shape.head_size, generator=gen, device="cuda")
-    q = q.to(torch.bfloat16)
-    lens = torch.randint(cfg.task_context // 2, cfg.task_context + 1, (n,), device="cuda",
-                         generator=gen, dtype=torch.int32)  # fmt: skip
-    table = torch.randperm(n * max_blocks, device="cuda", generator=gen).to(torch.int32)
-    table = table.view(n, max_blocks)
+    q, lens, table = random_task(cfg, shape, layout.max_blocks_per_seq, cfg.seed + 1)
     max_tasks = max(cfg.tasks_busy, cfg.tasks_idle) + 16
     stamps = torch.zeros(max_tasks, 2, dtype=torch.int64, device="cuda")
     stream = torch.cuda.Stream()
@@ -451,7 +459,7 @@ class ColdModel:
 
     def _linear(self, x: Any, w: Any, poll: Callable[[], None], num_chunks: int) -> Any:
         """x @ w, in ``num_chunks`` chunks along w's output (parameter) dimension with a
-        poll after each; the concatenated chunks equal the whole product (architecture.md
+        poll after each; the concatenated chunks equal the whole product (docs/architecture.md
         part 7)."""
         import torch
 
@@ -570,15 +578,7 @@ def time_task_attention(library: Any, receiver: Any, cfg: RunConfig, shape: Cold
 
     from weaver.offload.cuda import kernels
 
-    layout = receiver.layout
-    gen = torch.Generator(device="cuda").manual_seed(cfg.seed + 2)
-    n, max_blocks = cfg.task_seqs, layout.max_blocks_per_seq
-    q = torch.randn(n, shape.num_q_heads, shape.head_size, generator=gen, device="cuda")
-    q = q.to(torch.bfloat16)
-    lens = torch.randint(cfg.task_context // 2, cfg.task_context + 1, (n,), device="cuda",
-                         generator=gen, dtype=torch.int32)  # fmt: skip
-    table = torch.randperm(n * max_blocks, device="cuda", generator=gen).to(torch.int32)
-    table = table.view(n, max_blocks)
+    q, lens, table = random_task(cfg, shape, receiver.layout.max_blocks_per_seq, cfg.seed + 2)
     pool = receiver.kv_layer(0)
     num_bytes = int(lens.sum()) * shape.num_kv_heads * shape.head_size * 2 * 2 + 2 * q.nbytes
     result: dict[str, Any] = {"bytes": num_bytes}

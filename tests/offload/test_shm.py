@@ -33,9 +33,9 @@ from weaver.offload.sender import OffloadSender
 from weaver.offload.shm import (
     DEFAULT_SHM_DIR,
     ShmRegion,
-    is_process_alive,
     region_paths,
 )
+from weaver.processes import is_process_alive
 
 SHAPE = HotAttentionShape(
     num_layers=2, num_q_heads=4, num_kv_heads=2, head_size=32, block_size=32, dtype="float32"

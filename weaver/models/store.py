@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from weaver.processes import is_process_alive
+
 logger = logging.getLogger(__name__)
 
 MARKER_FILE = ".weaver-model.json"
@@ -52,23 +54,13 @@ def write_marker(model_dir: Path, name: str, recipe: dict[str, Any]) -> None:
     (model_dir / MARKER_FILE).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
 
 
-def _is_process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    return True
-
-
 def remove_stale_partials(models_dir: Path, name: str) -> int:
     """Remove temporary directories of `name` left by processes that no longer run."""
     num_removed = 0
     prefix = f"{_PARTIAL_PREFIX}{name}-"
     for entry in models_dir.glob(f"{prefix}*"):
         pid_text = entry.name[len(prefix) :].split("-", 1)[0]
-        if pid_text.isdigit() and not _is_process_alive(int(pid_text)):
+        if pid_text.isdigit() and not is_process_alive(int(pid_text)):
             logger.info("removing %s, left by an interrupted build", entry)
             shutil.rmtree(entry, ignore_errors=True)
             num_removed += 1

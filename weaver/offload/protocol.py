@@ -194,6 +194,42 @@ class RegionViews:
         )
 
 
+class RegionBase:
+    """What every transport knows of its region (a base class of both): the layout, the
+    name, whether this side owns it, and the bounds every view and word access keeps."""
+
+    def __init__(self, layout: RegionLayout, name: str, is_owner: bool) -> None:
+        self._layout = layout
+        self._name = name
+        self._is_owner = is_owner
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def is_owner(self) -> bool:
+        return self._is_owner
+
+    @property
+    def layout(self) -> RegionLayout:
+        return self._layout
+
+    def _check_range(self, offset: int, num_bytes: int) -> None:
+        if offset < 0 or offset + num_bytes > self._layout.total_bytes:
+            raise ValueError(
+                f"view [{offset}, {offset + num_bytes}) outside region of "
+                f"{self._layout.total_bytes} bytes"
+            )
+
+    @staticmethod
+    def _check_word(offset: int, fmt: str) -> None:
+        if fmt not in ("q", "d") or offset % 8:
+            raise ValueError(
+                f"words need fmt 'q' or 'd' and an 8-byte aligned offset, got {fmt!r} at {offset}"
+            )
+
+
 class Transport(Protocol):
     """One mapped region and how its counters move (shm.py on CPU, cuda/transport.py).
 

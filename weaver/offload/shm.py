@@ -73,12 +73,14 @@ from weaver.offload.naming import (
 from weaver.offload.protocol import (
     OffloadError,
     OffloadTask,
+    RegionBase,
     RegionViews,
     TaskMeta,
     WaitPolicy,
     WaitStatus,
     check_task_bounds,
 )
+from weaver.processes import is_process_alive
 
 if TYPE_CHECKING:  # torch only where tensors are made: creating and attaching stay light
     import torch
@@ -89,25 +91,6 @@ logger = logging.getLogger(__name__)
 # it shares a core with the cold side (host_wait_policy).
 OWN_CORE_SPIN_S = 2e-3
 SHARED_CORE_SPIN_S = 50e-6
-
-
-def is_process_alive(pid: int) -> bool:
-    """True if pid runs and is not a zombie (a dead child not yet reaped still has a pid)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            # the state letter follows the ")" that closes the command name
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return True  # no procfs: trust kill(0)
 
 
 class FifoWakeup:
@@ -145,15 +128,13 @@ class FifoWakeup:
             self._fd = -1
 
 
-class ShmRegion:
+class ShmRegion(RegionBase):
     """A mapped offload region in shared memory (implements protocol.Transport)."""
 
     def __init__(self, layout: RegionLayout, name: str, path: str, fd: int,
                  is_owner: bool) -> None:
-        self._layout = layout
-        self._name = name
+        super().__init__(layout, name, is_owner)
         self._path = path
-        self._is_owner = is_owner
         self._mmap = mmap.mmap(fd, layout.total_bytes)
         os.close(fd)  # the mapping keeps the memory; the descriptor is not needed
         self._buffer = memoryview(self._mmap)
@@ -267,20 +248,8 @@ class ShmRegion:
 
     # --- memory ---------------------------------------------------------------------
     @property
-    def name(self) -> str:
-        return self._name
-
-    @property
     def path(self) -> str:
         return self._path
-
-    @property
-    def is_owner(self) -> bool:
-        return self._is_owner
-
-    @property
-    def layout(self) -> RegionLayout:
-        return self._layout
 
     @property
     def buffer(self) -> memoryview:
@@ -294,10 +263,7 @@ class ShmRegion:
 
     def words(self, offset: int, count: int, fmt: str = "q") -> memoryview:
         """Host-visible 8-byte words at a byte offset: "q" int64 or "d" float64."""
-        if fmt not in ("q", "d") or offset % 8:
-            raise ValueError(
-                f"words need fmt 'q' or 'd' and an 8-byte aligned offset, got {fmt!r} at {offset}"
-            )
+        self._check_word(offset, fmt)
         self._check_range(offset, 8 * count)
         return self.buffer[offset : offset + 8 * count].cast(fmt)
 
@@ -315,13 +281,6 @@ class ShmRegion:
             count *= dim
         self._check_range(offset, count * dtype.itemsize)
         return torch.frombuffer(self.buffer, dtype=dtype, count=count, offset=offset).view(shape)
-
-    def _check_range(self, offset: int, num_bytes: int) -> None:
-        if offset < 0 or offset + num_bytes > self._layout.total_bytes:
-            raise ValueError(
-                f"view [{offset}, {offset + num_bytes}) outside region of "
-                f"{self._layout.total_bytes} bytes"
-            )
 
     def shares_cores_with_owner(self) -> bool:
         """Whether this process may run on a core the owner (cold) process may run on;
@@ -536,7 +495,6 @@ __all__ = [
     "FifoWakeup",
     "ShmRegion",
     "host_wait_policy",
-    "is_process_alive",
     "region_name",
     "region_paths",
 ]

@@ -136,41 +136,65 @@ def measure_serving_points(model: str, core: int, plan: ServingPlan, kv_bytes_pe
     else:
         config, api_name = deployment
     log_path = work_dir / "serving_probe.log"
-    ids = iter(range(FIRST_REQUEST_ID, 1 << 62))
-
-    def one(prompt: int, output: int) -> TraceRequest:
-        return TraceRequest(0.0, prompt, output, api_name, next(ids))
-
     prefill: list[ServingPrefillPoint] = []
-    started = time.monotonic()
-    with _pinned(serve_cores), weaver_server(config, log_path) as server:
-        logger.info("weaver serve ready in %.0f s; warming up", time.monotonic() - started)
-
-        def send(requests: list[TraceRequest]) -> list[RequestRecord]:
-            return _send(server.base_url, requests, log_path)
-
+    with _probed_server(config, log_path, api_name, serve_cores) as client:
         # Warm-up: kernels of a lone and of a batched step, the longest prompt, the gateway.
-        send([one(16, 4)])
-        send([one(max(plan.prefill_prompt_tokens), plan.prefill_output_tokens)])
-        send([one(16, 4) for _ in range(min(4, max(plan.batch_sizes)))])
+        client.send([client.one(16, 4)])
+        client.send([client.one(max(plan.prefill_prompt_tokens), plan.prefill_output_tokens)])
+        client.send([client.one(16, 4) for _ in range(min(4, max(plan.batch_sizes)))])
         for _ in range(plan.prefill_repeats):
             for n in plan.prefill_prompt_tokens:
-                point = prefill_point(send([one(n, plan.prefill_output_tokens)])[0])
+                record = client.send([client.one(n, plan.prefill_output_tokens)])[0]
+                point = prefill_point(record)
                 prefill.append(point)
                 on_point(point, "alone on the idle server")
-        decode = _decode_points(send, one, plan, on_point)
+        decode = _decode_points(client, plan, on_point)
     return ServingPoints(decode, prefill, config, log_path)
 
 
-def _decode_points(send: Callable[[list[TraceRequest]], list[RequestRecord]],
-                   one: Callable[[int, int], TraceRequest], plan: ServingPlan,
+class _ProbeClient:
+    """Requests to one model of the probed server: numbered ones of given lengths, sent
+    together and required to stream to their end."""
+
+    def __init__(self, base_url: str, api_name: str, log_path: Path) -> None:
+        self._base_url = base_url
+        self._api_name = api_name
+        self._log_path = log_path
+        self._ids = iter(range(FIRST_REQUEST_ID, 1 << 62))
+
+    def one(self, prompt: int, output: int) -> TraceRequest:
+        return TraceRequest(0.0, prompt, output, self._api_name, next(self._ids))
+
+    def send(self, requests: list[TraceRequest]) -> list[RequestRecord]:
+        """All `requests` at once; every one must stream to its end."""
+        outcome = run_load_sync(requests, LoadGenConfig(self._base_url, show_progress=False))
+        bad = [r for r in outcome.records if r.status is not RequestStatus.OK]
+        if bad:
+            raise RuntimeError(f"{len(bad)} of {len(requests)} requests failed "
+                               f"({bad[0].error}); server log: {self._log_path}")
+        return outcome.records
+
+
+@contextlib.contextmanager
+def _probed_server(config: Path, log_path: Path, api_name: str,
+                   serve_cores: set[int] | None) -> Iterator[_ProbeClient]:
+    """`weaver serve config` (this process and the server on serve_cores), until the block
+    ends; a client of its model `api_name`."""
+    started = time.monotonic()
+    with _pinned(serve_cores), weaver_server(config, log_path) as server:
+        logger.info("weaver serve ready in %.0f s; warming up", time.monotonic() - started)
+        yield _ProbeClient(server.base_url, api_name, log_path)
+
+
+def _decode_points(client: _ProbeClient, plan: ServingPlan,
                    on_point: OnPoint) -> list[ServingDecodePoint]:
     """The plan's decode points: b requests at once per batch size, `decode_repeats` times.
     Repeats outermost: a slow drift of the machine touches every batch size alike."""
     decode = []
     for repeat in range(plan.decode_repeats):
         for b in plan.batch_sizes:
-            records = send([one(plan.prompt_tokens, plan.output_tokens) for _ in range(b)])
+            records = client.send([client.one(plan.prompt_tokens, plan.output_tokens)
+                                   for _ in range(b)])
             seen = decode_observation(records, b)
             decode.append(seen.point)
             on_point(seen.point, f"repeat {repeat + 1}/{plan.decode_repeats}, "
@@ -187,32 +211,12 @@ def measure_woven_points(deployment_path: Path, hot_model: str, plan: ServingPla
     idle: b requests at once for each of the plan's batch sizes, `decode_repeats` times
     (repeats outermost). The hot scheduler places each request local or remote; the
     caller knows where from the pair's offload ratio."""
-    ids = iter(range(FIRST_REQUEST_ID, 1 << 62))
-
-    def one(prompt: int, output: int) -> TraceRequest:
-        return TraceRequest(0.0, prompt, output, hot_model, next(ids))
-
-    started = time.monotonic()
-    with _pinned(serve_cores), weaver_server(deployment_path, log_path) as server:
-        logger.info("weaver serve ready in %.0f s; warming up", time.monotonic() - started)
-
-        def send(requests: list[TraceRequest]) -> list[RequestRecord]:
-            return _send(server.base_url, requests, log_path)
-
+    with _probed_server(deployment_path, log_path, hot_model, serve_cores) as client:
         # Warm-up: a lone and a batched step, local and remote sequences both.
-        send([one(16, 4)])
-        send([one(plan.prompt_tokens, 4) for _ in range(min(4, max(plan.batch_sizes)))])
-        return _decode_points(send, one, plan, on_point)
-
-
-def _send(base_url: str, requests: list[TraceRequest], log_path: Path) -> list[RequestRecord]:
-    """All `requests` at once; every one must stream to its end."""
-    outcome = run_load_sync(requests, LoadGenConfig(base_url, show_progress=False))
-    bad = [r for r in outcome.records if r.status is not RequestStatus.OK]
-    if bad:
-        raise RuntimeError(f"{len(bad)} of {len(requests)} requests failed ({bad[0].error}); "
-                           f"server log: {log_path}")
-    return outcome.records
+        client.send([client.one(16, 4)])
+        client.send([client.one(plan.prompt_tokens, 4)
+                     for _ in range(min(4, max(plan.batch_sizes)))])
+        return _decode_points(client, plan, on_point)
 
 
 def parse_serve_cores(value: str, engine_core: int) -> set[int] | None:

@@ -39,7 +39,7 @@ from weaver.offload.layout import (
     RegionStatus,
     TaskResult,
 )
-from weaver.offload.protocol import TaskMeta, WaitPolicy, WaitStatus
+from weaver.offload.protocol import RegionBase, TaskMeta, WaitPolicy, WaitStatus
 
 if TYPE_CHECKING:
     import torch
@@ -64,7 +64,7 @@ class CudaPollingExecutor:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
 
 
-class CudaRegion:
+class CudaRegion(RegionBase):
     """One offload region in device memory (implements protocol.Transport). Create on the
     cold side, attach on the hot; `library` loads the kernels on the device that launches
     them (the hot device for publish/wait, the cold device for serving)."""
@@ -73,10 +73,8 @@ class CudaRegion:
                  library: KernelLibrary) -> None:
         import torch
 
-        self._layout = layout
-        self._name = name
+        super().__init__(layout, name, is_owner)
         self._tensor: torch.Tensor | None = tensor
-        self._is_owner = is_owner
         self._library = library
         self.device = torch.device("cuda", library.device_index)
         self._desc = torch.tensor(region_descriptor(layout), dtype=torch.int64,
@@ -141,18 +139,6 @@ class CudaRegion:
 
     # --- memory ---------------------------------------------------------------------
     @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def is_owner(self) -> bool:
-        return self._is_owner
-
-    @property
-    def layout(self) -> RegionLayout:
-        return self._layout
-
-    @property
     def region_tensor(self) -> torch.Tensor:
         """The region's bytes: a flat uint8 tensor on the cold device."""
         if self._tensor is None:
@@ -167,17 +153,13 @@ class CudaRegion:
         import math
 
         num_bytes = math.prod(shape) * dtype.itemsize
-        if offset < 0 or offset + num_bytes > self._layout.total_bytes:
-            raise ValueError(f"view [{offset}, {offset + num_bytes}) outside region of "
-                             f"{self._layout.total_bytes} bytes")
+        self._check_range(offset, num_bytes)
         return self.region_tensor[offset : offset + num_bytes].view(dtype).view(shape)
 
     def _word(self, offset: int, fmt: str) -> torch.Tensor:
         import torch
 
-        if fmt not in ("q", "d") or offset % 8:
-            raise ValueError(f"words need fmt 'q' or 'd' and an 8-byte aligned offset, got "
-                             f"{fmt!r} at {offset}")
+        self._check_word(offset, fmt)
         return self.tensor(offset, (1,), torch.int64 if fmt == "q" else torch.float64)
 
     def read_word(self, offset: int, fmt: str = "q") -> int | float:
