@@ -142,7 +142,7 @@ def cuda_channel(name: str) -> Iterator[Channel]:
 CHANNELS: dict[str, Callable[[str], Any]] = {"shm": shm_channel, "cuda": cuda_channel}
 
 
-@pytest.fixture(params=sorted(CHANNELS))
+@pytest.fixture(params=["shm", pytest.param("cuda", marks=pytest.mark.gpu)])
 def channel(request, shm_name) -> Iterator[Channel]:
     name = shm_name if request.param == "shm" else f"test-{uuid.uuid4().hex[:8]}"
     with CHANNELS[request.param](name) as chan:
