@@ -1,6 +1,6 @@
 """Decode attention over head-wise pool pages vs vLLM's own cache layout, side by side.
 
-The unified KV pool (issue 6) stores each (block, layer, KV head) in a page of its own
+The unified KV pool stores each (block, layer, KV head) in a page of its own
 anywhere in the pool; `weaver.vllm_ext.attention.headwise` runs vLLM's CPU_ATTN kernel over
 it by making every (sequence, KV head) a sequence of its own. This script times one decode
 step's attention, all layers, both ways on the same numbers, in alternating rounds on one

@@ -1,6 +1,6 @@
 """Cold load rising from 0 to saturation while the hot model weaves through the unified pool.
 
-Issue 6's scripted run. One `weaver serve` runs four engines:
+The unified pool's scripted run. One `weaver serve` runs four engines:
 
 - `hot`: SmolLM2, every sequence remote: its KV lives in the cold device's unified pool;
 - `cold`: tiny-llama-c with `unified_kv`: its own KV and what it lends in one pool of

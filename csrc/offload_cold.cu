@@ -1,4 +1,4 @@
-// Cold side of the CUDA offload transport: the polling kernel (architecture.md part 4).
+// Cold side of the CUDA offload transport: the polling kernel (docs/architecture.md, part 4).
 //
 // Launched on the cold engine's stream after each of its operators. With nothing pending
 // (task_seq == done_seq) every block returns after one acquire load. Otherwise the blocks

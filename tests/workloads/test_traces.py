@@ -1,18 +1,25 @@
-"""Trace loaders and the papers' filters, on the real Azure files in shared/traces."""
+"""Trace loaders and the papers' filters, on the real Azure files shipped with Weaver."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import weaver
 from weaver.workloads.filters import apply_filter, burstgpt_filter, get_filter, weaver_azure_filter
 from weaver.workloads.traces import (
+    AZURE_SHA256,
+    SHIPPED_TRACES_DIR,
     TRACES_DIR_ENV,
+    file_sha256,
     load_azure,
     load_azure_file,
     load_burstgpt,
     load_trace,
     resolve_traces_dir,
+    trace_file,
 )
 
 
@@ -76,6 +83,26 @@ def test_traces_dir_from_env_and_crlf(tmp_path, monkeypatch):
     assert [(r.input_tokens, r.output_tokens) for r in rows] == [(374, 44), (1990, 20)]
     assert rows[1].timestamp_s == pytest.approx(1.5, abs=1e-6)
     assert apply_filter(rows, get_filter("weaver-azure")) == rows[:1]
+
+
+def test_the_shipped_traces_are_the_default_and_the_published_files(monkeypatch):
+    monkeypatch.delenv(TRACES_DIR_ENV, raising=False)
+    assert resolve_traces_dir() == SHIPPED_TRACES_DIR
+    assert SHIPPED_TRACES_DIR.is_relative_to(Path(weaver.__file__).parent)  # package data
+    for name, sha in AZURE_SHA256.items():
+        assert file_sha256(SHIPPED_TRACES_DIR / name) == sha
+    assert trace_file("azure-code") == SHIPPED_TRACES_DIR / "AzureLLMInferenceTrace_code.csv"
+
+
+def test_a_damaged_shipped_trace_is_refused(tmp_path, monkeypatch):
+    from weaver.workloads import traces
+
+    damaged = tmp_path / "AzureLLMInferenceTrace_conv.csv"
+    damaged.write_bytes((SHIPPED_TRACES_DIR / damaged.name).read_bytes()[:-10])
+    monkeypatch.setattr(traces, "SHIPPED_TRACES_DIR", tmp_path)
+    monkeypatch.delenv(TRACES_DIR_ENV, raising=False)
+    with pytest.raises(ValueError, match="not the published trace.*reinstall"):
+        load_trace("azure-conv")
 
 
 def test_bad_paths_and_files_raise_value_errors(tmp_path):

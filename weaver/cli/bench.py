@@ -65,7 +65,8 @@ def _add_workload_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--traces-dir", default=None,
-        help="folder with the Azure CSVs (default: $WEAVER_TRACES_DIR or <repo>/../shared/traces)",
+        help="folder with the Azure CSVs (default: $WEAVER_TRACES_DIR, else the copies shipped "
+             "with Weaver)",
     )
     g.add_argument(
         "--filter", dest="filter_name", default=None, choices=["weaver-azure", "burstgpt", "none"],
@@ -258,10 +259,13 @@ def _workloads(args: argparse.Namespace) -> list[tuple[float | None, list, dict[
         model_rates,
     )
     from weaver.workloads.filters import default_filter_name
+    from weaver.workloads.traces import file_sha256, trace_file
 
     models = [ModelLoad.parse(text) for text in args.model]
     rates: list[float | None] = list(args.rate) if args.rate else [None]
     rows = None
+    source = trace_file(args.trace, args.traces_dir)
+    source_sha256 = file_sha256(source) if source.is_file() else None  # else: load_rows says why
     out = []
     for rate in rates:
         spec = WorkloadSpec(
@@ -276,7 +280,8 @@ def _workloads(args: argparse.Namespace) -> list[tuple[float | None, list, dict[
         requests = build_workload(spec, rows)
         total = rate if rate is not None else (sum(per_model) if per_model else None)
         description = {
-            "trace": args.trace, "filter": spec.filter_name or default_filter_name(args.trace),
+            "trace": args.trace, "trace_file": str(source), "trace_sha256": source_sha256,
+            "filter": spec.filter_name or default_filter_name(args.trace),
             "arrival": args.arrival,
             "burstiness": args.burstiness, "num_requests": args.num_requests,
             "length_scale": args.length_scale, "max_model_len": args.max_model_len,

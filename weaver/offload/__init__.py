@@ -1,4 +1,4 @@
-"""Offload channel between a hot engine and a cold engine (architecture.md part 4).
+"""Offload channel between a hot engine and a cold engine (docs/architecture.md, part 4).
 
 Modules: layout (region byte layout, pure Python), naming (region names from config),
 protocol (records, errors and the Transport interface), sender / receiver (the two sides,

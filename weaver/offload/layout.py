@@ -1,4 +1,4 @@
-"""Byte layout of one hot->cold offload region (architecture.md part 4).
+"""Byte layout of one hot->cold offload region (docs/architecture.md, part 4).
 
 The region is ONE contiguous byte buffer owned by the cold side:
 
@@ -8,8 +8,8 @@ Every section starts on a 64-byte boundary (one x86 cache line) so that the two
 counters the sides poll never share a line with data the other side writes.
 
 The KV pool of one layer is exactly vLLM CPU_ATTN's per-layer cache view
-``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (vllm-notes.md section 2,
-"Layout"; ``vllm/v1/attention/backends/cpu_attn.py`` ``forward``), so vLLM's own
+``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (docs/vllm-hooks.md, "KV
+cache"; ``vllm/v1/attention/backends/cpu_attn.py`` ``forward``), so vLLM's own
 ``cpu_attn_reshape_and_cache`` / ``cpu_attention_with_kv_cache`` run on views of it.
 
 This module is pure Python (``struct`` only): the header can be written and checked

@@ -5,7 +5,7 @@ Pool layer view ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``; each
 (``cpu_attn.py`` ``forward``: ``kv_cache.view(B, H, 2N, D).chunk(2, dim=2)``).
 Inside the K half the element order depends on who wrote it:
 
-- ``"nd"``: token-major ``[N, D]`` (the simple layout vllm-notes.md section 2 describes);
+- ``"nd"``: token-major ``[N, D]`` (token-major: what vLLM's other ISAs and this oracle write);
 - ``"dn"``: dimension-major ``[D, N]``, which is what vLLM 0.32's
   ``cpu_attn_reshape_and_cache`` writes for the ``vec``/``vec16`` ISAs (checked by
   tests/offload/test_cpu_paged_attention.py). V is ``[N, D]`` in both.

@@ -56,7 +56,7 @@ class WeavingMetrics:
             "Cold side's time serving a hot model's attention tasks, by where: at poll "
             "points inside the cold model's own steps (its TPOT pays it) or by the idle "
             "poller between them", ["hot", "cold", "where"], registry=registry)
-        # The unified KV pools of cold models with unified_kv (weaver/kv; issue 6), as
+        # The unified KV pools of cold models with unified_kv (weaver/kv), as
         # their owners publish the allocator's stats.
         self.pool_pages = Gauge("weaver_kv_pool_pages", "Pages a tenant's live blocks hold "
                                 "in a cold device's unified KV pool (leased spares included)",

@@ -30,8 +30,8 @@ class WorkloadConfig(_Strict):
     burstiness: float = Field(1.0, gt=0, description="gamma arrivals' shape (1 = Poisson)")
     length_scale: float = Field(1.0, gt=0, description="multiplies input and output lengths")
     max_model_len: int | None = Field(None, ge=2, description="lengths shrink to fit this")
-    traces_dir: str | None = Field(None, description="default: $WEAVER_TRACES_DIR or "
-                                   "<repo>/../shared/traces")
+    traces_dir: str | None = Field(None, description="default: $WEAVER_TRACES_DIR, else the "
+                                   "traces shipped with Weaver")
 
 
 class ModelSpec(_Strict):

@@ -1,4 +1,4 @@
-"""Validate the simulator against measured `weaver bench` runs (issue 8, acceptance 1).
+"""Validate the simulator against measured `weaver bench` runs.
 
 For every run of a saved `BenchResult` (one deployment at one rate), the measured requests
 are replayed in a simulated copy of that deployment (`weaver.sim.deployment`), and the

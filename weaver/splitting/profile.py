@@ -22,7 +22,7 @@ One JSON file per (cold model, device, workload point)::
 
 Times are seconds. ``split_dim_size`` is the dimension a chunk is cut along: output
 features for the linear layers and the LM head (vocabulary), sequences for attention
-(architecture.md, part 7). ``hot`` holds the hot side's per-layer local attention ``K``,
+(docs/architecture.md, part 7). ``hot`` holds the hot side's per-layer local attention ``K``,
 one remote attention task ``N`` and one hot decode iteration (for the threshold).
 ``split_overhead_s`` is the measured cost of one extra chunk, if the profiler measured it.
 """

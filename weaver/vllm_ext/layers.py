@@ -203,7 +203,8 @@ def _make_layer_classes() -> list[type]:
 
 def _logits_processor_cls(base: type) -> type:
     class WeaverLogitsProcessor(base):
-        """``LogitsProcessor`` whose LM head runs as vocabulary chunks (vllm-notes §4:
+        """``LogitsProcessor`` whose LM head runs as vocabulary chunks (docs/vllm-hooks.md,
+        "Layers":
         the head is applied here, in ``_apply_head``, not in ``ParallelLMHead.forward``)."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -1,7 +1,7 @@
 """The papers' row filters, as named predicates over `TraceRow`.
 
 Each mirrors the Weaver artifact's digest script (github.com/gswxp2/weaver, commit 2644f41),
-quoted in shared/traces/README.md; the paper's text ("longer than 2048 dropped") differs
+(weaver/workloads/data/README.md); the paper's text ("longer than 2048 dropped") differs
 slightly, and the artifact's rule is the one that reproduces its reported means.
 """
 

@@ -1,8 +1,10 @@
 """Loaders for the request traces the Weaver paper evaluates on.
 
 - Azure LLM inference trace 2023 (Splitwise, Patel et al. ISCA 2024), `conv` and `code`
-  splits: columns TIMESTAMP, ContextTokens, GeneratedTokens, CRLF line endings. They are
-  read in place from `shared/traces` (see shared/traces/README.md), never copied.
+  splits: columns TIMESTAMP, ContextTokens, GeneratedTokens, CRLF line endings. Shipped
+  with Weaver (`weaver/workloads/data/`, CC-BY 4.0: provenance and attribution in its
+  README.md), checked against their sha256 when read; another folder of the same files
+  can be given instead (`traces_dir`, $WEAVER_TRACES_DIR).
 - BurstGPT (Wang et al. KDD 2025): columns Timestamp (seconds from day start), Model,
   Request tokens, Response tokens, Total tokens, Log Type. Not shipped here: the loader
   takes a path to a file the user fetched.
@@ -14,6 +16,7 @@ filters live in `filters.py` and turning rows into `TraceRequest`s in `builder.p
 from __future__ import annotations
 
 import csv
+import hashlib
 import logging
 import os
 from collections.abc import Callable
@@ -29,6 +32,14 @@ AZURE_FILES = {
     "azure-conv": "AzureLLMInferenceTrace_conv.csv",
     "azure-code": "AzureLLMInferenceTrace_code.csv",
 }
+# The shipped copies, byte for byte as published (weaver/workloads/data/README.md).
+SHIPPED_TRACES_DIR = Path(__file__).resolve().parent / "data"
+AZURE_SHA256 = {
+    "AzureLLMInferenceTrace_conv.csv":
+        "2f1e5b666d4e3055fdbba98598ce2ec307767b9064e03e2fa46676dbcc7d0bf8",
+    "AzureLLMInferenceTrace_code.csv":
+        "54e9a6d2a4bd06ba1e060304b900abbc74cbea53de96506e60fe5bb4f2277fb6",
+}
 T = TypeVar("T")
 
 
@@ -42,20 +53,15 @@ class TraceRow:
     trace_model: str = ""  # the trace's own model tag (BurstGPT: "ChatGPT" or "GPT-4")
 
 
-def repo_root() -> Path:
-    # weaver/workloads/traces.py -> the checkout that holds the `weaver` package.
-    return Path(__file__).resolve().parents[2]
-
-
 def resolve_traces_dir(traces_dir: str | os.PathLike[str] | None = None) -> Path:
-    """The folder with the Azure CSVs: the argument, else $WEAVER_TRACES_DIR, else
-    `<repo>/../shared/traces` (where every checkout of this project finds shared/)."""
+    """The folder with the Azure CSVs: the argument, else $WEAVER_TRACES_DIR, else the
+    copies shipped with Weaver."""
     if traces_dir is not None:
         path = Path(traces_dir)
     elif os.environ.get(TRACES_DIR_ENV):
         path = Path(os.environ[TRACES_DIR_ENV])
     else:
-        path = repo_root().parent / "shared" / "traces"
+        path = SHIPPED_TRACES_DIR
     if not path.is_dir():
         raise ValueError(
             f"trace folder {path} does not exist; pass the folder that holds "
@@ -161,7 +167,23 @@ def load_azure(
     return load_azure_file(resolve_traces_dir(traces_dir) / AZURE_FILES[kind])
 
 
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def check_shipped_trace(path: Path) -> None:
+    """A shipped trace must be the published file (a damaged install would otherwise
+    benchmark on other lengths without a word)."""
+    if path.parent != SHIPPED_TRACES_DIR or path.name not in AZURE_SHA256:
+        return
+    found = file_sha256(path)
+    if found != AZURE_SHA256[path.name]:
+        raise ValueError(f"{path} is not the published trace (sha256 {found}, expected "
+                         f"{AZURE_SHA256[path.name]}); reinstall Weaver")
+
+
 def load_azure_file(path: str | os.PathLike[str]) -> list[TraceRow]:
+    check_shipped_trace(Path(path).resolve())
     return _load_csv(path, _AZURE_SCHEMA)
 
 
@@ -174,12 +196,18 @@ def load_burstgpt(path: str | os.PathLike[str]) -> list[TraceRow]:
     return _load_csv(path, _BURSTGPT_SCHEMA)
 
 
-def load_trace(name: str, traces_dir: str | os.PathLike[str] | None = None) -> list[TraceRow]:
-    """`azure-conv`, `azure-code` or `burstgpt:PATH` (the CLI's --trace value)."""
+def trace_file(name: str, traces_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The file a --trace value reads (recorded with a benchmark's results)."""
     if name in AZURE_FILES:
-        return load_azure(name, traces_dir)
+        return resolve_traces_dir(traces_dir) / AZURE_FILES[name]
     if name.startswith("burstgpt:"):
-        return load_burstgpt(name.removeprefix("burstgpt:"))
+        return Path(name.removeprefix("burstgpt:"))
     raise ValueError(
         f"unknown trace {name!r}; use azure-conv, azure-code or burstgpt:PATH/TO/BurstGPT.csv"
     )
+
+
+def load_trace(name: str, traces_dir: str | os.PathLike[str] | None = None) -> list[TraceRow]:
+    """`azure-conv`, `azure-code` or `burstgpt:PATH` (the CLI's --trace value)."""
+    path = trace_file(name, traces_dir)
+    return load_azure_file(path) if name in AZURE_FILES else load_burstgpt(path)

@@ -1,4 +1,4 @@
-"""CUDA transport of the offload channel (architecture.md part 4).
+"""CUDA transport of the offload channel (docs/architecture.md, part 4).
 
 Same region layout and protocol as the CPU transport (weaver/offload/layout.py,
 protocol.py); the counters are moved by device kernels instead of the host:

@@ -1,4 +1,4 @@
-"""vLLM's CPU attention kernels over head-wise pages of the unified KV pool (issue 6).
+"""vLLM's CPU attention kernels over head-wise pages of the unified KV pool.
 
 The unified pool (``weaver.kv``) stores a tenant's KV cache as *head-blocks*: K and V of one
 KV head of one layer for ``block_size`` tokens, each in a page of its own, anywhere in the

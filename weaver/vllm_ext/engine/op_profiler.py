@@ -1,8 +1,9 @@
-"""Worker-side timing of the operators that the splitter plans for (architecture.md part 7).
+"""Worker-side timing of the operators that the splitter plans for (docs/architecture.md, part 7).
 
 ``OpProfiler`` puts forward pre/post hooks on a running model's operators, by the names the
 split profile uses (weaver/splitting/profile.py): per layer ``qkv``, ``attn``, ``o``,
-``gate_up``, ``down``, and the ``lm_head`` (inside ``LogitsProcessor``, vllm-notes §4).
+``gate_up``, ``down``, and the ``lm_head`` (inside ``LogitsProcessor``: docs/vllm-hooks.md,
+"Layers").
 Each call is recorded with the number of tokens it ran on, so the gateway can keep the
 pure decode steps of a known batch. The hooks fire in eager mode only (engines are
 started with --enforce-eager). On an asynchronous device ``synchronize`` brackets each

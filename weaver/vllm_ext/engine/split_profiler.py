@@ -1,4 +1,4 @@
-"""Measure a cold model's split profile on real engines (architecture.md part 7).
+"""Measure a cold model's split profile on real engines (docs/architecture.md, part 7).
 
 Starts the deployment's cold engine (without a split plan), runs a batch of decode
 requests through it with the worker's operator profiler on (weaver/vllm_ext/engine/op_profiler.py),
