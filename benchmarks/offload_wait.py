@@ -31,7 +31,7 @@ says so and receiver c runs unsplit, the same cold step as b.
 Measured per receiver: the offload wait (publish -> completion observed, both stamped on
 the device with %globaltimer) p50/p99 under the busy cold stream and with the cold side
 idle (small tasks: --idle-task-seqs sequences), and the cold step time (CUDA events)
-with and without traffic. Acceptance (the issue): b's busy p99 >= 10x lower than a's;
+with and without traffic. Targets: b's busy p99 >= 10x lower than a's;
 b's idle round trip p99 <= 20 us; b's polling adds <= 2 % to the cold step with no
 traffic.
 

@@ -150,7 +150,7 @@ def test_registers_through_weaver_main(monkeypatch, capsys):
 
 
 def test_bench_with_options_and_no_action_means_run(fake_server, tmp_path, monkeypatch):
-    # `weaver bench --config D ...` (the spelling) is `weaver bench run ...`.
+    # `weaver bench --config D ...` (the short spelling) is `weaver bench run ...`.
     from weaver.cli import main
 
     server = fake_server(FakeBehavior(ttft_s=0.01, itl_s=0.002))

@@ -255,7 +255,7 @@ def test_block_pool_surface():  # weaver/vllm_ext/block_pool.py
     assert params(FreeKVCacheBlockQueue.remove) == ["self", "block"]
     assert "self.kv_cache_manager = KVCacheManager(" in inspect.getsource(Scheduler.__init__)
     assert callable(Scheduler.shutdown)
-    # WeaverHotScheduler.schedule syncs the lease, then passes its arguments through.
+    # WeaverScheduler.schedule syncs the lease, then passes its arguments through.
     assert params(Scheduler.schedule) == ["self", "throttle_prefills"]
     # ... and may preempt remote requests first (popped from `running` by the caller, as
     # vLLM's own preemption does) and size the owner's next step from the queues.

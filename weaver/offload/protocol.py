@@ -123,7 +123,7 @@ class OffloadTask:
 
 
 # A host executor runs one task, writing task.out. A transport that serves tasks on the
-# device takes its own kind of executor (cuda/transport.py CudaAttentionExecutor).
+# device takes its own kind of executor (cuda/transport.py CudaPollingExecutor).
 Executor = Callable[[OffloadTask], None]
 
 

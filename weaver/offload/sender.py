@@ -163,6 +163,10 @@ class OffloadSender:
             raise OffloadTimeout(f"cold side of {self._transport.name!r} is "
                                  f"{self._peer_status().name}", "closed")
         if not self.recover():
+            status = self._peer_status()  # a device transport reads it here, off the hot path
+            if status not in (RegionStatus.INITIALIZING, RegionStatus.ALIVE):
+                raise OffloadTimeout(f"cold side of {self._transport.name!r} is {status.name}",
+                                     "closed")
             raise OffloadTimeout(
                 f"task {self._last_seq} on {self._transport.name!r} is still being served "
                 "(an earlier wait timed out); compute this layer locally",

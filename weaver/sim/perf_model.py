@@ -123,8 +123,8 @@ def mg1_poll_wait(ctx: PollContext) -> float:
     and the task waits the residual of that operator: E[R] = E[T^2] / (2 E[T]) (the
     length-biased residual of renewal theory, as in the M/G/1 Pollaczek-Khinchine mean).
     Otherwise the idle poller sees it after half a polling period on average. A long
-    operator contributes quadratically, as in Weaver's polling-system model; the splitting
-    issue replaces this default with its own model through the `PollWaitFn` hook.
+    operator contributes quadratically, as in Weaver's polling-system model; another model
+    (e.g. weaver.splitting.queueing's) replaces this default through the `PollWaitFn` hook.
     """
     residual = ctx.step_s * _residual_fraction(ctx.operator_fractions)
     rho = min(max(ctx.busy_fraction, 0.0), 1.0)

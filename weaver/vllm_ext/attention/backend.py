@@ -36,7 +36,7 @@ from weaver.vllm_ext.attention.partition import (
     split_contiguous,
     split_requests,
 )
-from weaver.vllm_ext.layers import ATTN_OP_NAME, AttentionChunks
+from weaver.vllm_ext.layers import ATTN_OP_NAME, AttentionChunks, current_split_chunks
 from weaver.weaving.hot import HotWeaving, RowGroup, StepRows, classify_requests
 
 
@@ -194,9 +194,7 @@ class WovenAttentionImpl:
         # A cold engine's split plan (read while vLLM builds the model, as the split
         # linear layers read it) may cut decoder attention into groups of sequences; the
         # chunks hold the poll and the counters.
-        from vllm.config import get_current_vllm_config_or_none
-
-        num_chunks = split_chunks_of(get_current_vllm_config_or_none()).get(ATTN_OP_NAME, 1)
+        num_chunks = current_split_chunks().get(ATTN_OP_NAME, 1)
         self.weaver_attn_chunks = (AttentionChunks(num_chunks)
                                    if num_chunks > 1 and self.attn_type == AttentionType.DECODER
                                    else None)

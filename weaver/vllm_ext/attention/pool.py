@@ -40,6 +40,7 @@ from weaver.vllm_ext.attention.headwise import (
     HeadwiseSlots,
     page_view,
 )
+from weaver.vllm_ext.layers import attention_layers
 from weaver.weaving.hot import RowGroup
 
 logger = logging.getLogger(__name__)
@@ -262,18 +263,11 @@ def _unregister_from_resource_tracker(shm: shared_memory.SharedMemory) -> None:
         resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
 
 
-def _attention_layers(runner: Any) -> dict[str, Any]:
-    from vllm.model_executor.layers.attention import Attention
-
-    context = runner.compilation_config.static_forward_context
-    return {name: layer for name, layer in context.items() if isinstance(layer, Attention)}
-
-
 def open_pool(runner: Any, plan: PoolPlan, tenant: str) -> PoolAttentionRuntime:
     """Create the pool and hand it to every attention layer of the runner's model."""
     from vllm.model_executor.models.utils import extract_layer_index
 
-    layers = _attention_layers(runner)
+    layers = attention_layers(runner)
     if not layers:
         raise ValueError("the model has no attention layers to keep KV in the pool")
     impls = [layer.impl for layer in layers.values()]
