@@ -3,7 +3,7 @@
 vLLM calls ``register()`` once in each of its processes (front end, EngineCore, worker;
 docs/vllm-hooks.md, "Plugin"), so it must be idempotent and cheap. It checks, loudly,
 that the installed vLLM is the one Weaver pins and that every vLLM attribute Weaver
-patches is still there (weaver/patches/registry.py: start-up fails with the list of what
+patches is still there (patches/registry.py: start-up fails with the list of what
 moved). Then:
 - on CPU it puts Weaver's attention backend in place of CPU_ATTN (the CPU platform ignores
   any other backend choice); it is vLLM's own until a worker attaches weaving, a split

@@ -10,7 +10,7 @@ A cold worker creates and owns one region per hot model weaving into it. Tasks a
 The cold model's own steps and the offloaded tasks never run at the same time: vLLM's CPU
 kernels share scratch buffers across threads (running both at once crashed the worker),
 and on a GPU the poll kernel is likewise serialised on the cold stream. The worker holds
-``step_lock`` around each of its steps (weaver/patches/worker_step_lock.py); the idle
+``step_lock`` around each of its steps (patches/worker_step_lock.py); the idle
 poller takes it to serve. No vLLM here: the worker extension opens the regions with the
 executor its backend provides and installs the poll points.
 """

@@ -81,7 +81,7 @@ class RequestSplit:
 
 
 def classify_requests(first_block_ids: torch.Tensor, query_lens: torch.Tensor,
-                   seq_lens: torch.Tensor, num_local_blocks: int) -> RequestSplit:
+                      seq_lens: torch.Tensor, num_local_blocks: int) -> RequestSplit:
     """Classify a step's requests: a request is remote when its first block id is at or
     above the local cache's block count (the hot scheduler hands remote requests ids past
     the local range, so no side channel is needed), a decode when it has one query token,
