@@ -48,6 +48,10 @@ class RegionStatus(IntEnum):
     CLOSED = 3
 
 
+# The statuses in which the cold side takes tasks (it may still be starting).
+OPEN_STATUSES = frozenset((RegionStatus.INITIALIZING, RegionStatus.ALIVE))
+
+
 class TaskResult(IntEnum):
     """Outcome of the last served task, published just before done_seq."""
 
@@ -243,6 +247,16 @@ class RegionLayout:
         """Magic + layout description; the counters that follow start at zero."""
         values = self._layout_values()
         return _LAYOUT_STRUCT.pack(REGION_MAGIC, *(values[name] for name in _LAYOUT_FIELDS))
+
+    def initial_header(self, owner_pid: int) -> bytes:
+        """The whole header of a region its owner has just created: magic, layout, the
+        owner's pid and status INITIALIZING; the counters at zero."""
+        header = bytearray(HEADER_BYTES)
+        packed = self.pack_header()
+        header[: len(packed)] = packed
+        struct.pack_into("<q", header, OWNER_PID_OFFSET, owner_pid)
+        struct.pack_into("<q", header, STATUS_OFFSET, int(RegionStatus.INITIALIZING))
+        return bytes(header)
 
     def verify_header(self, buffer: bytes | bytearray | memoryview) -> None:
         """Raise ValueError naming every field where the region differs from this layout."""

@@ -16,6 +16,7 @@ import torch
 from weaver.offload.layout import (
     DONE_SEQ_OFFSET,
     INT64_MAX,
+    OPEN_STATUSES,
     OWNER_PID_OFFSET,
     STATUS_OFFSET,
     TASK_SEQ_OFFSET,
@@ -159,12 +160,10 @@ class OffloadSender:
         area (the bounds check and those copies were half of a submit's cost)."""
         views = self._open_views()
         self._validate(layer, q, batch.num_seqs)
-        if not self._transport.is_peer_open():
-            raise OffloadTimeout(f"cold side of {self._transport.name!r} is "
-                                 f"{self._peer_status().name}", "closed")
-        if not self.recover():
-            status = self._peer_status()  # a device transport reads it here, off the hot path
-            if status not in (RegionStatus.INITIALIZING, RegionStatus.ALIVE):
+        if not (self._transport.is_peer_open() and self.recover()):
+            # Off the hot path: a device transport's peer status is a synchronising read.
+            status = self._peer_status()
+            if status not in OPEN_STATUSES:
                 raise OffloadTimeout(f"cold side of {self._transport.name!r} is {status.name}",
                                      "closed")
             raise OffloadTimeout(

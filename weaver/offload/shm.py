@@ -54,12 +54,12 @@ from weaver.offload.layout import (
     META_SLIDING_WINDOW,
     META_SOFTCAP,
     META_TASK_SEQ,
+    OPEN_STATUSES,
     OWNER_PID_OFFSET,
     REGION_MAGIC,
     STATUS_OFFSET,
     TASK_SEQ_OFFSET,
     RegionLayout,
-    RegionStatus,
     TaskResult,
 )
 from weaver.offload.naming import (
@@ -181,11 +181,9 @@ class ShmRegion(RegionBase):
             raise
         buf = region.buffer
         # Magic goes last: an attacher that sees it sees a complete header.
-        header = layout.pack_header()
+        header = layout.initial_header(os.getpid())
         buf[len(REGION_MAGIC) : len(header)] = header[len(REGION_MAGIC) :]
-        struct.pack_into("<q", buf, OWNER_PID_OFFSET, os.getpid())
-        struct.pack_into("<q", buf, STATUS_OFFSET, int(RegionStatus.INITIALIZING))
-        buf[: len(REGION_MAGIC)] = REGION_MAGIC
+        buf[: len(REGION_MAGIC)] = header[: len(REGION_MAGIC)]
         logger.info("created offload region %s (%d bytes)", path, layout.total_bytes)
         return region
 
@@ -339,7 +337,7 @@ class ShmRegion(RegionBase):
         return self._last_wait
 
     def is_peer_open(self) -> bool:
-        return int(self._status[0]) in (RegionStatus.INITIALIZING, RegionStatus.ALIVE)
+        return int(self._status[0]) in OPEN_STATUSES
 
     def _peer_gone(self) -> WaitStatus:
         """CLOSED or DEAD when the cold side is gone, else PENDING."""

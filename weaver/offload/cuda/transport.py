@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,12 +30,9 @@ from weaver.offload.cuda.region_desc import check_kernel_shape, region_descripto
 from weaver.offload.layout import (
     DONE_SEQ_OFFSET,
     HEADER_BYTES,
-    OWNER_PID_OFFSET,
     REGION_MAGIC,
-    STATUS_OFFSET,
     TASK_SEQ_OFFSET,
     RegionLayout,
-    RegionStatus,
     TaskResult,
 )
 from weaver.offload.protocol import RegionBase, TaskMeta, WaitPolicy, WaitStatus
@@ -98,11 +94,7 @@ class CudaRegion(RegionBase):
             raise ValueError(f"a CudaRegion lives on a CUDA device, got {device}")
         # Zeroed: the counters start at 0 and an untouched pool reads as zeros.
         tensor = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device)
-        header = bytearray(HEADER_BYTES)
-        packed = layout.pack_header()
-        header[: len(packed)] = packed
-        struct.pack_into("<q", header, OWNER_PID_OFFSET, os.getpid())
-        struct.pack_into("<q", header, STATUS_OFFSET, int(RegionStatus.INITIALIZING))
+        header = bytearray(layout.initial_header(os.getpid()))
         tensor[:HEADER_BYTES].copy_(torch.frombuffer(header, dtype=torch.uint8))
         torch.cuda.synchronize(device)  # complete before the handle is exported
         logger.info(
