@@ -27,7 +27,8 @@ whole, so the concatenation equals the unsplit result.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -45,6 +46,9 @@ LINEAR_OP_KINDS = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up",
 
 
 ATTN_OP_NAME = "attn"
+
+_Chunk = TypeVar("_Chunk")
+_Out = TypeVar("_Out")
 
 
 def attention_layers(runner: Any) -> dict[str, Any]:
@@ -72,7 +76,37 @@ def current_split_chunks() -> dict[str, int]:
     return split_chunks_of(get_current_vllm_config_or_none())
 
 
-class ChunkedLinear:
+class ChunkedOperator:
+    """An operator the split plan cuts into chunks: the cold worker's poll between two
+    chunks, and the counters of calls, chunk calls and polls."""
+
+    def __init__(self, num_chunks: int, op_name: str) -> None:
+        self.num_chunks = num_chunks
+        self.op_name = op_name
+        self.poll: Poll | None = None  # set by the cold worker (worker.weaver_open_cold)
+        self.num_calls = 0
+        self.num_chunk_calls = 0
+        self.num_polls = 0
+
+    def run_chunks(self, chunks: Sequence[_Chunk], compute: Callable[[_Chunk], _Out]
+                   ) -> list[_Out]:
+        """compute(chunk) for each chunk in order, the poll between two; one call."""
+        results = []
+        for i, chunk in enumerate(chunks):
+            if i and self.poll is not None:
+                self.poll()
+                self.num_polls += 1
+            results.append(compute(chunk))
+        self.num_calls += 1
+        self.num_chunk_calls += len(chunks)
+        return results
+
+    def stats(self) -> dict[str, int]:
+        return {"chunks": self.num_chunks, "calls": self.num_calls,
+                "chunk_calls": self.num_chunk_calls, "polls": self.num_polls}
+
+
+class ChunkedLinear(ChunkedOperator):
     """One linear map, cut along its output rows, one packed GEMM per chunk.
 
     Built from the unsplit weight [N, K] (and bias [N]); on CPU each chunk goes through
@@ -83,15 +117,11 @@ class ChunkedLinear:
                  op_name: str) -> None:
         from vllm.platforms import current_platform
 
-        self.op_name = op_name
         self.bounds = chunk_bounds(weight.shape[0], num_chunks)
         self._parts = [self._make_part(weight[lo:hi], None if bias is None else bias[lo:hi],
                                        current_platform.is_cpu())
                        for lo, hi in self.bounds]
-        self.poll: Poll | None = None  # set by the cold worker (worker.weaver_open_cold)
-        self.num_calls = 0
-        self.num_chunk_calls = 0
-        self.num_polls = 0
+        super().__init__(len(self._parts), op_name)
 
     @staticmethod
     def _make_part(weight: torch.Tensor, bias: torch.Tensor | None,
@@ -109,19 +139,9 @@ class ChunkedLinear:
         return part
 
     def __call__(self, x: torch.Tensor, use_bias: bool) -> torch.Tensor:
-        outputs = []
-        for i, part in enumerate(self._parts):
-            if i and self.poll is not None:
-                self.poll()
-                self.num_polls += 1
-            outputs.append(part.cpu_linear(x, part.weight, part.bias if use_bias else None))
-        self.num_calls += 1
-        self.num_chunk_calls += len(self._parts)
+        outputs = self.run_chunks(self._parts, lambda part: part.cpu_linear(
+            x, part.weight, part.bias if use_bias else None))
         return torch.cat(outputs, dim=-1)
-
-    def stats(self) -> dict[str, int]:
-        return {"chunks": len(self._parts), "calls": self.num_calls,
-                "chunk_calls": self.num_chunk_calls, "polls": self.num_polls}
 
 
 def _split_linear_method_cls() -> type:
@@ -262,25 +282,15 @@ def register_split_layers() -> None:
     _registered["done"] = True
 
 
-class AttentionChunks:
+class AttentionChunks(ChunkedOperator):
     """One attention layer's split: ``num_chunks`` groups of sequences (the metadata
-    builder cuts them, weaver/vllm_ext/attention/backend.py), the cold worker's poll
-    between them, and the counters."""
-
-    op_name = ATTN_OP_NAME
+    builder cuts them, weaver/vllm_ext/attention/backend.py; a step with fewer sequences
+    has fewer groups), the cold worker's poll between them, and the counters."""
 
     def __init__(self, num_chunks: int) -> None:
         if num_chunks < 2:
             raise ValueError(f"an attention split needs >= 2 chunks, not {num_chunks}")
-        self.num_chunks = num_chunks
-        self.poll: Poll | None = None  # set by the cold worker
-        self.num_calls = 0
-        self.num_chunk_calls = 0
-        self.num_polls = 0
-
-    def stats(self) -> dict[str, int]:
-        return {"chunks": self.num_chunks, "calls": self.num_calls,
-                "chunk_calls": self.num_chunk_calls, "polls": self.num_polls}
+        super().__init__(num_chunks, ATTN_OP_NAME)
 
 
 def attention_chunked(layer: torch.nn.Module) -> Any:
@@ -314,7 +324,7 @@ def install_split_polls(model: torch.nn.Module, poll: Poll | None) -> int:
     for target in modules.values():
         if _is_logits_processor(target):
             target.weaver_poll = poll
-        else:  # ChunkedLinear or AttentionChunks
+        else:  # a ChunkedOperator
             target.poll = poll
     return len(modules)
 

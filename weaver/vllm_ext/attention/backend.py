@@ -240,13 +240,11 @@ class WovenAttentionImpl:
                        md: SequenceGroupsMetadata, output) -> torch.Tensor:
         """A cold step's groups of sequences, one kernel call each, the cold worker's poll
         between them (so an offloaded task waits behind one group, not the whole batch)."""
-        chunks = self.weaver_attn_chunks
-        for i, (tokens, group_md) in enumerate(md.groups):
-            if i and chunks.poll is not None:
-                chunks.poll()
-                chunks.num_polls += 1
-            super().forward(layer, query[tokens], _rows(key, tokens), _rows(value, tokens),
-                            kv_cache, group_md, output[tokens])
-        chunks.num_calls += 1
-        chunks.num_chunk_calls += len(md.groups)
+        def attend(group: tuple[slice, Any]) -> None:
+            tokens, group_md = group
+            self.weaver_platform_forward(layer, query[tokens], _rows(key, tokens),
+                                         _rows(value, tokens), kv_cache, group_md,
+                                         output[tokens])
+
+        self.weaver_attn_chunks.run_chunks(md.groups, attend)
         return output
