@@ -164,7 +164,7 @@ def load_azure(
     """All rows of one Azure 2023 trace (`azure-conv` or `azure-code`), in file order."""
     if kind not in AZURE_FILES:
         raise ValueError(f"unknown Azure trace {kind!r}; choose one of {sorted(AZURE_FILES)}")
-    return load_azure_file(resolve_traces_dir(traces_dir) / AZURE_FILES[kind])
+    return load_azure_file(trace_file(kind, traces_dir))
 
 
 def file_sha256(path: Path) -> str:
