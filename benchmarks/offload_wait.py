@@ -476,7 +476,7 @@ class ColdModel:
     def _attention(self, q: Any, poll: Callable[[], None], num_groups: int) -> None:
         """Paged attention over the cold cache into attn_out, in ``num_groups`` groups of
         whole sequences with a poll after each. Sequences are independent, so each group
-        writes the very rows the whole batch would (weaver/vllm_ext/split_attention.py
+        writes the very rows the whole batch would (weaver/vllm_ext/attention/backend.py
         splits the engine's attention the same way)."""
         scale = self.shape.head_size**-0.5
         for lo, hi in chunk_bounds(q.shape[0], num_groups):

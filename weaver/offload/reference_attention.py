@@ -8,7 +8,7 @@ Inside the K half the element order depends on who wrote it:
 - ``"nd"``: token-major ``[N, D]`` (token-major: what vLLM's other ISAs and this oracle write);
 - ``"dn"``: dimension-major ``[D, N]``, which is what vLLM 0.32's
   ``cpu_attn_reshape_and_cache`` writes for the ``vec``/``vec16`` ISAs (checked by
-  tests/offload/test_cpu_paged_attention.py). V is ``[N, D]`` in both.
+  tests/offload/test_cpu_executor.py). V is ``[N, D]`` in both.
 
 Other vLLM ISAs (amx, neon) pack K differently, so the oracle is fed a pool written by
 ``write_kv_reference`` with the same dense K/V, not the kernel's own pool.

@@ -1,4 +1,4 @@
-"""Settings of the offload-channel probe (probe.py). Pure Python, so the CLI can build
+"""Settings of the offload-channel probe (channel_probe.py). Pure Python, so the CLI can build
 its flags from these fields without importing torch."""
 
 from __future__ import annotations

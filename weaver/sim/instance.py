@@ -254,7 +254,7 @@ class ModelServer:
 
     def _choose_by_ratio(self, num_blocks: int, num_remote_new: int,
                          num_new: int) -> SeqSet | None:
-        """The hot scheduler's own rule (vllm_ext/hot_scheduler.py RoutingKVCacheManager):
+        """The hot scheduler's own rule (vllm_ext/scheduler.py RoutingKVCacheManager):
         the preferred pool by `RatioPlacement` over the placed requests (running plus being
         prefilled), spilling to the other pool when the preferred one is full."""
         placement = RatioPlacement(self.offload_ratio)

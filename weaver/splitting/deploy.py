@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 PROFILES_DIR_ENV = "WEAVER_SPLIT_PROFILES_DIR"
 # What the cold engine can split: the linear layers along output features and the LM head
 # along the vocabulary (weaver/vllm_ext/layers.py), attention along the sequences of
-# the batch (weaver/vllm_ext/split_attention.py): every operator the profile names.
+# the batch (weaver/vllm_ext/attention/backend.py): every operator the profile names.
 SPLITTABLE_OPS = frozenset({*PER_LAYER_OP_NAMES, LM_HEAD_NAME})
 
 

@@ -137,7 +137,7 @@ def _op_timings(raw: dict[str, Any], batch: int, name: str) -> tuple[list[OpTimi
     for kind in PER_LAYER_OP_NAMES:
         samples = _decode_samples(raw, kind, batch, name)
         if kind == "attn":
-            # Attention splits into groups of whole sequences (split_attention.py): at
+            # Attention splits into groups of whole sequences (attention/backend.py): at
             # most one chunk per sequence of the batch.
             layer_ops.append(_timing(kind, samples, batch, 1))
         else:

@@ -6,7 +6,7 @@ in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that `LLMEngine.step()` is
 scheduler + model step, timed from here; the process and vLLM's OpenMP threads are pinned
 to one core, as `cpu_cores` pins a deployment's engine. Decode attention alone is timed
 as the cold side serves offloaded tasks: through a real region, with the executor it runs
-(`cpu_paged_attention.CpuPagedAttentionExecutor`) and the K/V read from memory
+(`attention.cpu_kernels.CpuPagedAttentionExecutor`) and the K/V read from memory
 (`weaver.profiling.task_timing`), i.e. the remote attention of weaving.
 What to time and how timings become a profile is pure Python in
 `weaver.profiling.engine_profile`.
