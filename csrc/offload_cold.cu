@@ -113,6 +113,7 @@ __device__ void poll_and_attend(unsigned char* region, const i64* desc, u64* scr
     p.sliding_window = static_cast<int>(meta[kMetaSlidingWindow]);
     p.scale = static_cast<float>(meta_floats[kMetaScale]);
     p.softcap = static_cast<float>(meta_floats[kMetaSoftcap]);
+    p.kv_format = static_cast<int>(desc[kDescKvFormat]);
     // An invalid task is one item of no work that completes with kResultFailed.
     const int num_items = is_valid ? p.num_seqs * p.num_q_heads : 1;
     const u32 tag = static_cast<u32>(seq);

@@ -29,7 +29,8 @@ enum DescIndex : int {
   kDescMaxSeqs = 17,
   kDescMaxBlocks = 18,
   kDescNumBlocks = 19,
-  kDescNumWords = 20,
+  kDescKvFormat = 20,     // 0: "pages", 1: "token" (layout.KV_FORMATS)
+  kDescNumWords = 21,
 };
 
 // Task metadata words (weaver/offload/layout.py META_*).

@@ -22,11 +22,11 @@ __device__ void paged_decode_attention(const AttnParams& p, int* error_flag) {
       NAME(const void* q, const void* kv, const int* seq_lens, const int* block_table,         \
            void* out, int num_seqs, int num_q_heads, int num_kv_heads, int head_size,          \
            int block_size, int block_table_stride, int num_blocks, int sliding_window,         \
-           float scale, float softcap, int* error_flag) {                                      \
+           float scale, float softcap, int kv_format, int* error_flag) {                       \
     const weaver::AttnParams p = {q,           kv,           seq_lens,   block_table,          \
                                   out,         num_seqs,     num_q_heads, num_kv_heads,        \
                                   head_size,   block_size,   block_table_stride, num_blocks,   \
-                                  sliding_window, scale,     softcap};                         \
+                                  sliding_window, scale,     softcap,    kv_format};           \
     weaver::paged_decode_attention<DT, ELEMS>(p, error_flag);                                         \
   }
 

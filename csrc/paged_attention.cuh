@@ -1,13 +1,14 @@
 // Paged decode attention over the offload region's KV pool layout (one query token per
 // sequence), shared by the standalone kernel and the cold side's polling kernel.
 //
-// Pool layout of one layer: [num_blocks, num_kv_heads, block_size, 2 * head_size], i.e.
-// vLLM CPU_ATTN's per-layer view (weaver/offload/layout.py), so one region layout serves
-// the CPU and CUDA transports. Each (block, kv head) page holds K as [block_size,
-// head_size] (token-major, "nd" in weaver/offload/reference_attention.py) followed by V as
-// [block_size, head_size]. (FlashAttention's GPU cache is [2, num_blocks, block_size,
-// num_kv_heads, head_size] instead; the remote pool is written by Weaver, not vLLM, so it
-// keeps the region's layout.)
+// Pool layout of one layer: [num_blocks, num_kv_heads, block_size, 2 * head_size], vLLM's
+// logical per-layer cache view (weaver/offload/layout.py), in one of two KV formats
+// (layout.KV_FORMATS): "pages", CPU_ATTN's, where each (block, kv head) page holds K as
+// [block_size, head_size] (token-major, "nd" in weaver/offload/reference_attention.py)
+// then V as [block_size, head_size]; or "token", the GPU backends' (FLASH_ATTN,
+// TRITON_ATTN: ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``), where each token's
+// row holds K then V. The page of a (block, kv head) is the same 2 * block_size *
+// head_size elements in both; only the row stride and V's offset in it differ.
 //
 // Work split: one thread block per (sequence, query head) work item; the block's warps
 // take groups of kTokensPerIter tokens round-robin, each warp keeps an online-softmax state (running max, running
@@ -43,6 +44,7 @@ struct AttnParams {
   int sliding_window;  // <= 0: none
   float scale;
   float softcap;  // <= 0: none
+  int kv_format;  // 0: "pages", 1: "token" (weaver/offload/layout.py KV_FORMATS)
 };
 
 struct AttnShared {
@@ -88,6 +90,9 @@ __device__ bool attend_item(const AttnParams& p, int item, AttnShared& shared) {
   float running_sum = 0.0f;
   bool is_ok = is_len_ok;
   const i64 page_elems = 2LL * p.block_size * head_size;
+  const bool is_token_rows = p.kv_format == 1;
+  const i64 k_row_stride = is_token_rows ? 2LL * head_size : head_size;
+  const i64 v_offset = is_token_rows ? head_size : static_cast<i64>(p.block_size) * head_size;
   const int* table = p.block_table + static_cast<i64>(seq) * p.block_table_stride;
 
   // Each warp takes kTokensPerIter consecutive tokens per iteration and issues all their
@@ -107,8 +112,8 @@ __device__ bool attend_item(const AttnParams& p, int item, AttnShared& shared) {
       const int offset = t - (t / p.block_size) * p.block_size;
       const T* k_ptr = static_cast<const T*>(p.kv) +
                        (static_cast<i64>(block) * p.num_kv_heads + kv_head) * page_elems +
-                       static_cast<i64>(offset) * head_size;
-      const T* v_ptr = k_ptr + static_cast<i64>(p.block_size) * head_size;
+                       static_cast<i64>(offset) * k_row_stride;
+      const T* v_ptr = k_ptr + v_offset;
 #pragma unroll
       for (int i = 0; i < kElems; ++i) {
         const int d = lane + 32 * i;

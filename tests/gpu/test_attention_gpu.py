@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from weaver.offload.cuda import kernels
-from weaver.offload.reference_attention import paged_decode_attention_reference
+from weaver.offload.reference_attention import key_layout_of, paged_decode_attention_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -40,16 +40,18 @@ def _case(num_seqs, num_q_heads, num_kv_heads, head_size, block_size, max_len, d
     return q.to(dtype), pool.to(dtype), seq_lens, table
 
 
+@pytest.mark.parametrize("kv_format", ["pages", "token"])
 @pytest.mark.parametrize("dtype", list(TOLERANCE), ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
-def test_matches_reference(library, case, dtype: torch.dtype) -> None:
+def test_matches_reference(library, case, dtype: torch.dtype, kv_format: str) -> None:
     num_seqs, hq, hkv, d, n, max_len, window, softcap = case
     q, pool, seq_lens, table = _case(
         num_seqs, hq, hkv, d, n, max_len, dtype, seed=hash(case) % 2**31
     )
     scale = d**-0.5
     expected = paged_decode_attention_reference(
-        q, pool, seq_lens, table, scale, sliding_window=window, softcap=softcap, key_layout="nd"
+        q, pool, seq_lens, table, scale, sliding_window=window, softcap=softcap,
+        key_layout=key_layout_of(kv_format),
     ).float()
     dev = torch.device("cuda")
     out = torch.full_like(q, float("nan"), device=dev)  # poison: every element must be written
@@ -57,6 +59,7 @@ def test_matches_reference(library, case, dtype: torch.dtype) -> None:
     kernels.paged_decode_attention(
         library, q.to(dev), pool.to(dev), seq_lens.to(dev), table.to(dev), scale,
         sliding_window=window, softcap=softcap, out=out, error_flag=error_flag,
+        kv_format=kv_format,
     )  # fmt: skip
     torch.cuda.synchronize()
     got = out.float().cpu()

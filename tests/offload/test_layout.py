@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -74,6 +75,11 @@ def test_header_round_trip_and_mismatch_names_the_fields():
     assert "num_q_heads: region has 9, this side expects 8" in message
     assert "num_kv_heads: region has 3, this side expects 2" in message
     assert "max_seqs_per_task" in message and "head_size" not in message
+    # A hot engine on a GPU backend lays K/V out per token; a region made for CPU_ATTN's
+    # pages would be read wrongly, so the header says which.
+    gpu = make_layout(shape=dataclasses.replace(lay.shape, kv_format="token"))
+    with pytest.raises(ValueError, match="kv_format_code: region has 0, this side expects 1"):
+        gpu.verify_header(header)
 
 
 def test_foreign_or_short_buffer_is_rejected():
@@ -89,6 +95,7 @@ def test_foreign_or_short_buffer_is_rejected():
         (dict(num_q_heads=10, num_kv_heads=4), "multiple of num_kv_heads"),
         (dict(head_size=0), "head_size must be a positive int"),
         (dict(dtype="float64"), "unsupported dtype"),
+        (dict(kv_format="nhd"), "kv_format must be one of"),
     ],
 )
 def test_bad_shape_raises_value_error(kwargs, match):
@@ -143,3 +150,33 @@ def test_cli_and_naming_import_without_torch():
         "assert 'torch' not in sys.modules and 'numpy' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_reference_reads_back_what_it_wrote_in_either_kv_format():
+    """The oracle's two KV formats hold the same K/V in different places: the GPU backends'
+    token rows (K then V in each token's row) and CPU_ATTN's pages (K rows then V rows)."""
+    import torch
+
+    from weaver.offload.cuda.pool import write_kv
+    from weaver.offload.reference_attention import gather_kv_reference, write_kv_reference
+
+    gen = torch.Generator().manual_seed(0)
+    key, value = torch.randn(2, 5, 2, 8, generator=gen)
+    slots = torch.tensor([17, 18, 19, 0, 1])  # a sequence over blocks 1 and 0 (block_size 16)
+    layers = {}
+    for layout_name in ("token", "nd"):
+        kv_layer = torch.zeros(3, 2, 16, 16)
+        write_kv_reference(kv_layer, key, value, slots, key_layout=layout_name)
+        k, v = gather_kv_reference(kv_layer, torch.tensor([1, 0]), 18, key_layout=layout_name)
+        # slots 17-19 are positions 1-3 (block 1 comes first), slots 0-1 positions 16-17
+        assert torch.equal(k[:, 1:4], key[:3].transpose(0, 1))
+        assert torch.equal(k[:, 16:18], key[3:].transpose(0, 1))
+        assert torch.equal(v[:, 1:4], value[:3].transpose(0, 1))
+        layers[layout_name] = kv_layer
+        # The CUDA transport's writer (plain torch, so it runs here) writes the same bytes.
+        written = torch.zeros_like(kv_layer)
+        write_kv(written, key, value, slots, "token" if layout_name == "token" else "pages")
+        assert torch.equal(written, kv_layer)
+    assert torch.equal(layers["token"][1, :, 1, :8], key[0])  # token row: K then V
+    assert torch.equal(layers["token"][1, :, 1, 8:], value[0])
+    assert not torch.equal(layers["token"], layers["nd"])

@@ -7,10 +7,11 @@ The region is ONE contiguous byte buffer owned by the cold side:
 Every section starts on a 64-byte boundary (one x86 cache line) so that the two
 counters the sides poll never share a line with data the other side writes.
 
-The KV pool of one layer is exactly vLLM CPU_ATTN's per-layer cache view
-``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (docs/vllm-hooks.md, "KV
-cache"; ``vllm/v1/attention/backends/cpu_attn.py`` ``forward``), so vLLM's own
-``cpu_attn_reshape_and_cache`` / ``cpu_attention_with_kv_cache`` run on views of it.
+The KV pool of one layer is exactly vLLM's per-layer cache view ``[num_blocks,
+num_kv_heads, block_size, 2 * head_size]`` (docs/vllm-hooks.md, "KV cache"), holding K and
+V the way the hot engine's attention backend does (``KV_FORMATS``), so that backend's own
+kernels (CPU_ATTN's ``cpu_attn_reshape_and_cache``, FLASH_ATTN's or TRITON_ATTN's cache
+update) write and read views of it as they do the engine's own cache.
 
 This module is pure Python (``struct`` only): the header can be written and checked
 without torch, numpy or vLLM.
@@ -28,8 +29,16 @@ if TYPE_CHECKING:
 
 CACHE_LINE_BYTES = 64
 REGION_MAGIC = b"WEAVRGN\x00"
-REGION_VERSION = 2  # 2: kv_in_pool
+REGION_VERSION = 3  # 2: kv_in_pool; 3: kv_format
 INT64_MAX = 2**63 - 1
+
+# How a KV layer's [num_blocks, num_kv_heads, block_size, 2 * head_size] view holds K and
+# V, by the attention backend whose kernels write and read it (code stored in the header):
+# - "pages": each (block, kv head) page is K [block_size, head_size] then V, i.e. CPU_ATTN's
+#   ``kv_cache.view(B, H, 2 * N, D).chunk(2, dim=2)`` (vllm/v1/attention/backends/cpu_attn.py);
+# - "token": each token's row is K then V, i.e. the GPU backends'
+#   ``kv_cache.transpose(1, 2).split(head_size, dim=-1)`` (flash_attn.py, triton_attn.py).
+KV_FORMATS: dict[str, int] = {"pages": 0, "token": 1}
 
 # dtype name -> (code stored in the header, bytes per element)
 _DTYPES: dict[str, tuple[int, int]] = {
@@ -79,6 +88,7 @@ class HotAttentionShape:
     head_size: int
     block_size: int
     dtype: str
+    kv_format: str = "pages"  # KV_FORMATS: whose kernels write and read the remote pool
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_q_heads", "num_kv_heads", "head_size", "block_size"):
@@ -91,6 +101,9 @@ class HotAttentionShape:
                 f"({self.num_kv_heads}) (grouped-query attention); check the hot model config"
             )
         dtype_itemsize(self.dtype)
+        if self.kv_format not in KV_FORMATS:
+            raise ValueError(f"HotAttentionShape.kv_format must be one of {sorted(KV_FORMATS)}, "
+                             f"got {self.kv_format!r}")
 
     @property
     def itemsize(self) -> int:
@@ -122,6 +135,7 @@ _LAYOUT_FIELDS = (
     "max_seqs_per_task",
     "max_blocks_per_seq",
     "kv_in_pool",
+    "kv_format_code",
 )
 _LAYOUT_STRUCT = struct.Struct("<8s" + "q" * len(_LAYOUT_FIELDS))
 # Counters, each on its own cache line: the hot side writes task_seq, the cold side
@@ -206,8 +220,8 @@ class RegionLayout:
 
     @property
     def kv_layer_shape(self) -> tuple[int, int, int, int]:
-        """vLLM CPU_ATTN per-layer cache view [num_blocks, num_kv_heads, block_size, 2*D]
-        (no blocks when the KV lives in the unified pool)."""
+        """vLLM's per-layer cache view [num_blocks, num_kv_heads, block_size, 2*D], K and V
+        in it as shape.kv_format says (no blocks when the KV lives in the unified pool)."""
         s = self.shape
         num_blocks = 0 if self.kv_in_pool else self.num_remote_blocks
         return (num_blocks, s.num_kv_heads, s.block_size, 2 * s.head_size)
@@ -241,6 +255,7 @@ class RegionLayout:
             "max_seqs_per_task": self.max_seqs_per_task,
             "max_blocks_per_seq": self.max_blocks_per_seq,
             "kv_in_pool": int(self.kv_in_pool),
+            "kv_format_code": KV_FORMATS[s.kv_format],
         }
 
     def pack_header(self) -> bytes:

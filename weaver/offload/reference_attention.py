@@ -10,6 +10,9 @@ Inside the K half the element order depends on who wrote it:
   ``cpu_attn_reshape_and_cache`` writes for the ``vec``/``vec16`` ISAs (checked by
   tests/offload/test_cpu_executor.py). V is ``[N, D]`` in both.
 
+- ``"token"``: the GPU backends' format (layout.KV_FORMATS "token"): each token's row of
+  the view holds K then V, ``kv_layer.split(head_size, dim=-1)``.
+
 Other vLLM ISAs (amx, neon) pack K differently, so the oracle is fed a pool written by
 ``write_kv_reference`` with the same dense K/V, not the kernel's own pool.
 """
@@ -18,13 +21,23 @@ from __future__ import annotations
 
 import torch
 
-KEY_LAYOUTS = ("nd", "dn")
+KEY_LAYOUTS = ("nd", "dn", "token")  # "nd"/"dn": the "pages" KV format; "token": its own
 
 
-def _split_pages(kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def key_layout_of(kv_format: str) -> str:
+    """The oracle's key layout for a region's KV format (layout.KV_FORMATS): pages as
+    Weaver's own writers lay them out ("nd"), or the GPU backends' token rows."""
+    return "token" if kv_format == "token" else "nd"
+
+
+def _split_pages(kv_layer: torch.Tensor,
+                 key_layout: str = "nd") -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V views [num_blocks, num_kv_heads, block_size, D] (K as stored for "dn")."""
     num_blocks, num_kv_heads, block_size, two_d = kv_layer.shape
     if two_d % 2:
         raise ValueError(f"last dim of the KV layer must be 2*head_size, got {two_d}")
+    if key_layout == "token":
+        return kv_layer[..., : two_d // 2], kv_layer[..., two_d // 2:]
     pages = kv_layer.reshape(num_blocks, num_kv_heads, 2 * block_size, two_d // 2)
     return pages[:, :, :block_size], pages[:, :, block_size:]
 
@@ -40,12 +53,12 @@ def write_kv_reference(
     if key_layout not in KEY_LAYOUTS:
         raise ValueError(f"key_layout must be one of {KEY_LAYOUTS}, got {key_layout!r}")
     block_size = kv_layer.shape[2]
-    k_pages, v_pages = _split_pages(kv_layer)
+    k_pages, v_pages = _split_pages(kv_layer, key_layout)
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping % block_size
     for t in range(key.shape[0]):
         b, o = int(blocks[t]), int(offsets[t])
-        if key_layout == "nd":
+        if key_layout in ("nd", "token"):
             k_pages[b, :, o, :] = key[t]
         else:
             # [N, D] page memory read as [D, N]: column o holds token o's key
@@ -61,7 +74,7 @@ def gather_kv_reference(
         raise ValueError(f"key_layout must be one of {KEY_LAYOUTS}, got {key_layout!r}")
     _, num_kv_heads, block_size, two_d = kv_layer.shape
     head_size = two_d // 2
-    k_pages, v_pages = _split_pages(kv_layer)
+    k_pages, v_pages = _split_pages(kv_layer, key_layout)
     num_blocks = -(-seq_len // block_size)
     ids = block_ids[:num_blocks].long()
     k = k_pages[ids]  # [nb, H, N, D] as stored

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from weaver.offload.cuda.region_desc import BLOCK_SIZE_MULTIPLE, MAX_HEAD_SIZE
+from weaver.offload.layout import KV_FORMATS
 
 if TYPE_CHECKING:
     from weaver.offload.cuda.jit import KernelLibrary
@@ -102,8 +103,10 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     error_flag: torch.Tensor | None = None,
     num_blocks: int | None = None,
+    kv_format: str = "pages",
 ) -> torch.Tensor:
-    """out[s, h] = softmax(q[s, h] . K_s^T * scale) V_s over the paged pool.
+    """out[s, h] = softmax(q[s, h] . K_s^T * scale) V_s over the paged pool, K and V in it
+    as kv_format says (weaver/offload/layout.py KV_FORMATS).
 
     seq_lens must be in [1, block_table columns * block_size] and block ids in range;
     the kernel writes zeros and sets error_flag[0] = 1 for an item that breaks either,
@@ -122,7 +125,7 @@ def paged_decode_attention(
         np.int32(q.shape[0]), np.int32(q.shape[1]), np.int32(kv_layer.shape[1]),
         np.int32(q.shape[2]), np.int32(kv_layer.shape[2]), np.int32(block_table.shape[1]),
         np.int32(kv_layer.shape[0]), np.int32(sliding_window), np.float32(scale),
-        np.float32(softcap), _ptr(error_flag),
+        np.float32(softcap), np.int32(KV_FORMATS[kv_format]), _ptr(error_flag),
     )  # fmt: skip
     launch(fn, grid, NUM_THREADS, args, q.device)
     return out

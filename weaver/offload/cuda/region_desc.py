@@ -10,6 +10,7 @@ from __future__ import annotations
 from weaver.offload.layout import (
     DONE_RESULT_OFFSET,
     DONE_SEQ_OFFSET,
+    KV_FORMATS,
     STATUS_OFFSET,
     TASK_SEQ_OFFSET,
     RegionLayout,
@@ -37,6 +38,7 @@ DESC_FIELDS: tuple[str, ...] = (
     "max_seqs",
     "max_blocks",
     "num_blocks",
+    "kv_format",
 )
 
 # Device code indexes head elements with a fixed per-lane register array
@@ -70,6 +72,7 @@ def region_descriptor(layout: RegionLayout) -> list[int]:
         "max_seqs": layout.max_seqs_per_task,
         "max_blocks": layout.max_blocks_per_seq,
         "num_blocks": layout.num_remote_blocks,
+        "kv_format": KV_FORMATS[s.kv_format],
     }
     return [values[name] for name in DESC_FIELDS]
 
