@@ -52,6 +52,14 @@ def test_engine_cli_args_parse():  # weaver/vllm_ext/engine/app.py::engine_cli_a
     with pytest.raises(ValueError, match="not a vLLM engine argument"):
         parse_engine_args(ModelSpec(name="m", model="x", extra_engine_args={"nope": 1}),
                           Path("/models/x"))
+    # A cuda engine's placement (weaver/config/devices.py) adds vLLM arguments it knows.
+    from weaver.config.devices import EnginePlacement
+
+    gpu = ModelSpec(name="m", model="x", device="cuda:0", gpu_memory_gib=20)
+    placement = EnginePlacement({"CUDA_VISIBLE_DEVICES": "0"}, ("--gpu-memory-utilization",
+                                                                "0.25"))
+    assert parse_engine_args(gpu, Path("/models/x"), None, placement).gpu_memory_utilization \
+        == 0.25
 
 
 def test_async_llm_liveness_surface():  # EngineHandle.is_dead / check_health / process_ids

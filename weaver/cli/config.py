@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from pathlib import Path
 
 
@@ -13,28 +14,98 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="show or validate a deployment file",
         description=(
             "Validate a deployment YAML file and print it with every default filled in. "
-            "Without a file, print the embedded default deployment that `weaver serve` uses."
+            "Without a file, print the embedded default deployment that `weaver serve` uses. "
+            "A deployment with cuda devices is also checked against this machine's GPUs "
+            "(or the ones --gpus names): each device exists, and the engines' memory "
+            "budgets fit each GPU."
         ),
     )
     parser.add_argument("config", nargs="?", type=Path, default=None,
                         help="deployment YAML file (default: the embedded default)")
     parser.add_argument("--schema", action="store_true",
                         help="print the JSON schema of deployment files instead")
+    parser.add_argument("--engines", action="store_true",
+                        help="print what each engine gets instead: its environment and its "
+                             "`vllm serve` arguments (models must be prepared or be directories)")
+    parser.add_argument("--gpus", type=_gpu_sizes, default=None, metavar="GIB[,GIB...]",
+                        help="check against these GPUs (total memory of cuda:0, cuda:1, ... in "
+                             "GiB, e.g. 80,80) instead of this machine's; for planning a GPU "
+                             "deployment elsewhere")
+    parser.add_argument("--models-dir", type=Path, default=None,
+                        help="where prepared models live (default: weaver models' default)")
     parser.set_defaults(handler=run)
+
+
+def _gpu_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(float(item) for item in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a list of GiB sizes like 80,80") from None
+    if any(size <= 0 for size in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: every GPU size must be > 0 GiB")
+    return tuple(int(size * (1 << 30)) for size in sizes)
 
 
 def run(args: argparse.Namespace) -> int:
     import yaml
 
     from weaver.config.deployment import Deployment, load_deployment
+    from weaver.config.devices import GpuInventory
 
     if args.schema:
         print(json.dumps(Deployment.model_json_schema(), indent=2))
         return 0
     try:
         deployment = load_deployment(args.config)
+        gpus = GpuInventory(args.gpus) if args.gpus is not None else None
+        if args.engines:
+            print(_describe_engines(deployment, gpus, args.models_dir), end="")
+            return 0
+        _check_devices(deployment, gpus, args.models_dir)
     except ValueError as exc:
         print(exc)
         return 1
     print(yaml.safe_dump(deployment.model_dump(mode="json"), sort_keys=False), end="")
     return 0
+
+
+def _model_dirs(deployment, models_dir: Path | None, *, strict: bool) -> dict[str, Path]:
+    """Each model's directory; without `strict`, the unresolvable ones are left out (their
+    weights then count as 0 in the budget check, and the check says less)."""
+    from weaver.models.registry import resolve_model
+
+    dirs = {}
+    for spec in deployment.models:
+        try:
+            dirs[spec.name] = resolve_model(spec.model, models_dir)
+        except ValueError:
+            if strict:
+                raise
+    return dirs
+
+
+def _check_devices(deployment, gpus, models_dir: Path | None) -> None:
+    from weaver.config.devices import place_engines
+
+    if all(spec.device == "cpu" for spec in deployment.models):
+        return
+    place_engines(deployment, _model_dirs(deployment, models_dir, strict=False), gpus)
+
+
+def _describe_engines(deployment, gpus, models_dir: Path | None) -> str:
+    from weaver.config.devices import place_engines
+    from weaver.server.weaving import additional_configs, weaving_plans
+    from weaver.vllm_ext.engine.app import engine_cli_args
+
+    dirs = _model_dirs(deployment, models_dir, strict=True)
+    placements = place_engines(deployment, dirs, gpus)
+    configs = additional_configs(deployment, weaving_plans(deployment, dirs))
+    lines = []
+    for spec in deployment.models:
+        placement = placements[spec.name]
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in placement.environment.items())
+        args = engine_cli_args(spec, dirs[spec.name], configs[spec.name], placement)
+        lines += [f"# {spec.name}: {spec.role.value} on {spec.device}",
+                  f"{env}{' ' if env else ''}vllm serve {shlex.join(args)}", ""]
+    return "\n".join(lines)

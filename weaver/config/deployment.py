@@ -36,8 +36,16 @@ class ModelSpec(BaseModel):
     name: str = Field(description="API model name, the `model` field of requests")
     model: str = Field(description="a prepared model name (weaver models list) or a directory")
     role: Role = Role.DEDICATED
-    device: str = Field("cpu", description="cpu or cuda:N")
+    device: str = Field(
+        "cpu", description="cpu or cuda:N (N as this process numbers its visible GPUs); the "
+        "engine's processes see that GPU as their only one (a hot model also sees its cold "
+        "models' GPUs), see weaver/config/devices.py")
     kv_cache_gib: float = Field(0.5, gt=0, description="the engine's own KV-cache budget, GiB")
+    gpu_memory_gib: float | None = Field(
+        None, gt=0,
+        description="cuda device: the engine's whole budget on its GPU, GiB: weights, "
+        "activations, kv_cache_gib and, for a cold model, lend_kv_gib (vLLM gets it as "
+        "--gpu-memory-utilization); default: weights + kv_cache_gib + lend_kv_gib + 2 GiB")
     max_model_len: int = Field(2048, ge=16, description="longest prompt + output, tokens")
     dtype: str = Field("float32", description="weights/activations dtype (float32 on CPU)")
     block_size: int | None = Field(None, ge=1, description="KV block size; engine default if unset")
@@ -120,6 +128,20 @@ class ModelSpec(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _check_device_fields(self) -> ModelSpec:
+        on_gpu = self.device != "cpu"
+        if on_gpu and self.cpu_cores is not None:
+            raise ValueError(f"model {self.name!r}: cpu_cores binds a cpu engine's threads; "
+                             f"it is on {self.device} (remove cpu_cores)")
+        if not on_gpu and self.gpu_memory_gib is not None:
+            raise ValueError(f"model {self.name!r}: gpu_memory_gib is for a cuda device; on "
+                             "cpu, kv_cache_gib is the engine's budget (remove gpu_memory_gib)")
+        if on_gpu and self.unified_kv:
+            raise ValueError(f"model {self.name!r}: the unified KV pool runs on cpu engines "
+                             "only so far; remove unified_kv or set device: cpu")
+        return self
+
+    @model_validator(mode="after")
     def _check_lend(self) -> ModelSpec:
         if self.lend_kv_gib > 0 and self.role is not Role.COLD:
             raise ValueError(
@@ -180,6 +202,14 @@ class Deployment(BaseModel):
                 )
             if role is Role.COLD and spec.lend_kv_gib <= 0:
                 raise ValueError(f"cold model {name!r} must lend memory: set lend_kv_gib > 0")
+        hot = by_name[pair.hot]
+        for name in pair.cold:
+            cold = by_name[name]
+            if (hot.device == "cpu") != (cold.device == "cpu"):
+                raise ValueError(
+                    f"weaving {hot.name!r} ({hot.device}) -> {name!r} ({cold.device}): a pair "
+                    "shares memory, so both run on cpu or both on cuda (the same GPU or two "
+                    "GPUs of one machine); change one model's device")
 
     def model(self, name: str) -> ModelSpec:
         for spec in self.models:

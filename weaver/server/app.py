@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from weaver.config.deployment import Deployment, ModelSpec
+from weaver.config.devices import EnginePlacement, place_engines
 from weaver.server.gateway import Gateway, GatewayConfig
 from weaver.server.metrics import GatewayMetrics
 from weaver.server.weaving import (
@@ -54,10 +55,10 @@ def _default_resolver(name: str, models_dir: Path | None) -> Path:
 
 
 async def _start_engine(spec: ModelSpec, model_path: Path, stack: contextlib.AsyncExitStack,
-                        additional_config: dict):
+                        additional_config: dict, placement: EnginePlacement):
     from weaver.vllm_ext.engine.app import open_engine
 
-    return await open_engine(spec, model_path, stack, additional_config)
+    return await open_engine(spec, model_path, stack, additional_config, placement)
 
 
 @dataclass
@@ -72,6 +73,7 @@ async def start_engines(settings: ServeSettings, stack: contextlib.AsyncExitStac
     deployment = settings.deployment
     resolve = settings.resolve_model or _default_resolver
     paths = {spec.name: resolve(spec.model, settings.models_dir) for spec in deployment.models}
+    placements = place_engines(deployment, paths)  # refuses what cannot work, before any start
     plans = weaving_plans(deployment, paths)
     configs = additional_configs(deployment, plans)
     # Registered first so it runs last: regions whose owner died are unlinked after
@@ -82,9 +84,10 @@ async def start_engines(settings: ServeSettings, stack: contextlib.AsyncExitStac
         stack.push_async_callback(engine_stack.aclose)
     started = time.monotonic()
     # One after another: vLLM builds an engine synchronously anyway, and each engine's
-    # processes inherit the environment set for it alone (cpu_cores).
+    # processes inherit the environment set for it alone (cpu_cores, visible GPUs).
     handles = [
-        await _start_engine(spec, paths[spec.name], engine_stack, configs[spec.name])
+        await _start_engine(spec, paths[spec.name], engine_stack, configs[spec.name],
+                            placements[spec.name])
         for spec, engine_stack in zip(deployment.models, engine_stacks, strict=True)
     ]
     engines = {handle.spec.name: handle for handle in handles}

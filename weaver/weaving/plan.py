@@ -23,6 +23,7 @@ from weaver.offload.naming import region_name
 
 GiB = 1 << 30
 CPU_DEFAULT_BLOCK_SIZE = 128  # vLLM's default on CPU (platforms/cpu.py)
+CUDA_DEFAULT_BLOCK_SIZE = 16  # vLLM's default on CUDA (config/cache.py, platforms/cuda.py)
 SHM_PREFIX_ENV = "WEAVER_SHM_PREFIX"
 
 
@@ -61,10 +62,18 @@ class PairPlan:
 
 
 def block_size_of(spec: ModelSpec) -> int:
-    return spec.block_size or CPU_DEFAULT_BLOCK_SIZE
+    default = CPU_DEFAULT_BLOCK_SIZE if spec.device == "cpu" else CUDA_DEFAULT_BLOCK_SIZE
+    return spec.block_size or default
 
 
-def read_attention_shape(model_dir: Path, dtype: str, block_size: int) -> HotAttentionShape:
+def kv_format_of(spec: ModelSpec) -> str:
+    """How the hot engine's attention backend lays K and V out in a cache block
+    (layout.KV_FORMATS): CPU_ATTN's pages on cpu, the GPU backends' token rows on cuda."""
+    return "pages" if spec.device == "cpu" else "token"
+
+
+def read_attention_shape(model_dir: Path, dtype: str, block_size: int,
+                         kv_format: str = "pages") -> HotAttentionShape:
     """The attention shape of a Hugging Face Llama-family model directory."""
     config_file = model_dir / "config.json"
     try:
@@ -80,6 +89,7 @@ def read_attention_shape(model_dir: Path, dtype: str, block_size: int) -> HotAtt
         head_size=head_size,
         block_size=block_size,
         dtype=dtype,
+        kv_format=kv_format,
     )
 
 
@@ -115,7 +125,8 @@ def plan_pairs(
                 f"got {pair.cold}"
             )
         cold = deployment.model(pair.cold[0])
-        shape = read_attention_shape(model_dirs[hot.name], hot.dtype, block_size_of(hot))
+        shape = read_attention_shape(model_dirs[hot.name], hot.dtype, block_size_of(hot),
+                                     kv_format_of(hot))
         probe = RegionLayout(shape=shape, num_remote_blocks=1, max_seqs_per_task=1,
                              max_blocks_per_seq=1)
         # kv_block_bytes is one layer's share of a block; a block spans every layer.

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from weaver.config.cpu_cores import pin_engine_processes, usable_cpu_cores
 from weaver.config.deployment import ModelSpec, Role
+from weaver.config.devices import EnginePlacement
 from weaver.vllm_ext.additional_config import pool_of
 from weaver.vllm_ext.engine.stats import EngineStatsRecorder, attach_stats_recorder
 from weaver.weaving.plan import block_size_of
@@ -75,9 +76,11 @@ ENGINE_TEARDOWN_GRACE_S = 10.0
 
 
 def engine_cli_args(
-    spec: ModelSpec, model_path: Path, additional_config: dict | None = None
+    spec: ModelSpec, model_path: Path, additional_config: dict | None = None,
+    placement: EnginePlacement | None = None,
 ) -> list[str]:
-    """The `vllm serve` arguments equivalent to one model of the deployment."""
+    """The `vllm serve` arguments equivalent to one model of the deployment (placed as
+    `placement` says: weaver/config/devices.py)."""
     args = [
         "--model", str(model_path),
         "--served-model-name", spec.name,
@@ -86,10 +89,13 @@ def engine_cli_args(
         "--max-num-seqs", str(spec.max_num_seqs),
         "--kv-cache-memory-bytes", str(int(spec.kv_cache_gib * GiB)),
         # torch.compile costs minutes on a CPU and hides Weaver's poll points inside the
-        # compiled graph (docs/vllm-hooks.md, "Layers").
+        # compiled graph (docs/vllm-hooks.md, "Layers"); on a GPU, CUDA graphs would also
+        # freeze the weaving split of a step (the paper's evaluation ran eager too).
         "--enforce-eager",
         "--disable-uvicorn-access-log",
     ]
+    if placement is not None:
+        args += list(placement.cli_args)
     if spec.block_size is not None:
         args += ["--block-size", str(spec.block_size)]
     if spec.role is not Role.DEDICATED:
@@ -122,13 +128,14 @@ def _replace_arg(args: list[str], flag: str, value: str) -> list[str]:
 
 
 def parse_engine_args(
-    spec: ModelSpec, model_path: Path, additional_config: dict | None = None
+    spec: ModelSpec, model_path: Path, additional_config: dict | None = None,
+    placement: EnginePlacement | None = None,
 ) -> Any:
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = make_arg_parser(FlexibleArgumentParser(prog=f"weaver engine {spec.name}"))
-    args = parser.parse_args(engine_cli_args(spec, model_path, additional_config))
+    args = parser.parse_args(engine_cli_args(spec, model_path, additional_config, placement))
     for name, value in spec.extra_engine_args.items():
         if not hasattr(args, name):
             raise ValueError(
@@ -141,9 +148,8 @@ def parse_engine_args(
 
 
 @contextlib.contextmanager
-def _engine_environment(spec: ModelSpec):
+def _engine_environment(env: dict[str, str]):
     """Environment that the engine's processes (spawned while this is active) inherit."""
-    env = {"VLLM_CPU_OMP_THREADS_BIND": spec.cpu_cores} if spec.cpu_cores else {}
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
     try:
@@ -193,16 +199,20 @@ async def open_engine(
     model_path: Path,
     stack: contextlib.AsyncExitStack,
     additional_config: dict | None = None,
+    placement: EnginePlacement | None = None,
 ) -> EngineHandle:
-    """Start the engine for `spec`; it is shut down when `stack` closes."""
+    """Start the engine for `spec` (placed as `placement` says; a cpu engine when None);
+    it is shut down when `stack` closes."""
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
     from vllm.entrypoints.launchers.app import build_app
 
-    args = parse_engine_args(spec, model_path, additional_config)
+    placement = placement or EnginePlacement.on_cpu(spec)
+    args = parse_engine_args(spec, model_path, additional_config, placement)
     cores = usable_cpu_cores(f"model {spec.name!r}", spec.cpu_cores) if spec.cpu_cores else None
-    logger.info("starting engine %s from %s", spec.name, model_path)
-    with _engine_environment(spec):
+    logger.info("starting engine %s from %s on %s %s", spec.name, model_path, spec.device,
+                placement.environment)
+    with _engine_environment(placement.environment):
         client = await stack.enter_async_context(build_async_engine_client(args))
     # The stack unwinds last-in first-out: first our shutdown (vLLM's own in the context
     # above then finds the engine processes stopped), then the files of an engine that
