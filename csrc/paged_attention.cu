@@ -1,6 +1,13 @@
 // Standalone paged decode attention (same math as the polling kernel's): one thread block
 // of weaver::kThreads threads per (sequence, query head); grid-stride over items so any
 // grid size is correct. Launched by weaver/offload/cuda/kernels.py.
+//
+// The _if_failed variants are the hot side's fallback without a host synchronisation:
+// enqueued on the hot stream right after a device wait (offload_hot.cu weaver_wait_done),
+// they return at once when that wait ended OK and otherwise attend the task's rows on the
+// hot device (over the peer-mapped region) and count one fallback, which the host reads
+// once per step.
+#include "offload_region.cuh"
 #include "paged_attention.cuh"
 
 namespace weaver {
@@ -37,3 +44,26 @@ WEAVER_ATTENTION_KERNEL(weaver_paged_attention_bf16_h128, weaver::BF16, 4)
 WEAVER_ATTENTION_KERNEL(weaver_paged_attention_f32_h256, weaver::F32, 8)
 WEAVER_ATTENTION_KERNEL(weaver_paged_attention_f16_h256, weaver::F16, 8)
 WEAVER_ATTENTION_KERNEL(weaver_paged_attention_bf16_h256, weaver::BF16, 8)
+
+#define WEAVER_FALLBACK_KERNEL(NAME, DT, ELEMS)                                                \
+  extern "C" __global__ void __launch_bounds__(weaver::kThreads)                               \
+      NAME(const void* q, const void* kv, const int* seq_lens, const int* block_table,         \
+           void* out, int num_seqs, int num_q_heads, int num_kv_heads, int head_size,          \
+           int block_size, int block_table_stride, int num_blocks, int sliding_window,         \
+           float scale, float softcap, int kv_format, int* error_flag,                         \
+           const int* wait_status, unsigned long long* num_fallbacks) {                         \
+    if (wait_status[0] == weaver::kWaitOk) return;                                             \
+    if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(num_fallbacks, 1ULL);                   \
+    const weaver::AttnParams p = {q,           kv,           seq_lens,   block_table,          \
+                                  out,         num_seqs,     num_q_heads, num_kv_heads,        \
+                                  head_size,   block_size,   block_table_stride, num_blocks,   \
+                                  sliding_window, scale,     softcap,    kv_format};           \
+    weaver::paged_decode_attention<DT, ELEMS>(p, error_flag);                                  \
+  }
+
+WEAVER_FALLBACK_KERNEL(weaver_paged_attention_if_failed_f32_h128, weaver::F32, 4)
+WEAVER_FALLBACK_KERNEL(weaver_paged_attention_if_failed_f16_h128, weaver::F16, 4)
+WEAVER_FALLBACK_KERNEL(weaver_paged_attention_if_failed_bf16_h128, weaver::BF16, 4)
+WEAVER_FALLBACK_KERNEL(weaver_paged_attention_if_failed_f32_h256, weaver::F32, 8)
+WEAVER_FALLBACK_KERNEL(weaver_paged_attention_if_failed_f16_h256, weaver::F16, 8)
+WEAVER_FALLBACK_KERNEL(weaver_paged_attention_if_failed_bf16_h256, weaver::BF16, 8)

@@ -35,6 +35,14 @@ def test_open_tensor_rejects_foreign_handles(handle: bytes) -> None:
         ipc.open_tensor(handle)
 
 
+def test_the_region_gpu_is_found_by_uuid_in_the_openers_numbering() -> None:
+    # The cold engine sees its GPU as cuda:0; a hot engine started with
+    # CUDA_VISIBLE_DEVICES=<its own>,<the cold one> sees it as cuda:1.
+    assert ipc.local_device_index("GPU-cold", ["GPU-hot", "GPU-cold"]) == 1
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES must include that GPU"):
+        ipc.local_device_index("GPU-cold", ["GPU-hot"])
+
+
 def test_export_refuses_cpu_tensors() -> None:
     with pytest.raises(ValueError, match="only CUDA tensors"):
         ipc.export_tensor(torch.zeros(4))

@@ -127,6 +127,29 @@ def test_wait_times_out_instead_of_hanging_then_recovers(pair) -> None:
     assert region.wait_status()[0] == WaitStatus.TIMEOUT
 
 
+def test_a_failed_device_wait_is_answered_by_its_fallback_on_the_hot_stream(pair) -> None:
+    """The hot side's fallback without a host synchronisation per layer: the _if_failed
+    attention after a device wait does nothing when the wait ended OK and attends the task
+    itself when it timed out; the host learns the count once (weaving/hot.py settle_step)."""
+    sender, receiver, _ = pair
+    q, seq_lens, table = _task(sender, 0, seed=13)
+    expected = _expected(sender, 0, q, seq_lens, table)
+    ticket = sender.submit(0, q, seq_lens, table, scale=0.125)
+    receiver.poll()  # served: the fallback must leave the cold side's output alone
+    result = sender.wait_with_timing(ticket, timeout_s=2.0)
+    sender.enqueue_fallback(ticket)
+    _assert_close(result.output.clone(), expected)
+    assert sender.take_num_device_fallbacks() == 0
+    ticket = sender.submit(0, q, seq_lens, table, scale=0.125)
+    result = sender.wait_with_timing(ticket, timeout_s=0.02)  # nobody polls: times out
+    sender.enqueue_fallback(ticket)
+    _assert_close(result.output.clone(), expected)
+    assert sender.take_num_device_fallbacks() == 1
+    assert sender.take_num_device_fallbacks() == 0  # taken once
+    receiver.poll()  # the cold side still serves the timed-out task; the region recovers
+    assert sender.recover()
+
+
 def test_wait_ends_when_the_cold_side_closes(pair) -> None:
     sender, _, region = pair
     q, seq_lens, table = _task(sender, 1, seed=11)

@@ -278,6 +278,17 @@ class Transport(Protocol):
         caller's stream)."""
         ...
 
+    def enqueue_fallback(self, meta: TaskMeta) -> None:
+        """After a device wait, on its stream: attend the staged task on the hot side if
+        that wait did not end OK (CUDA); a host wait ends with its outcome instead, so a
+        host transport raises TypeError."""
+        ...
+
+    def take_num_fallbacks(self) -> int:
+        """Fallbacks enqueue_fallback ran since the last call (CUDA: synchronises; once per
+        step); 0 on a host transport, whose fallbacks are counted where they run."""
+        ...
+
     def is_peer_open(self) -> bool:
         """False once the cold side is closing or closed, where the host can tell cheaply
         (CPU); a device transport answers True and its device wait reports CLOSED."""

@@ -59,6 +59,7 @@ class OffloadSender:
         self._policy = policy or WaitPolicy()
         self._torch_dtype = self._layout.shape.torch_dtype
         self._staged: TaskBatch | None = None  # the batch in the staging area (held)
+        self._last_meta: TaskMeta | None = None  # of the last task published
         self._last_seq = int(transport.read_word(TASK_SEQ_OFFSET))
         # A task of an earlier sender may still be served (a hot engine that restarted).
         self._is_in_flight = int(transport.read_word(DONE_SEQ_OFFSET)) != self._last_seq
@@ -188,8 +189,9 @@ class OffloadSender:
                 pad = 0 if batch.block_table.device.type == "cpu" else -1
                 views.block_table[:num_seqs, num_blocks:].fill_(pad)
             self._staged = batch
-        self._transport.publish(seq, TaskMeta(layer, num_seqs, float(scale),
-                                              int(sliding_window), float(softcap)), stamp)
+        meta = TaskMeta(layer, num_seqs, float(scale), int(sliding_window), float(softcap))
+        self._transport.publish(seq, meta, stamp)
+        self._last_meta = meta
         self._last_seq = seq
         self._is_in_flight = True
         self.stats.num_submitted += 1
@@ -227,6 +229,18 @@ class OffloadSender:
             round_trip_s=end - ticket.submitted_at,
             num_sleeps=num_sleeps,
         )
+
+    def enqueue_fallback(self, ticket: OffloadTicket) -> None:
+        """After a device wait for `ticket` (status PENDING): the hot side attends the task
+        itself, on its stream, if that wait does not end OK (Transport.enqueue_fallback)."""
+        if ticket.seq != self._last_seq or self._last_meta is None:
+            raise OffloadError(f"ticket {ticket.seq} is stale: task {self._last_seq} has since "
+                               "reused the staging area")
+        self._transport.enqueue_fallback(self._last_meta)
+
+    def take_num_device_fallbacks(self) -> int:
+        """Fallbacks run on the device since the last call (a synchronisation on CUDA)."""
+        return self._transport.take_num_fallbacks()
 
     def settle(self, ticket: OffloadTicket) -> int:
         """Raise if the last wait (a device wait, enqueued by wait()) did not end OK;

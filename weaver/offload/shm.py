@@ -336,6 +336,13 @@ class ShmRegion(RegionBase):
     def wait_status(self) -> tuple[WaitStatus, int]:
         return self._last_wait
 
+    def enqueue_fallback(self, meta: TaskMeta) -> None:
+        raise TypeError("a host wait ends with its outcome: the hot side falls back on the "
+                        "host (weaving/hot.py), not on a device stream")
+
+    def take_num_fallbacks(self) -> int:
+        return 0  # host fallbacks are counted where they run (weaving/hot.py)
+
     def is_peer_open(self) -> bool:
         return int(self._status[0]) in OPEN_STATUSES
 

@@ -129,11 +129,16 @@ class WeavingSupervisor:
         }
 
     async def connect(self) -> None:
+        # A region on a GPU is exported once by its owner (CUDA IPC) and opened once by
+        # its hot worker; one in shared memory is found by its name.
+        handles: dict[str, str] = {}
         for cold in sorted({p.cold for p in self.plans}):
             mine = [p.to_dict() for p in self.plans if p.cold == cold]
-            await _rpc(self.engines[cold], "weaver_open_cold", RPC_TIMEOUT_S, mine)
+            (opened,) = await _rpc(self.engines[cold], "weaver_open_cold", RPC_TIMEOUT_S, mine)
+            handles.update(opened.get("cuda_handles", {}))
         for plan in self.plans:
-            await _rpc(self.engines[plan.hot], "weaver_attach_hot", RPC_TIMEOUT_S, plan.to_dict())
+            await _rpc(self.engines[plan.hot], "weaver_attach_hot", RPC_TIMEOUT_S,
+                       plan.to_dict(), handles.get(plan.region_name))
             self.state[f"{plan.hot}->{plan.cold}"]["status"] = "ok"
             logger.info("weaving %s -> %s connected (%d remote blocks, ratio %.2f)",
                         plan.hot, plan.cold, plan.num_remote_blocks, plan.offload_ratio)

@@ -43,7 +43,7 @@ class WeaverWorkerExtension:
     _weaver_poll_points: PollPoints | None = None  # over the cold model's operators
 
     # --- hot side -----------------------------------------------------------------
-    def weaver_attach_hot(self, plan_data: dict) -> dict:
+    def weaver_attach_hot(self, plan_data: dict, cuda_handle_hex: str | None = None) -> dict:
         from vllm.model_executor.models.utils import extract_layer_index
 
         from weaver.vllm_ext.attention.backend import WovenAttentionImpl, WovenMetadataBuilder
@@ -54,7 +54,8 @@ class WeaverWorkerExtension:
             from weaver.vllm_ext.attention.pool import RemotePoolKV
 
             remote_kv = RemotePoolKV(plan)
-        runtime = HotWeaving.attach(plan, remote_kv)
+        runtime = HotWeaving.attach(
+            plan, remote_kv, bytes.fromhex(cuda_handle_hex) if cuda_handle_hex else None)
         runner = self.model_runner
         # The scheduler's local pool has exactly the blocks of vLLM's KV-cache config;
         # remote ids start there (weaver/vllm_ext/scheduler.py).
@@ -96,11 +97,17 @@ class WeaverWorkerExtension:
         logger.info("cold worker serves %d region(s) with %d poll points, %d split operators",
                     len(plans), len(modules), num_split)
         return {"regions": [plan.region_name for plan in plans],
-                "num_poll_points": len(modules), "num_split_operators": num_split}
+                "num_poll_points": len(modules), "num_split_operators": num_split,
+                "cuda_handles": cold.export_handles()}
 
     def _weaver_executor_for(self, plan: PairPlan) -> Any:
-        """What serves a hot model's tasks: vLLM's CPU kernels over the region's KV, or over
-        this engine's unified pool when the hot model's remote blocks live there."""
+        """What serves a hot model's tasks: the polling kernel on this GPU (a CUDA region),
+        vLLM's CPU kernels over the region's KV, or over this engine's unified pool when the
+        hot model's remote blocks live there."""
+        if plan.transport == "cuda":
+            from weaver.offload.cuda.transport import CudaPollingExecutor
+
+            return CudaPollingExecutor()
         if plan.pool is None:
             from weaver.vllm_ext.attention.cpu_kernels import CpuPagedAttentionExecutor
 

@@ -37,6 +37,22 @@ def create_shm_region(plan: PairPlan) -> Transport:
     return ShmRegion.create(plan.layout(), plan.region_name)
 
 
+def create_cuda_region(plan: PairPlan) -> Transport:
+    """The region of one pair in this process's GPU memory (its cuda:0, the engine's own
+    GPU), outside vLLM's KV pool; its poll kernels are loaded for that GPU."""
+    from weaver.offload.cuda.jit import KernelLibrary
+    from weaver.offload.cuda.transport import CudaRegion
+
+    library = KernelLibrary()
+    return CudaRegion.create(plan.layout(), plan.region_name, f"cuda:{library.device_index}",
+                             library)
+
+
+def region_factory(plan: PairPlan) -> Callable[[PairPlan], Transport]:
+    """How a pair's region is made, by its plan's transport."""
+    return create_cuda_region if plan.transport == "cuda" else create_shm_region
+
+
 class ColdWeaving:
     """One cold worker's regions: their receivers, the poll a poll point runs, the step
     lock and the idle poller."""
@@ -50,13 +66,15 @@ class ColdWeaving:
 
     @classmethod
     def open(cls, plans: list[PairPlan], make_executor: Callable[[PairPlan], Any],
-             make_transport: Callable[[PairPlan], Transport] = create_shm_region) -> ColdWeaving:
-        """Create and own each plan's region, served by the executor made for it."""
+             make_transport: Callable[[PairPlan], Transport] | None = None) -> ColdWeaving:
+        """Create and own each plan's region (in shared memory or on this GPU, as the plan
+        says, unless make_transport is given), served by the executor made for it."""
         receivers: dict[str, OffloadReceiver] = {}
         try:
             for plan in plans:
                 executor = make_executor(plan)
-                receivers[plan.region_name] = OffloadReceiver(make_transport(plan), executor)
+                make = make_transport or region_factory(plan)
+                receivers[plan.region_name] = OffloadReceiver(make(plan), executor)
         except BaseException:
             for receiver in receivers.values():
                 receiver.close()
@@ -88,6 +106,13 @@ class ColdWeaving:
                 with self.step_lock:
                     if receiver.poll(by_idle_poller=True):
                         self.num_idle_served += 1
+
+    def export_handles(self) -> dict[str, str]:
+        """CUDA IPC handles (hex) of the regions on this GPU, by region name, for the hot
+        workers to open once; regions in shared memory are found by name instead."""
+        return {name: receiver.transport.export_handle().hex()
+                for name, receiver in self.receivers.items()
+                if hasattr(receiver.transport, "export_handle")}
 
     def stats(self) -> list[dict[str, Any]]:
         return [{"region": name, **vars(receiver.stats)}

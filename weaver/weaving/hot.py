@@ -10,7 +10,11 @@ Per layer and step:
   prefill included) run here meanwhile; then the cold side's output is merged back in
   batch order;
 - if the cold side times out or is gone, the pair turns degraded and the remote rows are
-  computed here from the remote pool: logged once, counted every time.
+  computed here from the remote pool: logged once, counted every time. On a host
+  transport the wait says so at once. On CUDA the wait is a kernel on the hot stream and
+  the fallback a kernel right after it that attends the rows only if the wait did not end
+  OK (no host synchronisation per layer); ``settle_step`` reads their count once per step
+  and turns the pair degraded from then on.
 
 No vLLM here: the attention backend (weaver/vllm_ext/attention/backend.py) splits the
 step's metadata into ``RowGroup``s and lends this runtime, per layer call, an
@@ -28,7 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
-from weaver.offload.protocol import OffloadError, OffloadTicket, TaskBatch
+from weaver.offload.protocol import OffloadError, OffloadTicket, TaskBatch, WaitStatus
 from weaver.offload.sender import OffloadSender
 from weaver.offload.shm import ShmRegion, host_wait_policy
 from weaver.weaving.plan import PairPlan
@@ -199,8 +203,21 @@ class HotWeaving:
         self._lock = threading.Lock()
 
     @classmethod
-    def attach(cls, plan: PairPlan, remote_kv: RemoteKV | None = None) -> HotWeaving:
-        """Attach the region the cold worker created (CPU: shared memory), waiting for it."""
+    def attach(cls, plan: PairPlan, remote_kv: RemoteKV | None = None,
+               cuda_handle: bytes | None = None) -> HotWeaving:
+        """Attach the region the cold worker created: in shared memory (waiting for it), or
+        on the cold GPU through the CUDA IPC handle it exported (opened once, here)."""
+        if plan.transport == "cuda":
+            from weaver.offload.cuda.jit import KernelLibrary
+            from weaver.offload.cuda.transport import CudaRegion
+
+            if cuda_handle is None:
+                raise ValueError(f"weaving {plan.hot} -> {plan.cold} shares a CUDA region: "
+                                 "the cold worker's exported handle is needed to attach it")
+            # The kernels (publish, wait, fallback) run on this engine's GPU, its cuda:0.
+            region = CudaRegion.attach(plan.layout(), plan.region_name, cuda_handle,
+                                       KernelLibrary())
+            return cls(plan, OffloadSender(region), remote_kv)
         region = ShmRegion.attach(plan.layout(), plan.region_name, wait_s=ATTACH_TIMEOUT_S)
         return cls(plan, OffloadSender(region, policy=host_wait_policy(region)), remote_kv)
 
@@ -255,14 +272,29 @@ class HotWeaving:
     def _collect(self, ticket: OffloadTicket, output: torch.Tensor, rows: RowGroup) -> bool:
         try:
             result = self.sender.wait_with_timing(ticket, self.plan.timeout_s)
+            if result.status is WaitStatus.PENDING:
+                # A device wait: its fallback follows it on the stream (settle_step counts).
+                self.sender.enqueue_fallback(ticket)
         except OffloadError as exc:
             self.mark_degraded(f"wait failed: {exc}")
             return False
         output[rows.tokens] = result.output  # both [rows, num_heads, head_size]
         self.stats.num_offloaded_tasks += 1
         self.stats.num_offloaded_rows += len(rows.tokens)
-        self.stats.wait_seconds.append(result.wait_s)
+        if result.status is not WaitStatus.PENDING:  # a device wait's host time is no wait
+            self.stats.wait_seconds.append(result.wait_s)
         return True
+
+    def settle_step(self) -> None:
+        """Once per step, before the next one: device waits of the last step that did not
+        end OK were answered by their fallbacks on the device; count them and stop
+        offloading (a no-op costing nothing on a host transport)."""
+        num_failed = self.sender.take_num_device_fallbacks()
+        if num_failed:
+            self.stats.num_fallback_tasks += num_failed
+            self.stats.num_offloaded_tasks -= num_failed
+            self.mark_degraded(f"{num_failed} device wait(s) did not end OK (the cold side "
+                               "timed out or closed); their rows were attended here")
 
     # --- health and stats ---------------------------------------------------------------
     def mark_degraded(self, reason: str) -> None:

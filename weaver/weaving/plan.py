@@ -14,12 +14,17 @@ import os
 import secrets
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from weaver.config.deployment import Deployment, ModelSpec
 from weaver.kv.pages import TenantShape, headwise_block_size
 from weaver.kv.pool_plan import PoolPlan, PoolTenantPlan
 from weaver.offload.layout import HotAttentionShape, RegionLayout
 from weaver.offload.naming import region_name
+
+if TYPE_CHECKING:
+    # Annotations only: the weaving runtime (hot.py, cold.py) imports this module, and a
+    # GPU machine running it without vLLM has no pydantic or yaml for the deployment file.
+    from weaver.config.deployment import Deployment, ModelSpec
 
 GiB = 1 << 30
 CPU_DEFAULT_BLOCK_SIZE = 128  # vLLM's default on CPU (platforms/cpu.py)
@@ -41,6 +46,9 @@ class PairPlan:
     # The cold device's unified KV pool, when the remote blocks live there (the hot model
     # is its tenant of the same name); None: they live in the region.
     pool: PoolPlan | None = None
+    # How the region is shared: "shm" (CPU engines: POSIX shared memory) or "cuda" (the
+    # cold GPU's memory, exported once through CUDA IPC).
+    transport: str = "shm"
 
     def layout(self) -> RegionLayout:
         return RegionLayout(
@@ -156,6 +164,7 @@ def plan_pairs(
             offload_ratio=pair.offload_ratio,
             timeout_s=pair.timeout_s,
             pool=pool,
+            transport="shm" if hot.device == "cpu" else "cuda",
         ))
     return plans
 

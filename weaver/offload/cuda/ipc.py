@@ -6,6 +6,10 @@ JSON (bytes as hex) with the two class arguments fixed, so opening a handle neve
 unpickles data from another process. The parameter names are probed with
 ``inspect.signature`` (LMCache style) instead of relying on positions, which differ
 between torch versions.
+
+The exporter's device index means nothing in another process, which numbers the GPUs it
+sees from 0 (weaver serve starts each engine with its own CUDA_VISIBLE_DEVICES), so the
+handle names the GPU by UUID and the opener finds it among its own.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-HANDLE_FORMAT = "weaver-cuda-ipc-v1"
+HANDLE_FORMAT = "weaver-cuda-ipc-v2"  # v2: the device's UUID
 _CLASS_PARAMS = ("tensor_cls", "storage_cls")
+_DEVICE_PARAM = "storage_device"
 
 
 def export_tensor(tensor: torch.Tensor) -> bytes:
@@ -37,7 +42,19 @@ def export_tensor(tensor: torch.Tensor) -> bytes:
         if name in _CLASS_PARAMS:
             continue
         fields[name] = _encode(value, torch)
-    return json.dumps({"format": HANDLE_FORMAT, "fields": fields}).encode()
+    uuid = str(torch.cuda.get_device_properties(tensor.device).uuid)
+    return json.dumps({"format": HANDLE_FORMAT, "device_uuid": uuid,
+                       "fields": fields}).encode()
+
+
+def local_device_index(device_uuid: str, local_uuids: list[str]) -> int:
+    """This process's index of the GPU with `device_uuid` (local_uuids in CUDA's order)."""
+    if device_uuid not in local_uuids:
+        raise ValueError(
+            f"the GPU holding this CUDA IPC region ({device_uuid}) is not visible in this "
+            f"process (it sees {len(local_uuids)} GPU(s)); its CUDA_VISIBLE_DEVICES must "
+            "include that GPU (weaver serve gives a hot engine its cold models' GPUs)")
+    return local_uuids.index(device_uuid)
 
 
 def open_tensor(handle: bytes) -> torch.Tensor:
@@ -52,6 +69,9 @@ def open_tensor(handle: bytes) -> torch.Tensor:
     if not isinstance(payload, dict) or payload.get("format") != HANDLE_FORMAT:
         raise ValueError(f"not a Weaver CUDA IPC handle (expected format {HANDLE_FORMAT!r})")
     fields = {name: _decode(value, torch) for name, value in payload["fields"].items()}
+    local_uuids = [str(torch.cuda.get_device_properties(i).uuid)
+                   for i in range(torch.cuda.device_count())]
+    fields[_DEVICE_PARAM] = local_device_index(str(payload.get("device_uuid")), local_uuids)
     fields["tensor_cls"] = torch.Tensor
     fields["storage_cls"] = torch.UntypedStorage
     names = list(inspect.signature(rebuild_cuda_tensor).parameters)

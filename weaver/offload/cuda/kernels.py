@@ -37,8 +37,11 @@ def validate_attention_inputs(
     seq_lens: torch.Tensor,
     block_table: torch.Tensor,
     out: torch.Tensor | None = None,
+    *,
+    on_one_device: bool = True,
 ) -> None:
-    """Raise ValueError unless the tensors fit weaver_paged_attention_* (see its .cu)."""
+    """Raise ValueError unless the tensors fit weaver_paged_attention_* (see its .cu);
+    on_one_device=False lets them live on a peer of the launching device."""
     if q.dtype not in DTYPE_SUFFIX:
         raise ValueError(f"q dtype {q.dtype} unsupported; use float32, float16 or bfloat16")
     if q.dim() != 3:
@@ -79,7 +82,10 @@ def validate_attention_inputs(
     for tensor in tensors:
         if not tensor.is_contiguous():
             raise ValueError("every tensor must be contiguous; call .contiguous() first")
-    check_same_cuda_device(*tensors)
+    if on_one_device:
+        check_same_cuda_device(*tensors)
+    elif any(t.device.type != "cuda" for t in tensors):
+        raise ValueError("tensors must be on CUDA devices")
 
 
 def check_same_cuda_device(*tensors: torch.Tensor) -> None:
@@ -129,6 +135,45 @@ def paged_decode_attention(
     )  # fmt: skip
     launch(fn, grid, NUM_THREADS, args, q.device)
     return out
+
+
+def paged_decode_attention_if_failed(
+    library: KernelLibrary,
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    *,
+    wait_status: torch.Tensor,
+    num_fallbacks: torch.Tensor,
+    sliding_window: int = -1,
+    softcap: float = 0.0,
+    kv_format: str = "pages",
+    error_flag: torch.Tensor | None = None,
+) -> None:
+    """paged_decode_attention into `out`, only if the device wait that wrote wait_status
+    did not end OK; then num_fallbacks[0] += 1. Launched on the current stream of the
+    library's device (the hot stream, after the wait); the attention's tensors may live on
+    a peer device (the region on the cold GPU, mapped through CUDA IPC)."""
+    validate_attention_inputs(q, kv_layer, seq_lens, block_table, out, on_one_device=False)
+    device = torch.device("cuda", library.device_index)
+    if wait_status.dtype != torch.int32 or wait_status.device != device:
+        raise ValueError(f"wait_status must be the int32 status of a device wait on {device}")
+    if num_fallbacks.dtype != torch.int64 or num_fallbacks.device != device:
+        raise ValueError(f"num_fallbacks must be an int64 counter on {device}")
+    fn = library.function(
+        ATTENTION_FILE, kernel_name("weaver_paged_attention_if_failed", q.dtype, q.shape[2]))
+    args = (
+        _ptr(q), _ptr(kv_layer), _ptr(seq_lens), _ptr(block_table), _ptr(out),
+        np.int32(q.shape[0]), np.int32(q.shape[1]), np.int32(kv_layer.shape[1]),
+        np.int32(q.shape[2]), np.int32(kv_layer.shape[2]), np.int32(block_table.shape[1]),
+        np.int32(kv_layer.shape[0]), np.int32(sliding_window), np.float32(scale),
+        np.float32(softcap), np.int32(KV_FORMATS[kv_format]), _ptr(error_flag),
+        _ptr(wait_status), _ptr(num_fallbacks),
+    )  # fmt: skip
+    launch(fn, q.shape[0] * q.shape[1], NUM_THREADS, args, device)
 
 
 def publish(

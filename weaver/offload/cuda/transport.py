@@ -44,7 +44,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-HOST_POLL_INTERVAL_S = 50e-6  # wait_for_task's pause between two synchronising reads
+# An idle cold engine's host-launched polls: one poll kernel per interval (it returns at
+# once when nothing is pending), no synchronising read; the round trip to an idle cold GPU
+# is then at most about this plus a launch. The GPU measurement compares it with a
+# persistent spin() server (benchmarks/GPU_RUNBOOK.md).
+IDLE_POLL_INTERVAL_S = 100e-6
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,9 @@ class CudaRegion(RegionBase):
         # ScratchIndex) and the flag that stops a spinning server.
         self._scratch = torch.zeros(4, dtype=torch.int64, device=self.device)
         self._stop_flag = torch.zeros(1, dtype=torch.int32, device=self.device)
+        # The hot side's fallbacks since the last take_num_fallbacks(), counted on the
+        # device by the _if_failed attention (no host synchronisation per layer).
+        self._num_fallbacks = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
 
     @classmethod
@@ -199,6 +206,39 @@ class CudaRegion(RegionBase):
     def is_peer_open(self) -> bool:
         return True  # not without a synchronisation: the device wait reports CLOSED
 
+    def enqueue_fallback(self, meta: TaskMeta) -> None:
+        """After wait_done, on the same stream: if that wait did not end OK, attend the
+        task (still in the staging area) here, into the output staging, over the region's
+        KV, and count it. Nothing waits for the host: the output is right in stream order
+        either way, and take_num_fallbacks() tells the host later."""
+        import torch
+
+        from weaver.offload.cuda import kernels
+
+        lay = self._layout
+        _, num_heads, head_size = lay.staging_shape
+        n = meta.num_seqs
+        kernels.paged_decode_attention_if_failed(
+            self._library,
+            self.tensor(lay.q_offset, (n, num_heads, head_size), self._dtype),
+            self.tensor(lay.kv_layer_offset(meta.layer), lay.kv_layer_shape, self._dtype),
+            self.tensor(lay.seq_lens_offset, (n,), torch.int32),
+            self.tensor(lay.block_table_offset, (lay.max_seqs_per_task, lay.max_blocks_per_seq),
+                        torch.int32)[:n],
+            self.tensor(lay.out_offset, (n, num_heads, head_size), self._dtype),
+            meta.scale, wait_status=self._wait_status, num_fallbacks=self._num_fallbacks,
+            sliding_window=meta.sliding_window, softcap=meta.softcap,
+            kv_format=lay.shape.kv_format,
+        )  # fmt: skip
+
+    def take_num_fallbacks(self) -> int:
+        """Fallbacks the device ran since the last call (synchronises the current stream:
+        once per step, not per layer)."""
+        count = int(self._num_fallbacks.item())
+        if count:
+            self._num_fallbacks.zero_()
+        return count
+
     # --- cold side ------------------------------------------------------------------
     def has_pending(self) -> bool:
         """Synchronous check of the counters (diagnostics, the host idle loop)."""
@@ -250,14 +290,11 @@ class CudaRegion(RegionBase):
         return int(self._scratch[3].item())
 
     def wait_for_task(self, timeout_s: float) -> bool:
-        """A host idle loop over device counters: synchronising reads every
-        HOST_POLL_INTERVAL_S (the CPU-launched receiver; a cold engine that must answer
-        fast runs spin() on a high-priority stream instead)."""
-        deadline = time.monotonic() + timeout_s
-        while not self.has_pending():
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(HOST_POLL_INTERVAL_S)
+        """Host-launched polls for an idle cold engine: sleep one IDLE_POLL_INTERVAL_S (or
+        timeout_s if shorter) and answer True, so the idle poller enqueues a poll kernel,
+        which serves a pending task or returns at once. Reading the counters instead would
+        synchronise the cold model's stream every interval."""
+        time.sleep(min(timeout_s, IDLE_POLL_INTERVAL_S))
         return True
 
     def wake_waiters(self) -> None:
