@@ -95,6 +95,9 @@ class _Region:
     def kv_layer(self, layer: int) -> torch.Tensor:
         return self.pool
 
+    def take_num_device_fallbacks(self) -> int:
+        return 0  # a host region: fallbacks are counted where they run
+
 
 @pytest.mark.parametrize("kv_split", ["0", "1"])
 def test_a_woven_step_gives_the_rows_of_the_whole_batch(monkeypatch, kv_split):

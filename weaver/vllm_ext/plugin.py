@@ -6,8 +6,9 @@ that the installed vLLM is the one Weaver pins and that every vLLM attribute Wea
 patches is still there (patches/registry.py: start-up fails with the list of what
 moved). Then:
 - on CPU it puts Weaver's attention backend in place of CPU_ATTN (the CPU platform ignores
-  any other backend choice); it is vLLM's own until a worker attaches weaving, a split
-  plan or a unified pool, so dedicated engines run unchanged;
+  any other backend choice), on CUDA in place of FLASH_ATTN, TRITON_ATTN and FLASHINFER
+  (whichever vLLM picks; attention/gpu_backends.py); each is vLLM's own until a worker
+  attaches weaving, a split plan or a unified pool, so dedicated engines run unchanged;
 - it registers Weaver's out-of-tree linear layers and logits processor
   (weaver/vllm_ext/layers.py), vLLM's own unless the engine has a split plan;
 - it wraps the CPU model runner's KV-cache allocation (patches/kv_cache_allocation.py), a
@@ -17,6 +18,7 @@ moved). Then:
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +47,24 @@ def register() -> None:
 
     register_split_layers()
     kv_cache_allocation.install(pool_section, initialize_with_pool)
-    if current_platform.is_cpu():
-        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    register_woven_backends(current_platform)
 
-        register_backend(AttentionBackendEnum.CPU_ATTN, WEAVER_CPU_BACKEND)
+
+def register_woven_backends(platform: Any) -> list[str]:
+    """Put Weaver's wrapper in front of the platform's attention backends; returns the
+    names of the backends it now stands for."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if platform.is_cpu():
+        paths = {"CPU_ATTN": WEAVER_CPU_BACKEND}
+    elif platform.is_cuda():
+        from weaver.vllm_ext.attention.gpu_backends import WOVEN_BACKEND_PATHS
+
+        paths = WOVEN_BACKEND_PATHS
+    else:
+        logger.warning("Weaver's attention wraps CPU and CUDA backends only; on %s, engines "
+                       "run vLLM's own attention and cannot weave", type(platform).__name__)
+        paths = {}
+    for name, path in paths.items():
+        register_backend(AttentionBackendEnum[name], path)
+    return sorted(paths)

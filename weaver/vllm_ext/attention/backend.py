@@ -108,6 +108,8 @@ class WovenMetadataBuilder:
         return self._weaver_part_builders[index]
 
     def _woven_step(self, cm: CommonAttentionMetadata) -> StepRows | None:
+        # The last step's device waits are long done (vLLM read its sampled tokens).
+        self.weaver_hot.settle_step()
         num_reqs = cm.num_reqs
         lens = query_lens(cm)
         split = classify_requests(cm.block_table_tensor[:num_reqs, 0].cpu(), lens,
@@ -177,6 +179,17 @@ def _rows(tensor: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor | N
     return None if tensor is None else tensor[tokens]
 
 
+def window_tokens(sliding_window: int | tuple[int, int]) -> int:
+    """An impl's sliding window as the offload task carries it: the keys a query sees, -1
+    for none. CPU_ATTN keeps that int; the GPU backends keep flash-attention's (left, right)
+    bounds with left = window - 1 (``__init__`` of triton_attn.py, flash_attn.py and
+    flashinfer.py's impls)."""
+    if isinstance(sliding_window, tuple):
+        left = sliding_window[0]
+        return left + 1 if left >= 0 else -1
+    return sliding_window
+
+
 class WovenAttentionImpl:
     """Mixin in front of a platform's AttentionImpl (see the module docstring)."""
 
@@ -229,7 +242,8 @@ class WovenAttentionImpl:
         if isinstance(md, WovenMetadata):
             return self.weaver_hot.attend(
                 _LayerCall(self, layer, key, value, kv_cache), self.weaver_layer_index,
-                md.step, query, output, scale=self.scale, sliding_window=self.sliding_window,
+                md.step, query, output, scale=self.scale,
+                sliding_window=window_tokens(self.sliding_window),
                 softcap=float(self.logits_soft_cap or 0.0))
         if isinstance(md, SequenceGroupsMetadata):
             return self._attend_groups(layer, query, key, value, kv_cache, md, output)
