@@ -107,7 +107,7 @@ def paged_decode_attention_reference(
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads {num_q_heads} not a multiple of num_kv_heads {num_kv_heads}")
     group = num_q_heads // num_kv_heads
-    out = torch.empty(num_seqs, num_q_heads, head_size, dtype=torch.float32)
+    out = torch.empty(num_seqs, num_q_heads, head_size, dtype=torch.float32, device=q.device)
     for i in range(num_seqs):
         seq_len = int(seq_lens[i])
         k, v = gather_kv_reference(kv_layer, block_table[i], seq_len, key_layout)

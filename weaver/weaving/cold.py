@@ -44,8 +44,10 @@ def create_cuda_region(plan: PairPlan) -> Transport:
     from weaver.offload.cuda.transport import CudaRegion
 
     library = KernelLibrary()
-    return CudaRegion.create(plan.layout(), plan.region_name, f"cuda:{library.device_index}",
-                             library)
+    region = CudaRegion.create(plan.layout(), plan.region_name, f"cuda:{library.device_index}",
+                               library)
+    region.load_kernels()  # at start-up, not at the first poll point
+    return region
 
 
 def region_factory(plan: PairPlan) -> Callable[[PairPlan], Transport]:

@@ -217,6 +217,7 @@ class HotWeaving:
             # The kernels (publish, wait, fallback) run on this engine's GPU, its cuda:0.
             region = CudaRegion.attach(plan.layout(), plan.region_name, cuda_handle,
                                        KernelLibrary())
+            region.load_kernels()  # at start-up, not on the first woven step
             return cls(plan, OffloadSender(region), remote_kv)
         region = ShmRegion.attach(plan.layout(), plan.region_name, wait_s=ATTACH_TIMEOUT_S)
         return cls(plan, OffloadSender(region, policy=host_wait_policy(region)), remote_kv)
@@ -278,7 +279,9 @@ class HotWeaving:
         except OffloadError as exc:
             self.mark_degraded(f"wait failed: {exc}")
             return False
-        output[rows.tokens] = result.output  # both [rows, num_heads, head_size]
+        # Both [rows, num_heads, head_size]; the staging lives on the cold GPU when the
+        # pair spans two (a peer copy in stream order; nothing moves on one device).
+        output[rows.tokens] = result.output.to(output.device, non_blocking=True)
         self.stats.num_offloaded_tasks += 1
         self.stats.num_offloaded_rows += len(rows.tokens)
         if result.status is not WaitStatus.PENDING:  # a device wait's host time is no wait

@@ -33,11 +33,11 @@ def write_kv(
     offsets = slots % block_size
     # advanced indices around a slice: the result dims are [T, num_kv_heads, head_size]
     if kv_format == "token":
-        kv_layer[blocks, :, offsets, :head_size] = key.to(kv_layer.dtype)
-        kv_layer[blocks, :, offsets, head_size:] = value.to(kv_layer.dtype)
+        kv_layer[blocks, :, offsets, :head_size] = key.to(kv_layer.device, kv_layer.dtype)
+        kv_layer[blocks, :, offsets, head_size:] = value.to(kv_layer.device, kv_layer.dtype)
         return
     if kv_format != "pages":
         raise ValueError(f"kv_format must be 'pages' or 'token', got {kv_format!r}")
     pages = kv_layer.view(num_blocks, num_kv_heads, 2, block_size, head_size)
-    pages[blocks, :, 0, offsets] = key.to(kv_layer.dtype)
-    pages[blocks, :, 1, offsets] = value.to(kv_layer.dtype)
+    pages[blocks, :, 0, offsets] = key.to(kv_layer.device, kv_layer.dtype)
+    pages[blocks, :, 1, offsets] = value.to(kv_layer.device, kv_layer.dtype)

@@ -128,6 +128,23 @@ class CudaRegion(RegionBase):
         layout.verify_header(header)
         return cls(layout, name, tensor, False, library)
 
+    def load_kernels(self) -> None:
+        """Load (compiling at most once per machine, cached on disk) the kernels this side
+        launches, so that no request waits for a compiler: publish, wait and fallback on
+        the hot side, the poll on the cold side."""
+        from weaver.offload.cuda import kernels
+
+        head_size = self._layout.shape.head_size
+        if self._is_owner:
+            names = [(kernels.COLD_FILE, kernels.kernel_name("weaver_poll_and_attend",
+                                                             self._dtype, head_size))]
+        else:
+            names = [(kernels.HOT_FILE, "weaver_publish"), (kernels.HOT_FILE, "weaver_wait_done"),
+                     (kernels.ATTENTION_FILE, kernels.kernel_name(
+                         "weaver_paged_attention_if_failed", self._dtype, head_size))]
+        for file_name, kernel in names:
+            self._library.function(file_name, kernel)
+
     def export_handle(self) -> bytes:
         """Bytes for the hot side's attach(); only the owner exports."""
         from weaver.offload.cuda.ipc import export_tensor
