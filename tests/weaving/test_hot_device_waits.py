@@ -40,8 +40,9 @@ class _DeviceWaitSender:
         return OffloadResult(self.out[: ticket.num_seqs], ticket, WaitStatus.PENDING, 1e-6,
                              1e-6, 0)
 
-    def enqueue_fallback(self, ticket: OffloadTicket) -> None:
+    def enqueue_fallback(self, ticket: OffloadTicket) -> torch.Tensor:
         self.fallbacks_enqueued.append(ticket.seq)
+        return self.out[: ticket.num_seqs]  # the device's choice: here, the cold side's
 
     def take_num_device_fallbacks(self) -> int:
         count, self.device_fallbacks = self.device_fallbacks, 0

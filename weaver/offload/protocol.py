@@ -278,10 +278,11 @@ class Transport(Protocol):
         caller's stream)."""
         ...
 
-    def enqueue_fallback(self, meta: TaskMeta) -> None:
+    def enqueue_fallback(self, meta: TaskMeta) -> torch.Tensor:
         """After a device wait, on its stream: attend the staged task on the hot side if
-        that wait did not end OK (CUDA); a host wait ends with its outcome instead, so a
-        host transport raises TypeError."""
+        that wait did not end OK, and return the task's output, the cold side's or the
+        fallback's as the wait ended (CUDA); a host wait ends with its outcome instead, so
+        a host transport raises TypeError."""
         ...
 
     def take_num_fallbacks(self) -> int:

@@ -230,13 +230,14 @@ class OffloadSender:
             num_sleeps=num_sleeps,
         )
 
-    def enqueue_fallback(self, ticket: OffloadTicket) -> None:
+    def enqueue_fallback(self, ticket: OffloadTicket) -> torch.Tensor:
         """After a device wait for `ticket` (status PENDING): the hot side attends the task
-        itself, on its stream, if that wait does not end OK (Transport.enqueue_fallback)."""
+        itself, on its stream, if that wait does not end OK; returns the task's output
+        either way (Transport.enqueue_fallback)."""
         if ticket.seq != self._last_seq or self._last_meta is None:
             raise OffloadError(f"ticket {ticket.seq} is stale: task {self._last_seq} has since "
                                "reused the staging area")
-        self._transport.enqueue_fallback(self._last_meta)
+        return self._transport.enqueue_fallback(self._last_meta)
 
     def take_num_device_fallbacks(self) -> int:
         """Fallbacks run on the device since the last call (a synchronisation on CUDA)."""

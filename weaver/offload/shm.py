@@ -336,7 +336,7 @@ class ShmRegion(RegionBase):
     def wait_status(self) -> tuple[WaitStatus, int]:
         return self._last_wait
 
-    def enqueue_fallback(self, meta: TaskMeta) -> None:
+    def enqueue_fallback(self, meta: TaskMeta) -> torch.Tensor:
         raise TypeError("a host wait ends with its outcome: the hot side falls back on the "
                         "host (weaving/hot.py), not on a device stream")
 

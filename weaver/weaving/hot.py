@@ -273,15 +273,17 @@ class HotWeaving:
     def _collect(self, ticket: OffloadTicket, output: torch.Tensor, rows: RowGroup) -> bool:
         try:
             result = self.sender.wait_with_timing(ticket, self.plan.timeout_s)
+            task_output = result.output
             if result.status is WaitStatus.PENDING:
-                # A device wait: its fallback follows it on the stream (settle_step counts).
-                self.sender.enqueue_fallback(ticket)
+                # A device wait: its fallback follows it on the stream and the output is
+                # the cold side's or the fallback's, as the wait ended (settle_step counts).
+                task_output = self.sender.enqueue_fallback(ticket)
         except OffloadError as exc:
             self.mark_degraded(f"wait failed: {exc}")
             return False
         # Both [rows, num_heads, head_size]; the staging lives on the cold GPU when the
         # pair spans two (a peer copy in stream order; nothing moves on one device).
-        output[rows.tokens] = result.output.to(output.device, non_blocking=True)
+        output[rows.tokens] = task_output.to(output.device, non_blocking=True)
         self.stats.num_offloaded_tasks += 1
         self.stats.num_offloaded_rows += len(rows.tokens)
         if result.status is not WaitStatus.PENDING:  # a device wait's host time is no wait

@@ -88,6 +88,10 @@ class CudaRegion(RegionBase):
         # The hot side's fallbacks since the last take_num_fallbacks(), counted on the
         # device by the _if_failed attention (no host synchronisation per layer).
         self._num_fallbacks = torch.zeros(1, dtype=torch.int64, device=self.device)
+        # Where a fallback writes: not the output staging, which a cold side that is late
+        # rather than gone may still write to while the hot side reads it.
+        self._fallback_out = torch.zeros(layout.staging_shape, dtype=self._dtype,
+                                         device=self.device)
         self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
 
     @classmethod
@@ -223,11 +227,12 @@ class CudaRegion(RegionBase):
     def is_peer_open(self) -> bool:
         return True  # not without a synchronisation: the device wait reports CLOSED
 
-    def enqueue_fallback(self, meta: TaskMeta) -> None:
+    def enqueue_fallback(self, meta: TaskMeta) -> torch.Tensor:
         """After wait_done, on the same stream: if that wait did not end OK, attend the
-        task (still in the staging area) here, into the output staging, over the region's
-        KV, and count it. Nothing waits for the host: the output is right in stream order
-        either way, and take_num_fallbacks() tells the host later."""
+        task (still in the staging area) here, over the region's KV, and count it. Returns
+        the task's output on this device, in stream order: the cold side's when the wait
+        ended OK, the fallback's otherwise, chosen on the device (no host synchronisation;
+        take_num_fallbacks() tells the host later)."""
         import torch
 
         from weaver.offload.cuda import kernels
@@ -242,11 +247,15 @@ class CudaRegion(RegionBase):
             self.tensor(lay.seq_lens_offset, (n,), torch.int32),
             self.tensor(lay.block_table_offset, (lay.max_seqs_per_task, lay.max_blocks_per_seq),
                         torch.int32)[:n],
-            self.tensor(lay.out_offset, (n, num_heads, head_size), self._dtype),
+            self._fallback_out[:n],
             meta.scale, wait_status=self._wait_status, num_fallbacks=self._num_fallbacks,
             sliding_window=meta.sliding_window, softcap=meta.softcap,
             kv_format=lay.shape.kv_format,
         )  # fmt: skip
+        served = self.tensor(lay.out_offset, (n, num_heads, head_size), self._dtype)
+        is_ok = self._wait_status[0] == int(WaitStatus.OK)
+        return torch.where(is_ok, served.to(self.device, non_blocking=True),
+                           self._fallback_out[:n])
 
     def take_num_fallbacks(self) -> int:
         """Fallbacks the device ran since the last call (synchronises the current stream:
