@@ -13,9 +13,9 @@ protocol.py); the counters are moved by device kernels instead of the host:
   ``OffloadSender`` and ``OffloadReceiver`` run over it; ``CudaPollingExecutor`` is the
   cold side's executor (the polling kernel serves tasks on the device).
 - ``region_desc``: the int64 descriptor of a RegionLayout that device code reads.
-- ``pool``: writes K/V into the remote pool (layout [num_blocks, num_kv_heads, block_size,
-  2*head_size], K then V per (block, head) page, token-major: one layout for both
-  transports; FlashAttention's own GPU cache layout differs and is not used here).
+- ``pool``: writes K/V into the remote pool (layer view [num_blocks, num_kv_heads,
+  block_size, 2*head_size] in the region's KV format: "pages" or the GPU backends'
+  "token", weaver/offload/layout.py KV_FORMATS) where no backend kernel writes them.
 - ``ipc``: CUDA IPC handles as plain bytes (JSON, never pickle).
 
 Importable without CUDA, CuPy or vLLM: everything that touches a device imports it
