@@ -184,3 +184,23 @@ def test_a_cuda_pair_plans_its_region_in_the_gpu_backends_kv_format(tmp_path):
         (plan,) = plan_pairs(parse_deployment(data), {"h": model_dir, "c": model_dir}, "t")
         assert (plan.shape.kv_format, plan.shape.block_size) == (kv_format, block_size)
         assert plan.layout().kv_layer_shape[1:] == (2, block_size, 64)
+
+
+def test_serve_refuses_a_gpu_deployment_here_before_starting_any_engine(tmp_path, monkeypatch):
+    """This machine has no GPU: `weaver serve` says so and the fix, and starts nothing."""
+    from weaver.cli.main import main
+    from weaver.config import devices
+
+    monkeypatch.setattr(devices, "probe_gpus", lambda: GpuInventory(()))
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    data = pair("cuda:0", "cuda:0")
+    for spec in data["models"]:
+        spec["model"] = str(model_dir)
+    config = tmp_path / "gpu.yaml"
+    config.write_text(yaml.safe_dump(data))
+    with pytest.raises(SystemExit) as info:
+        main(["serve", str(config)])
+    assert "this machine has no visible GPU" in str(info.value.code)
+    assert "set device: cpu" in str(info.value.code)

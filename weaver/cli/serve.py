@@ -40,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from weaver.config.deployment import load_deployment
-    from weaver.server.app import ServeSettings, serve
+    from weaver.server.app import ServeSettings, check_engines, serve
 
     if not 0 < args.port < 65536:
         raise SystemExit(f"--port {args.port} is not a TCP port (1-65535)")
@@ -58,4 +58,8 @@ def run(args: argparse.Namespace) -> int:
         models_dir=args.models_dir,
         log_level=args.log_level.lower(),
     )
+    try:
+        check_engines(settings)  # a model or device that cannot be had: say so, start nothing
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     return serve(settings)

@@ -67,13 +67,21 @@ class Engines:
     weaving: WeavingSupervisor | None
 
 
+def check_engines(settings: ServeSettings) -> tuple[dict[str, Path],
+                                                   dict[str, EnginePlacement]]:
+    """Each model's directory and where its engine goes, before any engine starts;
+    ValueError saying the fix when a model or a device cannot be had here."""
+    deployment = settings.deployment
+    resolve = settings.resolve_model or _default_resolver
+    paths = {spec.name: resolve(spec.model, settings.models_dir) for spec in deployment.models}
+    return paths, place_engines(deployment, paths)
+
+
 async def start_engines(settings: ServeSettings, stack: contextlib.AsyncExitStack) -> Engines:
     """Start every engine of the deployment and connect its weaving pairs; everything is
     closed by `stack`, also when start-up fails half-way."""
     deployment = settings.deployment
-    resolve = settings.resolve_model or _default_resolver
-    paths = {spec.name: resolve(spec.model, settings.models_dir) for spec in deployment.models}
-    placements = place_engines(deployment, paths)  # refuses what cannot work, before any start
+    paths, placements = check_engines(settings)
     plans = weaving_plans(deployment, paths)
     configs = additional_configs(deployment, plans)
     # Registered first so it runs last: regions whose owner died are unlinked after
