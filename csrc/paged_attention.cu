@@ -24,42 +24,41 @@ __device__ void paged_decode_attention(const AttnParams& p, int* error_flag) {
 
 }  // namespace weaver
 
-#define WEAVER_ATTENTION_KERNEL(NAME, DT, ELEMS)                                                      \
-  extern "C" __global__ void __launch_bounds__(weaver::kThreads)                               \
-      NAME(const void* q, const void* kv, const int* seq_lens, const int* block_table,         \
-           void* out, int num_seqs, int num_q_heads, int num_kv_heads, int head_size,          \
-           int block_size, int block_table_stride, int num_blocks, int sliding_window,         \
-           float scale, float softcap, int kv_format, int* error_flag) {                       \
-    const weaver::AttnParams p = {q,           kv,           seq_lens,   block_table,          \
-                                  out,         num_seqs,     num_q_heads, num_kv_heads,        \
-                                  head_size,   block_size,   block_table_stride, num_blocks,   \
-                                  sliding_window, scale,     softcap,    kv_format};           \
-    weaver::paged_decode_attention<DT, ELEMS>(p, error_flag);                                         \
+// The standalone kernels' parameters (both variants take them first) and the AttnParams
+// they make: kernels.py passes them in this order.
+#define WEAVER_ATTENTION_PARAMS                                                                \
+  const void *q, const void *kv, const int *seq_lens, const int *block_table, void *out,      \
+      int num_seqs, int num_q_heads, int num_kv_heads, int head_size, int block_size,          \
+      int block_table_stride, int num_blocks, int sliding_window, float scale, float softcap,  \
+      int kv_format, int *error_flag
+#define WEAVER_ATTENTION_STRUCT                                                                \
+  weaver::AttnParams {                                                                         \
+    q, kv, seq_lens, block_table, out, num_seqs, num_q_heads, num_kv_heads, head_size,         \
+        block_size, block_table_stride, num_blocks, sliding_window, scale, softcap, kv_format  \
   }
 
-// _h128: head_size <= 128, _h256: head_size <= 256 (kernels.py picks by head size)
+#define WEAVER_ATTENTION_KERNEL(NAME, DT, ELEMS)                                               \
+  extern "C" __global__ void __launch_bounds__(weaver::kThreads) NAME(WEAVER_ATTENTION_PARAMS) { \
+    weaver::paged_decode_attention<DT, ELEMS>(WEAVER_ATTENTION_STRUCT, error_flag);            \
+  }
+
+#define WEAVER_FALLBACK_KERNEL(NAME, DT, ELEMS)                                                \
+  extern "C" __global__ void __launch_bounds__(weaver::kThreads)                               \
+      NAME(WEAVER_ATTENTION_PARAMS, const int *wait_status, unsigned long long *num_fallbacks) { \
+    if (wait_status[0] == weaver::kWaitOk) return;                                             \
+    if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(num_fallbacks, 1ULL);                   \
+    weaver::paged_decode_attention<DT, ELEMS>(WEAVER_ATTENTION_STRUCT, error_flag);            \
+  }
+
+// One kernel per dtype and head-size bound: _h128 for head_size <= 128, _h256 for <= 256
+// (kernels.py picks by head size). Names are spelled out: tests/gpu/test_region_desc.py
+// finds every kernel the wrappers launch in this file.
 WEAVER_ATTENTION_KERNEL(weaver_paged_attention_f32_h128, weaver::F32, 4)
 WEAVER_ATTENTION_KERNEL(weaver_paged_attention_f16_h128, weaver::F16, 4)
 WEAVER_ATTENTION_KERNEL(weaver_paged_attention_bf16_h128, weaver::BF16, 4)
 WEAVER_ATTENTION_KERNEL(weaver_paged_attention_f32_h256, weaver::F32, 8)
 WEAVER_ATTENTION_KERNEL(weaver_paged_attention_f16_h256, weaver::F16, 8)
 WEAVER_ATTENTION_KERNEL(weaver_paged_attention_bf16_h256, weaver::BF16, 8)
-
-#define WEAVER_FALLBACK_KERNEL(NAME, DT, ELEMS)                                                \
-  extern "C" __global__ void __launch_bounds__(weaver::kThreads)                               \
-      NAME(const void* q, const void* kv, const int* seq_lens, const int* block_table,         \
-           void* out, int num_seqs, int num_q_heads, int num_kv_heads, int head_size,          \
-           int block_size, int block_table_stride, int num_blocks, int sliding_window,         \
-           float scale, float softcap, int kv_format, int* error_flag,                         \
-           const int* wait_status, unsigned long long* num_fallbacks) {                         \
-    if (wait_status[0] == weaver::kWaitOk) return;                                             \
-    if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(num_fallbacks, 1ULL);                   \
-    const weaver::AttnParams p = {q,           kv,           seq_lens,   block_table,          \
-                                  out,         num_seqs,     num_q_heads, num_kv_heads,        \
-                                  head_size,   block_size,   block_table_stride, num_blocks,   \
-                                  sliding_window, scale,     softcap,    kv_format};           \
-    weaver::paged_decode_attention<DT, ELEMS>(p, error_flag);                                  \
-  }
 
 WEAVER_FALLBACK_KERNEL(weaver_paged_attention_if_failed_f32_h128, weaver::F32, 4)
 WEAVER_FALLBACK_KERNEL(weaver_paged_attention_if_failed_f16_h128, weaver::F16, 4)

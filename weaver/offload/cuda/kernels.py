@@ -126,15 +126,25 @@ def paged_decode_attention(
     fn = library.function(
         ATTENTION_FILE, kernel_name("weaver_paged_attention", q.dtype, q.shape[2])
     )
-    args = (
+    args = _attention_args(q, kv_layer, seq_lens, block_table, out, scale, sliding_window,
+                           softcap, kv_format, error_flag)
+    launch(fn, grid, NUM_THREADS, args, q.device)
+    return out
+
+
+def _attention_args(q: torch.Tensor, kv_layer: torch.Tensor, seq_lens: torch.Tensor,
+                    block_table: torch.Tensor, out: torch.Tensor, scale: float,
+                    sliding_window: int, softcap: float, kv_format: str,
+                    error_flag: torch.Tensor | None) -> tuple[Any, ...]:
+    """The arguments every weaver_paged_attention* kernel takes first, in its order
+    (csrc/paged_attention.cu WEAVER_ATTENTION_PARAMS)."""
+    return (
         _ptr(q), _ptr(kv_layer), _ptr(seq_lens), _ptr(block_table), _ptr(out),
         np.int32(q.shape[0]), np.int32(q.shape[1]), np.int32(kv_layer.shape[1]),
         np.int32(q.shape[2]), np.int32(kv_layer.shape[2]), np.int32(block_table.shape[1]),
         np.int32(kv_layer.shape[0]), np.int32(sliding_window), np.float32(scale),
         np.float32(softcap), np.int32(KV_FORMATS[kv_format]), _ptr(error_flag),
     )  # fmt: skip
-    launch(fn, grid, NUM_THREADS, args, q.device)
-    return out
 
 
 def paged_decode_attention_if_failed(
@@ -165,14 +175,9 @@ def paged_decode_attention_if_failed(
         raise ValueError(f"num_fallbacks must be an int64 counter on {device}")
     fn = library.function(
         ATTENTION_FILE, kernel_name("weaver_paged_attention_if_failed", q.dtype, q.shape[2]))
-    args = (
-        _ptr(q), _ptr(kv_layer), _ptr(seq_lens), _ptr(block_table), _ptr(out),
-        np.int32(q.shape[0]), np.int32(q.shape[1]), np.int32(kv_layer.shape[1]),
-        np.int32(q.shape[2]), np.int32(kv_layer.shape[2]), np.int32(block_table.shape[1]),
-        np.int32(kv_layer.shape[0]), np.int32(sliding_window), np.float32(scale),
-        np.float32(softcap), np.int32(KV_FORMATS[kv_format]), _ptr(error_flag),
-        _ptr(wait_status), _ptr(num_fallbacks),
-    )  # fmt: skip
+    args = (*_attention_args(q, kv_layer, seq_lens, block_table, out, scale, sliding_window,
+                             softcap, kv_format, error_flag),
+            _ptr(wait_status), _ptr(num_fallbacks))
     launch(fn, q.shape[0] * q.shape[1], NUM_THREADS, args, device)
 
 
