@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from weaver.offload.cuda.pool import write_kv as write_kv_on_device
+from weaver.offload.cuda.pool import write_kv
 from weaver.offload.reference_attention import (
     gather_kv_reference,
     paged_decode_attention_reference,
-    write_kv_reference,
 )
 from weaver.weaving.hot import RowGroup
 
@@ -41,14 +40,9 @@ class ReferenceAttentionOps:
 
     def write(self, kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               slots: torch.Tensor) -> None:
-        # The pool may be another device's memory (the cold GPU's region).
-        key, value = key.to(kv_layer.device), value.to(kv_layer.device)
-        if kv_layer.is_cuda:
-            # Same layout as the oracle's writer, in two stream-ordered index_puts instead
-            # of two tiny kernels per token.
-            write_kv_on_device(kv_layer, key, value, slots)
-        else:
-            write_kv_reference(kv_layer, key, value, slots, key_layout=KEY_LAYOUT)
+        # The oracle's layout in two index_puts on any device (tests/offload/test_layout.py
+        # checks it writes the oracle's bytes); the pool may be the cold GPU's region.
+        write_kv(kv_layer, key, value, slots)
 
 
 def attend_rows(kv_layer: torch.Tensor, rows: RowGroup, q: torch.Tensor,
@@ -66,7 +60,7 @@ def attend_rows(kv_layer: torch.Tensor, rows: RowGroup, q: torch.Tensor,
         out[decode_rows] = paged_decode_attention_reference(
             q[decode_rows], kv_layer, rows.seq_lens[requests], rows.block_table[requests],
             scale, key_layout=KEY_LAYOUT,
-        ).to(out.device)  # the oracle returns a CPU tensor whatever q's device
+        )
     for i in sorted(set(range(rows.num_reqs)) - set(decodes)):
         out[starts[i] : starts[i + 1]] = causal_attention(
             q[starts[i] : starts[i + 1]], kv_layer, rows.block_table[i], seq_lens[i], scale)

@@ -88,8 +88,6 @@ def _model_dirs(deployment, models_dir: Path | None, *, strict: bool) -> dict[st
 def _check_devices(deployment, gpus, models_dir: Path | None) -> None:
     from weaver.config.devices import place_engines
 
-    if all(spec.device == "cpu" for spec in deployment.models):
-        return
     place_engines(deployment, _model_dirs(deployment, models_dir, strict=False), gpus)
 
 

@@ -58,8 +58,9 @@ def run(args: argparse.Namespace) -> int:
         models_dir=args.models_dir,
         log_level=args.log_level.lower(),
     )
+    # A model or device that cannot be had: say so and start nothing.
     try:
-        check_engines(settings)  # a model or device that cannot be had: say so, start nothing
+        checked = check_engines(settings)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-    return serve(settings)
+    return serve(settings, checked)

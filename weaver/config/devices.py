@@ -94,7 +94,12 @@ def _probe_with_nvidia_smi() -> GpuInventory:
 def _visible_order(visible: str | None, num_gpus: int) -> list[int]:
     if visible is None:
         return list(range(num_gpus))
-    return [int(item) for item in visible.split(",") if item.strip().isdigit()]
+    return [int(entry) for entry in _visible_entries(visible) if entry.isdigit()]
+
+
+def _visible_entries(visible: str) -> list[str]:
+    """The entries (GPU numbers or UUIDs) of a CUDA_VISIBLE_DEVICES value, in order."""
+    return [item.strip() for item in visible.split(",") if item.strip()]
 
 
 def physical_gpu_ids(indices: list[int], visible: str | None) -> str:
@@ -103,7 +108,7 @@ def physical_gpu_ids(indices: list[int], visible: str | None) -> str:
     renumbered the GPUs, so its entries (numbers or UUIDs) are passed through."""
     if visible is None:
         return ",".join(str(i) for i in indices)
-    entries = [item.strip() for item in visible.split(",") if item.strip()]
+    entries = _visible_entries(visible)
     missing = [i for i in indices if i >= len(entries)]
     if missing:
         raise ValueError(f"cuda:{missing[0]} is not visible: {VISIBLE_DEVICES_ENV}="
@@ -139,16 +144,13 @@ class EnginePlacement:
         return cls({"VLLM_CPU_OMP_THREADS_BIND": spec.cpu_cores} if spec.cpu_cores else {})
 
 
-def place_engine(spec: ModelSpec, deployment: Deployment, gpus: GpuInventory,
-                 weights: int) -> EnginePlacement:
-    """The environment and vLLM arguments of `spec`'s engine; `weights`: bytes of its
-    weights (for a budget that is not stated)."""
+def _place_engine(spec: ModelSpec, deployment: Deployment, gpus: GpuInventory,
+                  weights: int) -> EnginePlacement:
+    """The environment and vLLM arguments of `spec`'s engine, on a device check_devices
+    accepted; `weights`: bytes of its weights (for a budget that is not stated)."""
     if spec.device == "cpu":
         return EnginePlacement.on_cpu(spec)
     index = cuda_index(spec.device)
-    if index >= gpus.count:
-        raise ValueError(f"model {spec.name!r}: {spec.device} is not visible here "
-                         f"({gpus.count} GPU(s))")
     visible = physical_gpu_ids(engine_gpus(spec, deployment),
                                os.environ.get(VISIBLE_DEVICES_ENV))
     utilization = gpu_memory_utilization(spec, weights, gpus.total_bytes[index])
@@ -204,11 +206,10 @@ def check_devices(deployment: Deployment, gpus: GpuInventory,
                 "raise gpu_memory_gib or lower kv_cache_gib")
     for index, specs in sorted(by_gpu.items()):
         total_gib = gpus.total_bytes[index] / GiB
-        stated = sum(budget_gib(s, weights.get(s.name, 0)) for s in specs)
+        budgets = {s.name: budget_gib(s, weights.get(s.name, 0)) for s in specs}
         reserve = CONTEXT_RESERVE_GIB * len(specs)
-        if stated + reserve > total_gib:
-            parts = " + ".join(f"{s.name} {budget_gib(s, weights.get(s.name, 0)):.2f}"
-                               for s in specs)
+        if sum(budgets.values()) + reserve > total_gib:
+            parts = " + ".join(f"{name} {gib:.2f}" for name, gib in budgets.items())
             problems.append(
                 f"cuda:{index} has {total_gib:.1f} GiB; its engines' budgets ({parts} GiB) "
                 f"and {reserve:.1f} GiB of CUDA contexts do not fit; lower gpu_memory_gib, "
@@ -229,5 +230,5 @@ def place_engines(deployment: Deployment, model_dirs: dict[str, Path],
     if problems:
         raise ValueError("the deployment's devices cannot work here:\n"
                          + "\n".join(f"  - {p}" for p in problems))
-    return {spec.name: place_engine(spec, deployment, gpus, weights.get(spec.name, 0))
+    return {spec.name: _place_engine(spec, deployment, gpus, weights.get(spec.name, 0))
             for spec in deployment.models}

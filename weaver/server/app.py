@@ -67,21 +67,29 @@ class Engines:
     weaving: WeavingSupervisor | None
 
 
-def check_engines(settings: ServeSettings) -> tuple[dict[str, Path],
-                                                   dict[str, EnginePlacement]]:
+@dataclass(frozen=True)
+class CheckedEngines:
+    """What check_engines found: each model's directory and where its engine goes."""
+
+    paths: dict[str, Path]
+    placements: dict[str, EnginePlacement]
+
+
+def check_engines(settings: ServeSettings) -> CheckedEngines:
     """Each model's directory and where its engine goes, before any engine starts;
     ValueError saying the fix when a model or a device cannot be had here."""
     deployment = settings.deployment
     resolve = settings.resolve_model or _default_resolver
     paths = {spec.name: resolve(spec.model, settings.models_dir) for spec in deployment.models}
-    return paths, place_engines(deployment, paths)
+    return CheckedEngines(paths, place_engines(deployment, paths))
 
 
-async def start_engines(settings: ServeSettings, stack: contextlib.AsyncExitStack) -> Engines:
-    """Start every engine of the deployment and connect its weaving pairs; everything is
-    closed by `stack`, also when start-up fails half-way."""
+async def start_engines(settings: ServeSettings, checked: CheckedEngines,
+                        stack: contextlib.AsyncExitStack) -> Engines:
+    """Start every engine of the deployment (as check_engines placed them) and connect its
+    weaving pairs; everything is closed by `stack`, also when start-up fails half-way."""
     deployment = settings.deployment
-    paths, placements = check_engines(settings)
+    paths, placements = checked.paths, checked.placements
     plans = weaving_plans(deployment, paths)
     configs = additional_configs(deployment, plans)
     # Registered first so it runs last: regions whose owner died are unlinked after
@@ -108,11 +116,11 @@ async def start_engines(settings: ServeSettings, stack: contextlib.AsyncExitStac
     return Engines(engines, supervisor)
 
 
-async def run_server(settings: ServeSettings) -> None:
+async def run_server(settings: ServeSettings, checked: CheckedEngines) -> None:
     import uvicorn
 
     async with contextlib.AsyncExitStack() as stack:
-        engines = await start_engines(settings, stack)
+        engines = await start_engines(settings, checked, stack)
         backends = engines.handles
         _hand_signals_to_uvicorn()
         weaving = engines.weaving
@@ -168,10 +176,11 @@ def _note_signal_during_shutdown(signum: int, _frame: object) -> None:
     logger.info("%s received; shutting down the engines", signal.Signals(signum).name)
 
 
-def serve(settings: ServeSettings) -> int:
-    """Run until SIGINT/SIGTERM; return the process exit code."""
+def serve(settings: ServeSettings, checked: CheckedEngines) -> int:
+    """Run the engines check_engines placed until SIGINT/SIGTERM; return the process exit
+    code."""
     try:
-        asyncio.run(_run_with_signals(settings))
+        asyncio.run(_run_with_signals(settings, checked))
     except KeyboardInterrupt:
         logger.info("interrupted during start-up")
     finally:
@@ -179,7 +188,7 @@ def serve(settings: ServeSettings) -> int:
     return 0
 
 
-async def _run_with_signals(settings: ServeSettings) -> None:
+async def _run_with_signals(settings: ServeSettings, checked: CheckedEngines) -> None:
     # uvicorn installs its own handlers while it serves; before that (engines starting)
     # a signal cancels start-up so that the exit stack shuts the engines down.
     loop = asyncio.get_running_loop()
@@ -188,7 +197,7 @@ async def _run_with_signals(settings: ServeSettings) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, main_task.cancel)
     try:
-        await run_server(settings)
+        await run_server(settings, checked)
     except asyncio.CancelledError:
         logger.info("start-up cancelled by a signal; engines shut down")
 
