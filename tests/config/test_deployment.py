@@ -71,3 +71,25 @@ def test_file_errors(tmp_path):
     scalar.write_text("42\n")
     with pytest.raises(ValueError, match="expected a mapping"):
         load_deployment(scalar)
+
+
+def test_serving_block_and_model_limits():
+    deployment = parse_deployment({
+        "models": [model("m", max_waiting_requests=4, timeout_s=30)],
+        "serving": {"max_body_bytes": 4096, "drain_grace_s": 5,
+                    "restart": {"max_restarts": 2, "backoff_s": 0.5}},
+    })
+    spec = deployment.models[0]
+    assert (spec.max_waiting_requests, spec.timeout_s) == (4, 30)
+    serving = deployment.serving
+    assert (serving.max_body_bytes, serving.drain_grace_s, serving.open_status_routes) == (
+        4096, 5, True)
+    assert (serving.restart.max_restarts, serving.restart.backoff_for(2)) == (2, 1.0)
+
+
+def test_serving_errors_say_the_fix():
+    with pytest.raises(ValueError, match="backoff_max_s .* must be at least backoff_s"):
+        parse_deployment({"models": [model("m")],
+                          "serving": {"restart": {"backoff_s": 10, "backoff_max_s": 1}}})
+    with pytest.raises(ValueError, match="serving.restart.max_restart: unknown field"):
+        parse_deployment({"models": [model("m")], "serving": {"restart": {"max_restart": 1}}})

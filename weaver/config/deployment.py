@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from weaver.config.cpu_cores import parse_cpu_cores
+from weaver.config.serving import ServingSpec
 
 DEFAULT_DEPLOYMENT_RESOURCE = "default.yaml"
 
@@ -80,6 +81,13 @@ class ModelSpec(BaseModel):
         "models by quota (docs/architecture.md, part 8). Pages hold one head-block of the cold "
         "model; each hot model's block_size must make its head-blocks the same size",
     )
+    max_waiting_requests: int = Field(
+        256, ge=0, description="requests the gateway lets wait beyond a full batch "
+        "(max_num_seqs running); more are answered 429 with Retry-After")
+    timeout_s: float | None = Field(
+        None, gt=0, description="longest a request may take; past it the request is aborted "
+        "in its engine (its KV freed) and answered 504. A request's X-Request-Timeout header "
+        "(seconds) overrides it; unset: no deadline")
 
     @field_validator("name")
     @classmethod
@@ -174,6 +182,7 @@ class Deployment(BaseModel):
 
     models: list[ModelSpec] = Field(min_length=1)
     weaving: list[WeavingSpec] = Field(default_factory=list)
+    serving: ServingSpec = Field(default_factory=ServingSpec)
 
     @model_validator(mode="after")
     def _check_references(self) -> Deployment:

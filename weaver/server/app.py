@@ -1,9 +1,11 @@
 """`weaver serve`: start one vLLM engine per model, then serve them all on one port.
 
-Lifecycle: engines start first (concurrently), the HTTP server binds only when every
-engine is ready, and on SIGINT/SIGTERM the server stops accepting, every engine is shut
-down through vLLM's own shutdown path, and any child process still alive after that is
-terminated, so nothing is left orphaned.
+Lifecycle: engines start first (one at a time), the HTTP server binds only when every
+engine is ready, and each engine is then watched and restarted when it dies or hangs
+(weaver.server.supervisor). On SIGINT/SIGTERM the server drains (new requests get 503, those
+in flight get the deployment's serving.drain_grace_s, the rest are aborted with an error),
+every engine is shut down through vLLM's own shutdown path, and any child process still
+alive after that is terminated, so nothing is left orphaned.
 """
 
 from __future__ import annotations
@@ -13,14 +15,19 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
+
+import uvicorn
 
 from weaver.config.deployment import Deployment, ModelSpec
 from weaver.config.devices import EnginePlacement, place_engines
-from weaver.server.gateway import Gateway, GatewayConfig
+from weaver.server.gateway import Gateway, GatewayConfig, ModelLimits
+from weaver.server.inflight import Aborted
 from weaver.server.metrics import GatewayMetrics
+from weaver.server.supervisor import SupervisedEngine
 from weaver.server.weaving import (
     WeavingMetrics,
     WeavingSupervisor,
@@ -63,7 +70,7 @@ async def _start_engine(spec: ModelSpec, model_path: Path, stack: contextlib.Asy
 
 @dataclass
 class Engines:
-    handles: dict
+    handles: dict[str, SupervisedEngine]
     weaving: WeavingSupervisor | None
 
 
@@ -86,8 +93,10 @@ def check_engines(settings: ServeSettings) -> CheckedEngines:
 
 async def start_engines(settings: ServeSettings, checked: CheckedEngines,
                         stack: contextlib.AsyncExitStack) -> Engines:
-    """Start every engine of the deployment (as check_engines placed them) and connect its
-    weaving pairs; everything is closed by `stack`, also when start-up fails half-way."""
+    """Start every engine of the deployment (as check_engines placed them), connect its
+    weaving pairs, then watch each engine (restarted when it dies or hangs: the
+    deployment's serving.restart); everything is closed by `stack`, also when start-up
+    fails half-way."""
     deployment = settings.deployment
     paths, placements = checked.paths, checked.placements
     plans = weaving_plans(deployment, paths)
@@ -95,30 +104,63 @@ async def start_engines(settings: ServeSettings, checked: CheckedEngines,
     # Registered first so it runs last: regions whose owner died are unlinked after
     # every engine has stopped.
     stack.callback(remove_leftover_regions, plans)
-    engine_stacks = [contextlib.AsyncExitStack() for _ in deployment.models]
-    for engine_stack in engine_stacks:
-        stack.push_async_callback(engine_stack.aclose)
+    # One engine starts at a time: vLLM builds an engine synchronously anyway, and each
+    # engine's processes inherit the environment set for it alone (cpu_cores, visible
+    # GPUs), also when one restarts while another does.
+    start_lock = asyncio.Lock()
+
+    def opener(spec: ModelSpec) -> Callable:
+        async def open_one(engine_stack: contextlib.AsyncExitStack):
+            async with start_lock:
+                # A cold engine that died left its regions behind; its successor makes new ones.
+                remove_leftover_regions([p for p in plans if p.cold == spec.name])
+                return await _start_engine(spec, paths[spec.name], engine_stack,
+                                           configs[spec.name], placements[spec.name])
+        return open_one
+
+    def count_restart(model: str, reason: str) -> None:
+        settings.metrics.engine_restarts.labels(model=model).inc()
+
+    policy = deployment.serving.restart
+    engines = {spec.name: SupervisedEngine(spec.name, opener(spec), policy,
+                                           on_restart=count_restart)
+               for spec in deployment.models}
     started = time.monotonic()
-    # One after another: vLLM builds an engine synchronously anyway, and each engine's
-    # processes inherit the environment set for it alone (cpu_cores, visible GPUs).
-    handles = [
-        await _start_engine(spec, paths[spec.name], engine_stack, configs[spec.name],
-                            placements[spec.name])
-        for spec, engine_stack in zip(deployment.models, engine_stacks, strict=True)
-    ]
-    engines = {handle.spec.name: handle for handle in handles}
-    logger.info("%d engines ready in %.1f s", len(handles), time.monotonic() - started)
+    for engine in engines.values():
+        stack.push_async_callback(engine.close)
+        await engine.start()
+    logger.info("%d engines ready in %.1f s", len(engines), time.monotonic() - started)
     supervisor = None
     if plans:
         supervisor = WeavingSupervisor(plans, engines, WeavingMetrics(settings.metrics.registry))
         stack.push_async_callback(supervisor.close)
         await supervisor.connect()
+        for engine in engines.values():
+            engine.on_restarted = supervisor.reconnect
+    # Registered last so it runs first: no restart may begin while the server shuts down.
+    stack.push_async_callback(_stop_watching, engines)
+    for engine in engines.values():
+        engine.watch()
     return Engines(engines, supervisor)
 
 
-async def run_server(settings: ServeSettings, checked: CheckedEngines) -> None:
-    import uvicorn
+async def _stop_watching(engines: dict[str, SupervisedEngine]) -> None:
+    await asyncio.gather(*(engine.stop_watching() for engine in engines.values()))
 
+
+def gateway_config(settings: ServeSettings) -> GatewayConfig:
+    """The gateway's bounds, from the deployment's serving block and each model's limits."""
+    serving = settings.deployment.serving
+    limits = {spec.name: ModelLimits(spec.max_num_seqs + spec.max_waiting_requests,
+                                     spec.timeout_s)
+              for spec in settings.deployment.models}
+    return GatewayConfig(api_keys=settings.api_keys, created_at=int(time.time()),
+                         limits=limits, max_body_bytes=serving.max_body_bytes,
+                         retry_after_s=serving.retry_after_s,
+                         open_status_routes=serving.open_status_routes)
+
+
+async def run_server(settings: ServeSettings, checked: CheckedEngines) -> None:
     async with contextlib.AsyncExitStack() as stack:
         engines = await start_engines(settings, checked, stack)
         backends = engines.handles
@@ -126,7 +168,7 @@ async def run_server(settings: ServeSettings, checked: CheckedEngines) -> None:
         weaving = engines.weaving
         gateway = Gateway(
             backends,
-            GatewayConfig(api_keys=settings.api_keys, created_at=int(time.time())),
+            gateway_config(settings),
             settings.metrics,
             extra_health=weaving.health if weaving else None,
             before_metrics=weaving.refresh if weaving else None,
@@ -139,7 +181,8 @@ async def run_server(settings: ServeSettings, checked: CheckedEngines) -> None:
             access_log=False,
             lifespan="on",
         )
-        server = uvicorn.Server(config)
+        server = DrainingServer(config, gateway, settings.deployment.serving.drain_grace_s,
+                                stop_restarts=lambda: _stop_watching(backends))
         stats_task = asyncio.create_task(_log_stats_periodically(backends))
         stack.callback(stats_task.cancel)
         print(
@@ -159,6 +202,42 @@ async def _log_stats_periodically(backends: dict, interval_s: float = STATS_LOG_
         for backend in backends.values():
             if not backend.is_dead:
                 await backend.client.do_log_stats()
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with a graceful drain on the first SIGINT/SIGTERM: the listener stays open
+    and new requests get 503 with Retry-After, requests in flight get the grace period to
+    finish and are then aborted with a clean error; only then does uvicorn stop. A second
+    signal aborts what is in flight and stops at once."""
+
+    def __init__(self, config: uvicorn.Config, gateway: Gateway, grace_s: float,
+                 stop_restarts: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(config)
+        self.gateway = gateway
+        self.grace_s = grace_s
+        self.stop_restarts = stop_restarts
+        self._loop = asyncio.get_running_loop()
+        self._drain: asyncio.Task | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain is None and not self.should_exit:
+            logger.info("%s received: draining (grace %.0f s); send it again to stop at once",
+                        signal.Signals(sig).name, self.grace_s)
+            self._captured_signals.append(sig)
+            self._loop.call_soon_threadsafe(self._start_drain)
+            return
+        self.gateway.in_flight.abort_all(Aborted(503, "the server was stopped at once"))
+        super().handle_exit(sig, frame)
+
+    def _start_drain(self) -> None:
+        self._drain = asyncio.create_task(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await self.stop_restarts()
+            await self.gateway.drain(self.grace_s)
+        finally:
+            self.should_exit = True
 
 
 def _hand_signals_to_uvicorn() -> None:

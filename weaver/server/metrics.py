@@ -38,6 +38,10 @@ class GatewayMetrics:
             "weaver_engine_up", "1 while the model's engine is alive", ["model"],
             registry=self.registry,
         )
+        self.engine_restarts = Counter(
+            "weaver_engine_restarts", "Times the gateway restarted the model's engine (dead "
+            "or hung)", ["model"], registry=self.registry,
+        )
         self.request_seconds = Histogram(
             "weaver_request_duration_seconds",
             "Time from request to the last byte of the response, by model",

@@ -127,21 +127,52 @@ class WeavingSupervisor:
                                    "remote_blocks": p.num_remote_blocks, "reason": None}
             for p in plans
         }
+        self._cuda_handles: dict[str, str] = {}  # region name -> its owner's IPC handle
+        self._reconnect_failures: dict[str, str] = {}  # pair -> why it stays degraded
 
     async def connect(self) -> None:
+        for cold in sorted({p.cold for p in self.plans}):
+            await self._open_cold(cold)
+        for plan in self.plans:
+            await self._attach_hot(plan)
+
+    async def _open_cold(self, cold: str) -> None:
         # A region on a GPU is exported once by its owner (CUDA IPC) and opened once by
         # its hot worker; one in shared memory is found by its name.
-        handles: dict[str, str] = {}
-        for cold in sorted({p.cold for p in self.plans}):
-            mine = [p.to_dict() for p in self.plans if p.cold == cold]
-            (opened,) = await _rpc(self.engines[cold], "weaver_open_cold", RPC_TIMEOUT_S, mine)
-            handles.update(opened.get("cuda_handles", {}))
-        for plan in self.plans:
-            await _rpc(self.engines[plan.hot], "weaver_attach_hot", RPC_TIMEOUT_S,
-                       plan.to_dict(), handles.get(plan.region_name))
-            self.state[f"{plan.hot}->{plan.cold}"]["status"] = "ok"
-            logger.info("weaving %s -> %s connected (%d remote blocks, ratio %.2f)",
-                        plan.hot, plan.cold, plan.num_remote_blocks, plan.offload_ratio)
+        mine = [p.to_dict() for p in self.plans if p.cold == cold]
+        (opened,) = await _rpc(self.engines[cold], "weaver_open_cold", RPC_TIMEOUT_S, mine)
+        self._cuda_handles.update(opened.get("cuda_handles", {}))
+
+    async def _attach_hot(self, plan: PairPlan) -> None:
+        await _rpc(self.engines[plan.hot], "weaver_attach_hot", RPC_TIMEOUT_S,
+                   plan.to_dict(), self._cuda_handles.get(plan.region_name))
+        key = f"{plan.hot}->{plan.cold}"
+        self.state[key].update(status="ok", reason=None)
+        self._reconnect_failures.pop(key, None)
+        logger.info("weaving %s -> %s connected (%d remote blocks, ratio %.2f)",
+                    plan.hot, plan.cold, plan.num_remote_blocks, plan.offload_ratio)
+
+    async def reconnect(self, name: str) -> None:
+        """Connect the pairs of an engine that restarted (weaver.server.supervisor): a cold
+        one creates its regions again and its hot engines re-attach (their running remote
+        sequences' K/V carried over); a hot one attaches its colds' regions again. A pair
+        whose other engine is down stays degraded until that one is back."""
+        plans = [p for p in self.plans if name in (p.hot, p.cold)]
+        if any(p.cold == name for p in plans):
+            await self._open_cold(name)
+        for plan in plans:
+            key = f"{plan.hot}->{plan.cold}"
+            other = plan.cold if plan.hot == name else plan.hot
+            if self.engines[other].is_dead:
+                self.state[key].update(status="degraded", reason=f"{other} is down")
+                continue
+            try:
+                await self._attach_hot(plan)
+            except Exception as exc:  # the models serve; the pair computes remote rows itself
+                logger.error("weaving %s -> %s not reconnected after %s restarted: %r",
+                             plan.hot, plan.cold, name, exc)
+                self._reconnect_failures[key] = f"reconnect failed: {exc}"
+                self.state[key].update(status="degraded", reason=self._reconnect_failures[key])
 
     async def refresh(self) -> None:
         """Pull the workers' counters into Prometheus and the pairs' state into /health."""
@@ -149,15 +180,16 @@ class WeavingSupervisor:
             key = f"{plan.hot}->{plan.cold}"
             hot = self.engines[plan.hot]
             if hot.is_dead:
-                self.state[key].update(status="degraded", reason="hot engine is dead")
+                self.state[key].update(status="degraded", reason="hot engine is down")
                 continue
             stats = await self._stats_of(plan.hot)
             if stats is None:
                 continue
             self._record(plan, stats.get("hot") or {})
             cold_dead = self.engines[plan.cold].is_dead
-            reason = (stats.get("hot") or {}).get("degraded_reason") or (
-                "cold engine is dead" if cold_dead else None)
+            reason = ((stats.get("hot") or {}).get("degraded_reason")
+                      or self._reconnect_failures.get(key)
+                      or ("cold engine is down" if cold_dead else None))
             self.state[key].update(status="degraded" if reason else "ok", reason=reason)
         for cold in sorted({p.cold for p in self.plans}):
             await self._refresh_cold(cold)

@@ -56,6 +56,13 @@ class WeaverWorkerExtension:
             remote_kv = RemotePoolKV(plan)
         runtime = HotWeaving.attach(
             plan, remote_kv, bytes.fromhex(cuda_handle_hex) if cuda_handle_hex else None)
+        previous = self._weaver_hot
+        if previous is not None:  # the cold engine restarted and created a new region
+            try:
+                runtime.take_over_from(previous)
+            except ValueError:
+                runtime.sender.close()
+                raise
         runner = self.model_runner
         # The scheduler's local pool has exactly the blocks of vLLM's KV-cache config;
         # remote ids start there (weaver/vllm_ext/scheduler.py).

@@ -222,6 +222,26 @@ class HotWeaving:
         region = ShmRegion.attach(plan.layout(), plan.region_name, wait_s=ATTACH_TIMEOUT_S)
         return cls(plan, OffloadSender(region, policy=host_wait_policy(region)), remote_kv)
 
+    def take_over_from(self, previous: HotWeaving) -> None:
+        """Carry the pair on after its cold engine restarted: this runtime's region is the
+        one the new cold worker created, `previous` the dead one's (still mapped here). The
+        remote sequences still running keep their block ids, so their K/V are copied into
+        the new region, and the counters carry on. Called between steps (an RPC)."""
+        if self.plan.pool is not None:
+            raise ValueError(
+                f"weaving {self.plan.hot} -> {self.plan.cold} keeps remote KV in the cold "
+                "engine's unified pool, which died with it: the pair stays degraded until "
+                "the hot engine restarts too")
+        if previous.sender.layout != self.sender.layout:
+            raise ValueError(f"the restarted cold side's region {self.plan.region_name} has "
+                             "another layout; the pair stays degraded")
+        for layer in range(self.plan.shape.num_layers):
+            self.sender.kv_layer(layer).copy_(previous.sender.kv_layer(layer))
+        self.stats = previous.stats
+        previous.sender.close()
+        logger.info("weaving %s -> %s resumed on the restarted cold side's region (remote "
+                    "K/V carried over)", self.plan.hot, self.plan.cold)
+
     # --- K/V --------------------------------------------------------------------------
     def write_kv(self, ops: AttentionOps, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor, num_local_slots: int) -> None:

@@ -15,6 +15,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from weaver.config.cpu_cores import pin_engine_processes, usable_cpu_cores
@@ -225,6 +226,11 @@ async def open_engine(
     supported_tasks = await client.get_supported_tasks()
     app = build_app(args, supported_tasks, client.model_config)
     await init_app_state(client, app.state, args, supported_tasks)
+    # vLLM's handler of engine errors stops its own uvicorn through app.state.server
+    # (entrypoints/serve/exception_handling/handlers/vllm_error.py); under the gateway no
+    # engine may stop the server (its supervisor restarts the engine instead), so the
+    # handler gets a flag nobody reads.
+    app.state.server = SimpleNamespace(should_exit=False)
     handle = EngineHandle(
         spec=spec,
         client=client,
