@@ -27,6 +27,7 @@ class HeldBackend:
         self.started = 0
         self.cancelled = 0
         self.is_dead = False
+        self.is_recovering = False
 
     async def check_health(self) -> None:
         return None

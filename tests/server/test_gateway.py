@@ -29,6 +29,8 @@ class EchoBackend:
     def is_dead(self) -> bool:
         return self.dead
 
+    is_recovering = False
+
     async def check_health(self) -> None:
         if self.dead:
             raise RuntimeError("dead")

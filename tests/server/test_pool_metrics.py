@@ -34,11 +34,11 @@ def test_pool_series_follow_the_owners_running_totals(tmp_path):
     def value(name: str, **labels: str) -> float | None:
         return registry.get_sample_value(name, {"pool": "p", **labels})
 
-    supervisor._refresh_pool(pool)  # no file yet: skipped, nothing published
+    supervisor._refresh_pool(pool, "cold")  # no file yet: skipped, nothing published
     assert value("weaver_kv_pool_size_pages") is None
 
     write_owner_stats(tmp_path / "p.stats.json", reclaims=2, evictions=5, cached=7)
-    supervisor._refresh_pool(pool)
+    supervisor._refresh_pool(pool, "cold")
     assert value("weaver_kv_pool_size_pages") == 100
     assert value("weaver_kv_pool_quota_pages", tenant="hot") == 40
     assert value("weaver_kv_pool_cached_blocks") == 7
@@ -47,7 +47,7 @@ def test_pool_series_follow_the_owners_running_totals(tmp_path):
 
     # The owner's counters are running totals: the series add the increments only.
     write_owner_stats(tmp_path / "p.stats.json", reclaims=3, evictions=9, cached=1)
-    supervisor._refresh_pool(pool)
+    supervisor._refresh_pool(pool, "cold")
     assert value("weaver_kv_pool_cached_blocks") == 1
     assert value("weaver_kv_pool_cache_evictions_total") == 9
     assert value("weaver_kv_pool_reclaims_total") == 3

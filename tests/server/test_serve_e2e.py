@@ -2,8 +2,9 @@
 
 One server is started for the whole module on the embedded default deployment, exactly
 what `make serve` serves: two SmolLM2 engines, `smollm2-hot` weaving half of its
-sequences into `smollm2-cold`. The tests run in file order: the last two kill the cold
-engine (the hot model must keep serving) and then stop the server.
+sequences into `smollm2-cold`. The tests run in file order: the last ones fuzz the server,
+load it, kill its engines (each restarted and answering token-exactly again) and stop it
+with a graceful drain.
 """
 
 from __future__ import annotations
@@ -14,12 +15,16 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import openai
 import psutil
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from weaver.bench.server_process import weaver_server
 from weaver.config.deployment import load_deployment
@@ -191,42 +196,226 @@ def test_server_stays_up_after_errors(client):
     assert "Paris" in reply.choices[0].message.content
 
 
-def test_killing_one_engine_leaves_the_other_serving(server, client):
-    # The victim is the cold engine of the weaving pair: the hot model keeps answering
-    # (its remote sequences' attention falls back to the hot side, visibly).
-    victim_pids = server.health().json()["models"][COLD]["engine_pids"]
-    assert victim_pids
-    # Killed processes cannot unlink their shared memory; the gateway must (checked at
-    # SIGTERM below).
-    for pid in victim_pids:
-        victim = psutil.Process(pid)
+# --- reliability: fuzz, load, engines killed and restarted, drain --------------------------
+# Each test below leaves the server healthy and serving, token-exact to REFERENCE, so the
+# next can start from there; the last one stops it.
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+PROMPT = "The history of Paris"
+# Greedy answers of each model while nothing has failed yet, by model.
+REFERENCE: dict[str, str] = {}
+
+
+def greedy(client: openai.OpenAI, model: str) -> str:
+    reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0)
+    return reply.choices[0].text
+
+
+def test_reference_answers(client):
+    REFERENCE.update({model: greedy(client, model) for model in MODELS})
+    assert all(REFERENCE.values())
+
+
+def _json_values():
+    scalars = st.none() | st.booleans() | st.integers(-(2 ** 70), 2 ** 70) | st.floats() | \
+        st.text(max_size=40)
+    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
+                        | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+                        max_leaves=12)
+
+
+# Requests shaped like the OpenAI schema, every field free to be wrong; generation is kept
+# short (max_tokens small or invalid), so the fuzz costs seconds, not minutes.
+_MESSAGES = st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "tool", "nobody"]),
+     "content": st.text(max_size=60) | _json_values()}), max_size=3) | _json_values()
+_COMMON = {
+    "model": st.sampled_from([*MODELS, "", "no-such-model"]) | _json_values(),
+    "max_tokens": st.integers(-2, 4) | st.sampled_from([10 ** 9, "4", 2.5]),
+}
+_OPTIONAL = {
+    "temperature": st.floats(allow_nan=True) | st.text(max_size=4),
+    "top_p": st.floats(-1, 2), "n": st.integers(-1, 2), "stream": st.booleans(),
+    "stop": _json_values(), "logprobs": st.integers(-1, 30) | st.booleans(),
+    "seed": st.integers(-(2 ** 64), 2 ** 64), "response_format": _json_values(),
+    "echo": st.booleans(), "logit_bias": _json_values(), "extra": _json_values(),
+}
+CHAT = st.fixed_dictionaries({**_COMMON, "messages": _MESSAGES}, optional=_OPTIONAL)
+COMPLETION = st.fixed_dictionaries(
+    {**_COMMON, "prompt": st.text(max_size=80) | st.lists(st.integers(-5, 60000), max_size=8)
+     | _json_values()}, optional=_OPTIONAL)
+FUZZ_STATUSES: list[int] = []
+
+
+def _post_fuzzed(server, path: str, content: bytes) -> int:
+    # The deadline bounds a mutation that turned generation unbounded (a 504 then is the
+    # answer this header asks for, not a failure).
+    response = httpx.post(f"{server.base_url}{path}", content=content, timeout=120,
+                          headers={**AUTH, "content-type": "application/json",
+                                   "X-Request-Timeout": "30"})
+    FUZZ_STATUSES.append(response.status_code)
+    return response.status_code
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(request=st.one_of(CHAT.map(lambda r: ("/v1/chat/completions", r)),
+                         COMPLETION.map(lambda r: ("/v1/completions", r))))
+def test_fuzzed_requests_never_get_a_5xx(server, request):
+    path, body = request
+    status = _post_fuzzed(server, path, json.dumps(body).encode())
+    assert status < 500 or status == 504, (path, body)
+
+
+@settings(max_examples=220, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]),
+       edits=st.lists(st.tuples(st.integers(0, 200), st.binary(max_size=4)), max_size=6),
+       cut=st.integers(0, 300))
+def test_mutated_bytes_never_get_a_5xx(server, path, edits, cut):
+    # max_tokens twice (the last one counts): one edit cannot make generation unbounded.
+    body = bytearray(b'{"max_tokens": 2, ' + json.dumps(
+        {"model": HOT, "prompt": "Hi", "messages": [{"role": "user", "content": "Hi"}],
+         "max_tokens": 2}).encode()[1:])
+    for at, replacement in edits:
+        body[at:at + len(replacement)] = replacement
+    status = _post_fuzzed(server, path, bytes(body[:cut] if cut < len(body) else body))
+    assert status < 500 or status == 504, bytes(body)
+
+
+def test_after_the_fuzz_the_server_is_healthy_and_exact(server, client):
+    assert len(FUZZ_STATUSES) >= 500
+    assert server.health().status_code == 200
+    assert {model: greedy(client, model) for model in MODELS} == REFERENCE
+
+
+def stream_tokens(client: openai.OpenAI, model: str, index: int, max_tokens: int) -> str:
+    """One streaming completion: 'ok', or the status of the clean error it got."""
+    try:
+        stream = client.completions.create(model=model, prompt=f"Story {index}: once",
+                                           max_tokens=max_tokens, temperature=0, stream=True,
+                                           stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True})
+        # A consumer behind the engine gets several tokens per chunk, so count by usage.
+        usage = [chunk.usage for chunk in stream if chunk.usage is not None]
+    except openai.APIStatusError as exc:  # refused with an OpenAI error body
+        return str(exc.status_code)
+    except openai.APIConnectionError as exc:  # dropped without a word: a lost request
+        return f"lost: {exc!r}"
+    except openai.APIError:  # an error event in the stream (vLLM's own, or the gateway's)
+        return "error event"
+    num_tokens = usage[-1].completion_tokens if usage else 0
+    return "ok" if num_tokens == max_tokens else f"short: {num_tokens} tokens"
+
+
+def run_load(client, models, num_streams: int, max_tokens: int) -> Counter:
+    with ThreadPoolExecutor(num_streams) as pool:
+        outcomes = pool.map(lambda i: stream_tokens(client, models[i % len(models)], i,
+                                                    max_tokens), range(num_streams))
+        return Counter(outcomes)
+
+
+def test_64_concurrent_streams_complete_and_gateway_memory_stays_bounded(server, client):
+    gateway = psutil.Process(server.process.pid)
+    assert run_load(client, MODELS, 64, 16) == Counter({"ok": 64})  # warm-up round
+    before = gateway.memory_info().rss
+    assert run_load(client, MODELS, 64, 16) == Counter({"ok": 64})
+    growth = gateway.memory_info().rss - before
+    assert growth < 64 << 20, f"gateway RSS grew {growth >> 20} MiB over 64 streams"
+
+
+def model_status(server, model: str) -> dict:
+    return server.health().json()["models"][model]
+
+
+def wait_back_in_service(server, model: str, restarts: int, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = model_status(server, model)
+        if status["status"] == "ok" and status["restarts"] == restarts:
+            return
+        assert time.monotonic() < deadline, f"{model} not back: {status}\n{server.log_tail()}"
+        time.sleep(1)
+
+
+def kill_under_load(server, client, victims: list[psutil.Process], load_models) -> Counter:
+    """Kill the victims while 8 streams run on load_models; the streams' outcomes."""
+    for victim in victims:
         KILLED_ENGINE_SHM.update(shm_files([victim, *victim.children(recursive=True)]))
-    assert KILLED_ENGINE_SHM
-    for pid in victim_pids:
-        psutil.Process(pid).kill()
-    deadline = time.monotonic() + 60
-    while server.health().json()["models"][COLD]["status"] != "dead":
-        assert time.monotonic() < deadline, "the gateway never noticed the dead engine"
-        time.sleep(0.5)
-    with pytest.raises(openai.InternalServerError) as info:
-        client.chat.completions.create(model=COLD, messages=QUESTION, max_tokens=4)
-    assert info.value.status_code == 503
-    replies = [client.chat.completions.create(model=HOT, messages=QUESTION, max_tokens=24,
-                                              temperature=0) for _ in range(4)]
-    assert all("Paris" in r.choices[0].message.content for r in replies)
-    health = server.health()
-    assert health.status_code == 503  # degraded, and says so
-    (pair,) = health.json()["weaving"]
-    assert pair["status"] == "degraded"
+    with ThreadPoolExecutor(1) as pool:
+        load = pool.submit(run_load, client, load_models, 8, 48)
+        time.sleep(2)
+        for victim in victims:
+            victim.kill()
+        return load.result(timeout=300)
 
 
-def test_sigterm_leaves_no_child_process_nor_shared_memory(server):
+def offloaded_tasks(server) -> float:
+    text = httpx.get(f"{server.base_url}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("weaver_offload_tasks_total{"))
+
+
+def test_killed_cold_engine_is_restarted_and_weaving_resumes(server, client):
+    # While the cold engine restarts, the hot model keeps answering (its remote sequences'
+    # attention falls back to the hot side), the cold model answers 503 with Retry-After.
+    victim = psutil.Process(model_status(server, COLD)["engine_pids"][0])
+    outcomes = kill_under_load(server, client, [victim], [HOT])
+    assert outcomes == Counter({"ok": 8})
+    down = httpx.post(f"{server.base_url}/v1/completions", headers=AUTH,
+                      json={"model": COLD, "prompt": "Hi", "max_tokens": 2})
+    if model_status(server, COLD)["status"] != "ok":  # not back yet: refused with a retry hint
+        assert down.status_code == 503 and int(down.headers["retry-after"]) > 0
+    wait_back_in_service(server, COLD, restarts=1)
+    (pair,) = server.health().json()["weaving"]
+    assert pair["status"] == "ok", pair
+    tasks_before = offloaded_tasks(server)
+    assert run_load(client, [HOT], 8, 16) == Counter({"ok": 8})
+    assert offloaded_tasks(server) > tasks_before  # offloading again, to the new engine
+    assert {model: greedy(client, model) for model in MODELS} == REFERENCE
+    metrics = httpx.get(f"{server.base_url}/metrics").text
+    assert f'weaver_engine_restarts_total{{model="{COLD}"}} 1.0' in metrics
+
+
+def test_killed_hot_engine_is_restarted_and_reattaches(server, client):
+    victim = psutil.Process(model_status(server, HOT)["engine_pids"][0])
+    outcomes = kill_under_load(server, client, [victim], [HOT])
+    # The hot engine's streams in flight end with a clean error (or finished first).
+    assert set(outcomes) <= {"ok", "503", "error event"} and outcomes.total() == 8, outcomes
+    wait_back_in_service(server, HOT, restarts=1)
+    tasks_before = offloaded_tasks(server)
+    assert run_load(client, [HOT], 8, 16) == Counter({"ok": 8})
+    assert offloaded_tasks(server) > tasks_before
+    assert {model: greedy(client, model) for model in MODELS} == REFERENCE
+
+
+def test_killed_engine_worker_is_restarted(server, client):
+    core = psutil.Process(model_status(server, COLD)["engine_pids"][0])
+    (worker,) = core.children()
+    outcomes = kill_under_load(server, client, [worker], [COLD])
+    assert set(outcomes) <= {"ok", "503", "error event"} and outcomes.total() == 8, outcomes
+    wait_back_in_service(server, COLD, restarts=2)
+    assert server.health().json()["weaving"][0]["status"] == "ok"
+    assert {model: greedy(client, model) for model in MODELS} == REFERENCE
+
+
+def test_sigterm_drains_then_leaves_no_child_process_nor_shared_memory(server, client):
     children = server.descendants()
     assert children, "the server should have engine processes to stop"
     # vLLM's EngineCore and its worker talk through message queues in /dev/shm (psm_*,
     # sem.mp-*); they are unlinked only if the processes get to tear down.
     segments = shm_files(children)
     assert segments, "the engines should map their message queues from /dev/shm"
+    with ThreadPoolExecutor(1) as pool:
+        load = pool.submit(run_load, client, MODELS, 8, 48)
+        time.sleep(2)
+        server.process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        refused = httpx.post(f"{server.base_url}/v1/completions", headers=AUTH,
+                             json={"model": HOT, "prompt": "Hi", "max_tokens": 2})
+        # In flight when the signal came: finished within the drain's grace.
+        assert load.result(timeout=120) == Counter({"ok": 8})
+    assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
     assert server.stop(signal.SIGTERM) == 0
     _, alive = psutil.wait_procs(children, timeout=15)
     assert not alive, f"orphaned processes: {[p.pid for p in alive]}"

@@ -72,6 +72,14 @@ def test_async_llm_liveness_surface():  # EngineHandle.is_dead / check_health / 
     assert "resources" in inspect.getsource(MPClient.__init__)
     assert "engine_manager" in inspect.getsource(MPClient)
     assert "self.processes" in inspect.getsource(CoreEngineProcManager.__init__)
+    # weaver/server/supervisor.py: the probe a hung EngineCore leaves unanswered, and why
+    # the engine app gets a stand-in app.state.server (vLLM's engine-error handler sets
+    # its should_exit).
+    assert inspect.iscoroutinefunction(AsyncLLM.is_sleeping)
+    assert isinstance(inspect.getattr_static(AsyncLLM, "dead_error"), property)
+    from vllm.entrypoints.serve.exception_handling.handlers import vllm_error
+
+    assert "req.app.state.server" in inspect.getsource(vllm_error.engine_error_handler)
 
 
 def test_weaver_plugin_entry_point_is_installed():  # weaver/vllm_ext/plugin.py

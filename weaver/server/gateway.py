@@ -42,6 +42,11 @@ class ModelBackend(Protocol):
     @property
     def is_dead(self) -> bool: ...
 
+    @property
+    def is_recovering(self) -> bool:
+        """Down but being restarted: its 503s carry Retry-After."""
+        ...
+
     async def check_health(self) -> None: ...
 
     def scheduler_stats(self) -> dict[str, float]: ...
@@ -170,7 +175,7 @@ class Gateway:
         backend = self.backends[name]
         status = "ok"
         if backend.is_dead:
-            status = "restarting" if getattr(backend, "is_recovering", False) else "dead"
+            status = "restarting" if backend.is_recovering else "dead"
         else:
             try:
                 await asyncio.wait_for(backend.check_health(), HEALTH_CHECK_TIMEOUT_S)
@@ -222,7 +227,7 @@ class Gateway:
         if backend.is_dead:
             self.metrics.engine_up.labels(model=model).set(0)
             self.metrics.requests.labels(model=model, endpoint=endpoint, status="503").inc()
-            is_recovering = getattr(backend, "is_recovering", False)
+            is_recovering = backend.is_recovering
             message = (f"the engine of model {model!r} is restarting; other models still serve"
                        if is_recovering else f"the engine of model {model!r} is not running "
                        "and will not be restarted (see GET /health); other models still serve")
@@ -243,7 +248,7 @@ class Gateway:
 
         async def send_and_record(message: dict) -> None:
             if (message["type"] == "http.response.start" and message["status"] >= 500
-                    and getattr(backend, "is_recovering", False)):
+                    and backend.is_recovering):
                 # The engine died under this request (vLLM answers 500 EngineDeadError) and
                 # is being restarted: a retry will be served.
                 retry_after = (b"retry-after", str(self.config.retry_after_s).encode())

@@ -86,13 +86,19 @@ class WeavingMetrics:
             registry=registry)
         self._last: dict[tuple, float] = {}
 
-    def add_total(self, counter: Counter, labels: dict[str, str], total: float) -> None:
-        # Workers report running totals; Prometheus counters take increments.
-        key = (counter._name, tuple(sorted(labels.items())))
+    def add_total(self, counter: Counter, labels: dict[str, str], total: float,
+                  source: str) -> None:
+        """Workers report running totals, Prometheus counters take increments: add what
+        `total` (reported by engine `source`) grew by since its last report."""
+        key = (source, counter._name, tuple(sorted(labels.items())))
         delta = total - self._last.get(key, 0.0)
         if delta > 0:
             counter.labels(**labels).inc(delta)
         self._last[key] = max(total, self._last.get(key, 0.0))
+
+    def forget(self, source: str) -> None:
+        """A restarted engine counts from 0 again: its next totals are all new."""
+        self._last = {key: total for key, total in self._last.items() if key[0] != source}
 
 
 def weaving_plans(deployment: Deployment, model_dirs: Mapping[str, Path]) -> list[PairPlan]:
@@ -157,6 +163,7 @@ class WeavingSupervisor:
         one creates its regions again and its hot engines re-attach (their running remote
         sequences' K/V carried over); a hot one attaches its colds' regions again. A pair
         whose other engine is down stays degraded until that one is back."""
+        self.metrics.forget(name)
         plans = [p for p in self.plans if name in (p.hot, p.cold)]
         if any(p.cold == name for p in plans):
             await self._open_cold(name)
@@ -193,10 +200,11 @@ class WeavingSupervisor:
             self.state[key].update(status="degraded" if reason else "ok", reason=reason)
         for cold in sorted({p.cold for p in self.plans}):
             await self._refresh_cold(cold)
-        for pool in {p.pool.pool_name: p.pool for p in self.plans if p.pool}.values():
-            self._refresh_pool(pool)
+        for pool, owner in {p.pool.pool_name: (p.pool, p.cold) for p in self.plans
+                            if p.pool}.values():
+            self._refresh_pool(pool, owner)
 
-    def _refresh_pool(self, pool: Any) -> None:
+    def _refresh_pool(self, pool: Any, owner: str) -> None:
         """The owner (the cold engine's scheduler) publishes its allocator's stats as a JSON
         file next to the pool; a missing or half-written one is skipped (logged)."""
         try:
@@ -210,13 +218,14 @@ class WeavingSupervisor:
         for tenant in stats["tenants"]:
             m.pool_pages.labels(pool=name, tenant=tenant["name"]).set(tenant["num_used_pages"])
             m.pool_quota.labels(pool=name, tenant=tenant["name"]).set(tenant["quota_pages"])
-        m.add_total(m.pool_rebalances, {"pool": name}, stats["num_rebalances"])
-        m.add_total(m.pool_reclaims, {"pool": name}, stats["num_reclaims"])
+        m.add_total(m.pool_rebalances, {"pool": name}, stats["num_rebalances"], owner)
+        m.add_total(m.pool_reclaims, {"pool": name}, stats["num_reclaims"], owner)
         m.pool_cached_blocks.labels(pool=name).set(stats["num_cached_blocks"])
-        m.add_total(m.pool_cache_evictions, {"pool": name}, stats["num_cache_evictions"])
+        m.add_total(m.pool_cache_evictions, {"pool": name}, stats["num_cache_evictions"],
+                    owner)
         for tenant, report in stats.get("tenant_reports", {}).items():
             m.add_total(m.pool_reclaim_preemptions, {"model": tenant},
-                        report.get("reclaim_preemptions", 0))
+                        report.get("reclaim_preemptions", 0), owner)
 
     async def _stats_of(self, name: str) -> dict[str, Any] | None:
         """The worker's weaving counters, or None (logged) when it does not answer."""
@@ -240,15 +249,15 @@ class WeavingSupervisor:
                 continue
             m, pair = self.metrics, {"hot": plan.hot, "cold": plan.cold}
             m.add_total(m.cold_busy, {**pair, "where": "poll_point"},
-                        receiver.get("busy_at_poll_points_s", 0.0))
+                        receiver.get("busy_at_poll_points_s", 0.0), cold)
             m.add_total(m.cold_busy, {**pair, "where": "idle"},
-                        receiver.get("busy_by_idle_poller_s", 0.0))
+                        receiver.get("busy_by_idle_poller_s", 0.0), cold)
 
     def _record(self, plan: PairPlan, hot: dict[str, Any]) -> None:
         m, pair = self.metrics, {"hot": plan.hot, "cold": plan.cold}
-        m.add_total(m.sequences, {"model": plan.hot}, hot.get("remote_sequences", 0))
-        m.add_total(m.tasks, pair, hot.get("offloaded_tasks", 0))
-        m.add_total(m.fallbacks, {"model": plan.hot}, hot.get("fallback_tasks", 0))
+        m.add_total(m.sequences, {"model": plan.hot}, hot.get("remote_sequences", 0), plan.hot)
+        m.add_total(m.tasks, pair, hot.get("offloaded_tasks", 0), plan.hot)
+        m.add_total(m.fallbacks, {"model": plan.hot}, hot.get("fallback_tasks", 0), plan.hot)
         for seconds in hot.get("wait_seconds", []):
             m.wait.labels(**pair).observe(seconds)
         m.remote_blocks.labels(**pair).set(hot.get("remote_blocks_used", 0))
