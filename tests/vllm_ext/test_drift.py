@@ -35,6 +35,20 @@ def test_engine_app_launcher_functions():  # weaver/vllm_ext/engine/app.py
     assert params(build_async_engine_client)[0] == "args"
     assert params(make_arg_parser) == ["parser"]
     assert params(validate_parsed_serve_args) == ["args"]
+    # app.py's _engine_client is build_async_engine_client with the engine built off the
+    # event loop: the same steps, which must still be these.
+    from vllm.entrypoints.launchers.api_server import entry
+
+    built = inspect.getsource(entry.build_async_engine_client)
+    assert "AsyncEngineArgs.from_cli_args(args)" in built
+    assert "propagate_flash_late_interaction(args, engine_args)" in built
+    steps = inspect.getsource(entry.build_async_engine_client_from_engine_args)
+    for step in ("create_engine_config(usage_context=usage_context)",
+                 "AsyncLLM.from_vllm_config(", "enable_log_requests=engine_args.",
+                 "aggregate_engine_logging=engine_args.", "disable_log_stats=engine_args.",
+                 "await async_llm.reset_mm_cache()",
+                 "async_llm.shutdown(timeout=vllm_config.shutdown_timeout)"):
+        assert step in steps, step
 
 
 def test_engine_cli_args_parse():  # weaver/vllm_ext/engine/app.py::engine_cli_args

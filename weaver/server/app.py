@@ -217,13 +217,16 @@ class DrainingServer(uvicorn.Server):
         self.grace_s = grace_s
         self.stop_restarts = stop_restarts
         self._loop = asyncio.get_running_loop()
+        self._is_draining = False
         self._drain: asyncio.Task | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._drain is None and not self.should_exit:
+        # A signal handler: it runs between two bytecodes of the loop's thread, so the
+        # drain is handed to the loop rather than started here.
+        if not self._is_draining and not self.should_exit:
+            self._is_draining = True
             logger.info("%s received: draining (grace %.0f s); send it again to stop at once",
                         signal.Signals(sig).name, self.grace_s)
-            self._captured_signals.append(sig)
             self._loop.call_soon_threadsafe(self._start_drain)
             return
         self.gateway.in_flight.abort_all(Aborted(503, "the server was stopped at once"))

@@ -2,13 +2,15 @@
 
 This is the only place the gateway touches vLLM's serving internals (docs/vllm-hooks.md,
 "Serving several models"):
-`make_arg_parser` → `build_async_engine_client` → `build_app` + `init_app_state`. The
+`make_arg_parser` → `build_async_engine_client` (here `_engine_client`, which builds the
+engine off the event loop) → `build_app` + `init_app_state`. The
 gateway in `weaver.server` then routes requests to the app of the model they name, so the
 OpenAI protocol itself is vLLM's own code.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -195,6 +197,36 @@ def _engine_process_ids(client: Any) -> list[int]:
     return [p.pid for p in getattr(manager, "processes", []) if p.pid is not None]
 
 
+@contextlib.asynccontextmanager
+async def _engine_client(args: Any):
+    """vLLM's `build_async_engine_client` (entrypoints/launchers/api_server/entry.py), with
+    the engine built in a thread: `AsyncLLM.from_vllm_config` blocks until the EngineCore
+    has started (seconds), and the gateway's event loop keeps serving the other models
+    meanwhile, also when an engine is restarted. AsyncLLM starts its output handler on
+    the first request when it was built outside a running loop."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import propagate_flash_late_interaction
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    propagate_flash_late_interaction(args, engine_args)
+    usage_context = UsageContext.OPENAI_API_SERVER
+    vllm_config = engine_args.create_engine_config(usage_context=usage_context)
+    client = await asyncio.to_thread(
+        AsyncLLM.from_vllm_config, vllm_config=vllm_config, usage_context=usage_context,
+        enable_log_requests=engine_args.enable_log_requests,
+        aggregate_engine_logging=engine_args.aggregate_engine_logging,
+        disable_log_stats=engine_args.disable_log_stats)
+    try:
+        await client.reset_mm_cache()
+        yield client
+    finally:
+        # On the loop, as vLLM does: from a thread, the output handler would see the
+        # EngineCore exit and log it as an engine death. A dead engine's shutdown is quick.
+        client.shutdown(timeout=vllm_config.shutdown_timeout)
+
+
 async def open_engine(
     spec: ModelSpec,
     model_path: Path,
@@ -205,7 +237,6 @@ async def open_engine(
     """Start the engine for `spec` (placed as `placement` says; a cpu engine when None);
     it is shut down when `stack` closes."""
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
     from vllm.entrypoints.launchers.app import build_app
 
     placement = placement or EnginePlacement.on_cpu(spec)
@@ -214,7 +245,7 @@ async def open_engine(
     logger.info("starting engine %s from %s on %s %s", spec.name, model_path, spec.device,
                 placement.environment)
     with _engine_environment(placement.environment):
-        client = await stack.enter_async_context(build_async_engine_client(args))
+        client = await stack.enter_async_context(_engine_client(args))
     # The stack unwinds last-in first-out: first our shutdown (vLLM's own in the context
     # above then finds the engine processes stopped), then the files of an engine that
     # could not tear down (killed, crashed) are removed.
