@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         stop_sampling.set()
         sampler.join()
         metrics = httpx.get(f"{server.base_url}/metrics", timeout=30).text
-        restarts = {m: read_counter(metrics, "weaver_engine_restarts_total", {"model": m})
+        restarts = {m: read_counter(metrics, "weaver_engine_restarts", {"model": m}) or 0
                     for m in models}
         health = server.health().json()
     result = {
@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         **summarize(outcome.records, killer.kills),
         "kills": [{**asdict(k), "recovery_s": k.recovery_s} for k in killer.kills],
         "restarts": restarts,
-        "health_at_end": {name: m["status"] for name, m in health["models"].items()},
+        "health_at_end": {name: {"status": m["status"], "restarts": m["restarts"]}
+                          for name, m in health["models"].items()},
         "gateway_rss_mib": rss,
     }
     (args.out / "soak.json").write_text(json.dumps(result, indent=1))

@@ -289,6 +289,24 @@ def test_after_the_fuzz_the_server_is_healthy_and_exact(server, client):
     assert {model: greedy(client, model) for model in MODELS} == REFERENCE
 
 
+def test_a_request_past_its_deadline_is_504_and_the_engine_serves_on(server, client):
+    started = time.monotonic()
+    response = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
+                          headers={**AUTH, "X-Request-Timeout": "1"},
+                          json={"model": HOT, "prompt": PROMPT, "max_tokens": 1500,
+                                "ignore_eos": True})
+    assert response.status_code == 504, response.text
+    assert time.monotonic() - started < 30  # not the ~minute the generation would take
+    assert greedy(client, HOT) == REFERENCE[HOT]
+
+
+def test_a_body_over_the_bound_is_413(server):
+    body = b'{"model": "%s", "prompt": "' % HOT.encode() + b"x" * (17 << 20) + b'"}'
+    response = httpx.post(f"{server.base_url}/v1/completions", content=body, timeout=60,
+                          headers={**AUTH, "content-type": "application/json"})
+    assert response.status_code == 413 and response.json()["error"]["code"] == 413
+
+
 def stream_tokens(client: openai.OpenAI, model: str, index: int, max_tokens: int) -> str:
     """One streaming completion: 'ok', or the status of the clean error it got."""
     try:
@@ -338,7 +356,7 @@ def wait_back_in_service(server, model: str, restarts: int, timeout_s: float = 2
         time.sleep(1)
 
 
-def kill_under_load(server, client, victims: list[psutil.Process], load_models) -> Counter:
+def kill_under_load(client, victims: list[psutil.Process], load_models) -> Counter:
     """Kill the victims while 8 streams run on load_models; the streams' outcomes."""
     for victim in victims:
         KILLED_ENGINE_SHM.update(shm_files([victim, *victim.children(recursive=True)]))
@@ -360,7 +378,7 @@ def test_killed_cold_engine_is_restarted_and_weaving_resumes(server, client):
     # While the cold engine restarts, the hot model keeps answering (its remote sequences'
     # attention falls back to the hot side), the cold model answers 503 with Retry-After.
     victim = psutil.Process(model_status(server, COLD)["engine_pids"][0])
-    outcomes = kill_under_load(server, client, [victim], [HOT])
+    outcomes = kill_under_load(client, [victim], [HOT])
     assert outcomes == Counter({"ok": 8})
     down = httpx.post(f"{server.base_url}/v1/completions", headers=AUTH,
                       json={"model": COLD, "prompt": "Hi", "max_tokens": 2})
@@ -379,7 +397,7 @@ def test_killed_cold_engine_is_restarted_and_weaving_resumes(server, client):
 
 def test_killed_hot_engine_is_restarted_and_reattaches(server, client):
     victim = psutil.Process(model_status(server, HOT)["engine_pids"][0])
-    outcomes = kill_under_load(server, client, [victim], [HOT])
+    outcomes = kill_under_load(client, [victim], [HOT])
     # The hot engine's streams in flight end with a clean error (or finished first).
     assert set(outcomes) <= {"ok", "503", "error event"} and outcomes.total() == 8, outcomes
     wait_back_in_service(server, HOT, restarts=1)
@@ -392,7 +410,7 @@ def test_killed_hot_engine_is_restarted_and_reattaches(server, client):
 def test_killed_engine_worker_is_restarted(server, client):
     core = psutil.Process(model_status(server, COLD)["engine_pids"][0])
     (worker,) = core.children()
-    outcomes = kill_under_load(server, client, [worker], [COLD])
+    outcomes = kill_under_load(client, [worker], [COLD])
     assert set(outcomes) <= {"ok", "503", "error event"} and outcomes.total() == 8, outcomes
     wait_back_in_service(server, COLD, restarts=2)
     assert server.health().json()["weaving"][0]["status"] == "ok"

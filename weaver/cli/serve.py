@@ -16,7 +16,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "OpenAI-compatible endpoint: GET /v1/models lists them, POST /v1/completions and "
             "/v1/chat/completions (streaming too) route on the request's `model` field, "
             "GET /health reports each engine and GET /metrics exposes Prometheus series "
-            "labelled by model. Stops cleanly on Ctrl-C or SIGTERM."
+            "labelled by model. An engine that dies or hangs is restarted (its model answers "
+            "503 with Retry-After meanwhile); the first Ctrl-C or SIGTERM drains (in-flight "
+            "requests finish, new ones get 503), a second one stops at once. Limits, "
+            "deadlines and the restart policy are in the deployment file (README, 'Operating "
+            "it')."
         ),
     )
     parser.add_argument(
