@@ -272,9 +272,11 @@ class WeavingSupervisor:
                 continue
             try:
                 await _rpc(engine, "weaver_close", CLOSE_TIMEOUT_S)
-            except Exception as exc:  # shutting down: the region is unlinked below anyway
+            except Exception as exc:  # shutting down: start_engines unlinks what is left
                 logger.warning("closing the regions of %s failed: %r", cold, exc)
-        remove_leftover_regions(self.plans)
+        # Nothing is unlinked here: a cold engine's scheduler still owns its unified pool
+        # (and publishes its stats) until the engine stops; what its owners could not
+        # remove is unlinked once every engine has stopped (start_engines).
 
 
 async def _rpc(engine: Any, method: str, timeout_s: float, *args: Any) -> list:

@@ -76,6 +76,8 @@ WORKER_EXTENSION = "weaver.vllm_ext.worker.WeaverWorkerExtension"
 # shared-memory message queues (four psm_* segments and two semaphores leaked per
 # two-engine `weaver serve`, measured). Requests are still aborted at once (mode "abort").
 ENGINE_TEARDOWN_GRACE_S = 10.0
+# How long a cancelled engine start is let finish so that it can be shut down.
+ORPHANED_BUILD_WAIT_S = 120.0
 
 
 def engine_cli_args(
@@ -213,11 +215,21 @@ async def _engine_client(args: Any):
     propagate_flash_late_interaction(args, engine_args)
     usage_context = UsageContext.OPENAI_API_SERVER
     vllm_config = engine_args.create_engine_config(usage_context=usage_context)
-    client = await asyncio.to_thread(
+    build = asyncio.ensure_future(asyncio.to_thread(
         AsyncLLM.from_vllm_config, vllm_config=vllm_config, usage_context=usage_context,
         enable_log_requests=engine_args.enable_log_requests,
         aggregate_engine_logging=engine_args.aggregate_engine_logging,
-        disable_log_stats=engine_args.disable_log_stats)
+        disable_log_stats=engine_args.disable_log_stats))
+    try:
+        client = await asyncio.shield(build)
+    except asyncio.CancelledError:
+        # A thread cannot be interrupted: a start cancelled half-way (the server stopping
+        # while an engine restarts) lets the engine come up and shuts it down, so that no
+        # EngineCore outlives it; past the wait, the gateway's last reaping kills it.
+        with contextlib.suppress(Exception):
+            orphan = await asyncio.wait_for(build, ORPHANED_BUILD_WAIT_S)
+            orphan.shutdown(timeout=ENGINE_TEARDOWN_GRACE_S)
+        raise
     try:
         await client.reset_mm_cache()
         yield client
