@@ -6,7 +6,9 @@ model weaving half its sequences into `cold`), `hot-all` (every sequence remote)
 against SmolLM2's 30 layers, 9 q / 3 kv heads). The three SmolLM2 engines have the same
 capped local KV (16 usable blocks of 32 tokens) and a small prefill chunk (64 tokens), so long
 prompts span several chunks and the batch is KV-bound. Tests run in file order; the last
-ones kill the cold engine and stop the server.
+ones kill the cold engine and stop the server. Engine restarts are off here, so a killed cold
+engine stays down and its pairs stay degraded; restarts and re-attachment are pinned in
+tests/server/test_serve_e2e.py.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ models:
     kv_cache_gib: 0.1
     max_model_len: 512
     lend_kv_gib: 0.25
+serving:
+  restart: {{enabled: false}}
 weaving:
   - {{hot: hot, cold: [cold], offload_ratio: 0.5, timeout_s: 3.0}}
   - {{hot: hot-all, cold: [cold], offload_ratio: 1.0, timeout_s: 3.0}}
