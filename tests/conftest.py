@@ -82,3 +82,38 @@ def profile_path(tmp_path):
     path = tmp_path / "linear.json"
     Linear.profile().save(path)
     return str(path)
+
+
+HUB_REPO_ID = "weaver-test/tiny-llama-b"
+
+
+@pytest.fixture(scope="session")
+def hub_cache(tmp_path_factory) -> dict[str, str]:
+    """A Hugging Face hub cache built here, in the hub's own layout (blobs, a snapshot of
+    symlinks, refs/main), holding the prepared tiny-llama-b as `weaver-test/tiny-llama-b`;
+    the environment that makes the hub library (and so vLLM) read it offline, with
+    `repo_id` added. Nothing is mocked: the hub library resolves the id from this cache."""
+    import hashlib
+    import os
+
+    from weaver.models.registry import prepare_model
+
+    source = prepare_model("tiny-llama-b")
+    hf_home = tmp_path_factory.mktemp("hf_home")
+    repo = hf_home / "hub" / ("models--" + HUB_REPO_ID.replace("/", "--"))
+    commit = hashlib.sha1(HUB_REPO_ID.encode()).hexdigest()
+    snapshot = repo / "snapshots" / commit
+    for path in sorted(source.rglob("*")):
+        if not path.is_file():
+            continue
+        data = path.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        link = snapshot / path.relative_to(source)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return {"HF_HOME": str(hf_home), "HF_HUB_CACHE": str(hf_home / "hub"),
+            "HF_HUB_OFFLINE": "1", "repo_id": HUB_REPO_ID}

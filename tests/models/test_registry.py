@@ -85,6 +85,44 @@ def test_resolve_unknown_lists_known_names(tmp_path: Path) -> None:
         resolve_model("gpt-5", tmp_path)
 
 
+def _resolve_in_subprocess(name: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    # In a fresh process: the hub library reads HF_HOME and HF_HUB_OFFLINE at import.
+    code = ("import sys; from weaver.models.registry import resolve_model, vllm_model_arg\n"
+            "try:\n    d = resolve_model(sys.argv[1])\nexcept ValueError as e:\n"
+            "    sys.exit(str(e))\nprint(d); print(vllm_model_arg(sys.argv[1], d))")
+    hf_env = {k: v for k, v in env.items() if k != "repo_id"}
+    return subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True,
+                          env={**os.environ, **hf_env}, timeout=120)
+
+
+def test_resolve_hugging_face_id_from_the_hub_cache_offline(hub_cache: dict) -> None:
+    done = _resolve_in_subprocess(hub_cache["repo_id"], hub_cache)
+    assert done.returncode == 0, done.stderr
+    model_dir, vllm_arg = done.stdout.split()
+    # Weaver reads the snapshot's config.json; vLLM gets the id unchanged.
+    assert Path(model_dir, "config.json").is_file()
+    assert Path(model_dir).is_relative_to(hub_cache["HF_HUB_CACHE"])
+    assert vllm_arg == hub_cache["repo_id"]
+
+
+def test_resolve_hugging_face_id_missing_offline_says_the_fix(hub_cache: dict) -> None:
+    done = _resolve_in_subprocess("weaver-test/not-cached", hub_cache)
+    assert done.returncode == 1
+    assert "not in the Hugging Face cache" in done.stderr
+    assert "huggingface-cli download weaver-test/not-cached" in done.stderr
+
+
+def test_directory_is_not_taken_for_a_hub_id(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org" / "name").mkdir(parents=True)
+    (tmp_path / "org" / "name" / "config.json").write_text("{}")
+    assert not registry.is_hub_id("org/name")
+    assert registry.is_hub_id("org/other")
+    assert not registry.is_hub_id("a/b/c") and not registry.is_hub_id("plain-name")
+    resolved = resolve_model("org/name", tmp_path / "cache")
+    assert registry.vllm_model_arg("org/name", resolved) == str(resolved)
+
+
 def test_resolve_directory(tmp_path: Path) -> None:
     model_dir = tmp_path / "my-model"
     model_dir.mkdir()

@@ -190,6 +190,38 @@ def test_weaver_bench_runs_the_shipped_azure_trace_from_a_checkout_alone(server,
     assert {r["status"] for r in run["records"]} == {"ok"} and len(run["records"]) == 4
 
 
+def test_responses_api_through_the_official_client(client):
+    reply = client.responses.create(model=HOT, input="What is the capital of France?",
+                                    max_output_tokens=24, temperature=0)
+    assert reply.model == HOT and reply.status == "completed"
+    assert "Paris" in reply.output_text
+
+
+def test_model_card_by_id(client):
+    card = client.models.retrieve(COLD)
+    assert card.id == COLD and card.model_extra["max_model_len"] == MAX_MODEL_LEN
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+def test_tokenize_and_detokenize_round_trip_on_the_named_model(server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    tokens = httpx.post(f"{server.base_url}/tokenize", headers=headers, timeout=30,
+                        json={"model": COLD, "prompt": "The capital of France"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 2
+    text = httpx.post(f"{server.base_url}/detokenize", headers=headers, timeout=30,
+                      json={"model": COLD, "tokens": tokens["tokens"]}).json()
+    assert text["prompt"].endswith("The capital of France")
+
+
+def test_a_route_the_engine_does_not_serve_answers_vllms_own_error(client):
+    # SmolLM2 is a generating model: its vLLM app has no embeddings route.
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.embeddings.create(model=HOT, input="x")
+    assert refused.value.status_code in (400, 404)
+    assert "served models" not in str(refused.value)  # the gateway's own 404 says that
+
+
 def test_server_stays_up_after_errors(client):
     reply = client.chat.completions.create(model=HOT, messages=QUESTION, max_tokens=24,
                                            temperature=0)
@@ -380,7 +412,9 @@ def test_killed_cold_engine_is_restarted_and_weaving_resumes(server, client):
     victim = psutil.Process(model_status(server, COLD)["engine_pids"][0])
     outcomes = kill_under_load(client, [victim], [HOT])
     assert outcomes == Counter({"ok": 8})
-    down = httpx.post(f"{server.base_url}/v1/completions", headers=AUTH,
+    # A generous timeout: when the cold engine is already back, its first request on a
+    # busy 2-core machine may take more than httpx's default 5 s.
+    down = httpx.post(f"{server.base_url}/v1/completions", headers=AUTH, timeout=120,
                       json={"model": COLD, "prompt": "Hi", "max_tokens": 2})
     if model_status(server, COLD)["status"] != "ok":  # not back yet: refused with a retry hint
         assert down.status_code == 503 and int(down.headers["retry-after"]) > 0
@@ -429,7 +463,7 @@ def test_sigterm_drains_then_leaves_no_child_process_nor_shared_memory(server, c
         time.sleep(2)
         server.process.send_signal(signal.SIGTERM)
         time.sleep(0.5)
-        refused = httpx.post(f"{server.base_url}/v1/completions", headers=AUTH,
+        refused = httpx.post(f"{server.base_url}/v1/completions", headers=AUTH, timeout=30,
                              json={"model": HOT, "prompt": "Hi", "max_tokens": 2})
         # In flight when the signal came: finished within the drain's grace.
         assert load.result(timeout=120) == Counter({"ok": 8})

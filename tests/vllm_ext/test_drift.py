@@ -63,9 +63,6 @@ def test_engine_cli_args_parse():  # weaver/vllm_ext/engine/app.py::engine_cli_a
     assert (args.served_model_name, args.max_model_len, args.block_size) == (["m"], 2048, 32)
     assert args.kv_cache_memory_bytes == 1 << 29 and args.enforce_eager
     assert args.num_gpu_blocks_override == 16 and args.enable_prefix_caching is False
-    with pytest.raises(ValueError, match="not a vLLM engine argument"):
-        parse_engine_args(ModelSpec(name="m", model="x", extra_engine_args={"nope": 1}),
-                          Path("/models/x"))
     # A cuda engine's placement (weaver/config/devices.py) adds vLLM arguments it knows.
     from weaver.config.devices import EnginePlacement
 

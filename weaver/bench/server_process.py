@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,12 +52,15 @@ class RunningServer:
 
 @contextlib.contextmanager
 def weaver_server(
-    config: Path | None, log_path: Path, *extra_args: str
+    config: Path | str | None, log_path: Path, *extra_args: str,
+    env_overrides: Mapping[str, str] | None = None,
 ) -> Iterator[RunningServer]:
-    """`weaver serve CONFIG` (the embedded default deployment when CONFIG is None) on a
-    free port, until the block ends; then it and every process it started are gone."""
+    """`weaver serve CONFIG` (the embedded default deployment when CONFIG is None; a model
+    and its vLLM flags in `extra_args` for the single-model form) on a free port, with
+    `env_overrides` in its environment, until the block ends; then it and every process it
+    started are gone."""
     port = free_port()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_overrides or {}))
     config_args = [] if config is None else [str(config)]
     with open(log_path, "wb") as log:
         process = popen_dying_with_parent(

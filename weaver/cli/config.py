@@ -17,7 +17,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "Without a file, print the embedded default deployment that `weaver serve` uses. "
             "A deployment with cuda devices is also checked against this machine's GPUs "
             "(or the ones --gpus names): each device exists, and the engines' memory "
-            "budgets fit each GPU."
+            "budgets fit each GPU. Each engine's vLLM arguments (extra_engine_args, "
+            "vllm_flags) are checked by vLLM's own parser."
         ),
     )
     parser.add_argument("config", nargs="?", type=Path, default=None,
@@ -86,9 +87,17 @@ def _model_dirs(deployment, models_dir: Path | None, *, strict: bool) -> dict[st
 
 
 def _check_devices(deployment, gpus, models_dir: Path | None) -> None:
+    """Devices and memory budgets, then every engine's `vllm serve` arguments through
+    vLLM's own parser (extra_engine_args and vllm_flags: a wrong one fails here, not when
+    its engine starts)."""
     from weaver.config.devices import place_engines
+    from weaver.vllm_ext.engine.app import parse_engine_args
 
-    place_engines(deployment, _model_dirs(deployment, models_dir, strict=False), gpus)
+    dirs = _model_dirs(deployment, models_dir, strict=False)
+    placements = place_engines(deployment, dirs, gpus)
+    for spec in deployment.models:
+        model_dir = dirs.get(spec.name, Path(spec.model))
+        parse_engine_args(spec, model_dir, None, placements[spec.name])
 
 
 def _describe_engines(deployment, gpus, models_dir: Path | None) -> str:

@@ -77,7 +77,13 @@ def configure_logging(level: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(_with_default_actions(sys.argv[1:] if argv is None else argv))
+    args, unknown = parser.parse_known_args(
+        _with_default_actions(sys.argv[1:] if argv is None else argv))
+    if unknown:
+        if not getattr(args, "takes_vllm_flags", False):
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        # `weaver serve MODEL --max-model-len 512`: vLLM's flags, checked by its parser.
+        args.vllm_flags = unknown
     configure_logging(args.log_level)
     handler = getattr(args, "handler", None)
     if handler is None:

@@ -20,8 +20,9 @@ from weaver.config.serving import ServingSpec
 
 DEFAULT_DEPLOYMENT_RESOURCE = "default.yaml"
 
-# An API model name travels in URLs, metric labels and shared-memory names.
-_MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# An API model name travels in URLs, metric labels and (sanitised) shared-memory names;
+# it may be a Hugging Face id, org/name, as `vllm serve` names a model by default.
+_MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
 _DEVICE_RE = re.compile(r"^(cpu|cuda:\d+)$")
 
 
@@ -35,7 +36,8 @@ class ModelSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", use_enum_values=False)
 
     name: str = Field(description="API model name, the `model` field of requests")
-    model: str = Field(description="a prepared model name (weaver models list) or a directory")
+    model: str = Field(description="a prepared model name (weaver models list), a directory, "
+                       "or a Hugging Face model id (org/name) as `vllm serve` takes it")
     role: Role = Role.DEDICATED
     device: str = Field(
         "cpu", description="cpu or cuda:N (N as this process numbers its visible GPUs); the "
@@ -62,7 +64,14 @@ class ModelSpec(BaseModel):
         "pins its scheduler process there too; default: vLLM's choice",
     )
     extra_engine_args: dict[str, Any] = Field(
-        default_factory=dict, description="more vLLM engine arguments, by their Python name"
+        default_factory=dict, description="more vLLM engine arguments, by the Python name of "
+        "their `vllm serve` flag (enable_prefix_caching: false); checked by vLLM's parser "
+        "at `weaver config` time"
+    )
+    vllm_flags: list[str] = Field(
+        default_factory=list, description="more `vllm serve` flags as they are typed "
+        "(['--max-num-batched-tokens', '64']), after Weaver's own and extra_engine_args, "
+        "so they win; `weaver serve MODEL FLAGS...` puts its flags here"
     )
     split: Literal["auto"] | dict[str, int] | None = Field(
         None,
@@ -95,7 +104,8 @@ class ModelSpec(BaseModel):
         if not _MODEL_NAME_RE.match(value):
             raise ValueError(
                 f"model name {value!r} must be 1-64 characters of letters, digits, '.', '_' "
-                "or '-', starting with a letter or digit"
+                "or '-', starting with a letter or digit, optionally followed by one "
+                "'/name' part of the same kind (a Hugging Face id, org/name)"
             )
         return value
 

