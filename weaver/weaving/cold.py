@@ -64,6 +64,8 @@ class ColdWeaving:
         self.step_lock = threading.Lock()
         self.num_idle_served = 0
         self._stop = threading.Event()
+        self._receivers_changed = threading.Event()  # the idle poller re-reads the set
+        self._idle_pass = threading.Lock()  # held by the idle poller over one pass
         self._idle_thread: threading.Thread | None = None
 
     @classmethod
@@ -88,6 +90,34 @@ class ColdWeaving:
         for receiver in self.receivers.values():
             receiver.poll()
 
+    def add(self, plan: PairPlan, make_executor: Callable[[PairPlan], Any],
+            make_transport: Callable[[PairPlan], Transport] | None = None) -> None:
+        """Create and own one more region while the engine runs (a hot engine met under
+        plain `vllm serve`, weaver/weaving/pair_link.py). The receivers are replaced as a
+        whole, under the step lock, so a poll point or the idle poller sees either the old
+        set or the new one."""
+        make = make_transport or region_factory(plan)
+        receiver = OffloadReceiver(make(plan), make_executor(plan))
+        with self.step_lock:
+            self.receivers = {**self.receivers, plan.region_name: receiver}
+        self._wake_idle_poller()
+
+    def remove(self, region_name: str) -> None:
+        """Close (and unlink) one region; its hot engine has gone with a different plan."""
+        with self.step_lock:
+            receivers = dict(self.receivers)
+            receiver = receivers.pop(region_name, None)
+            self.receivers = receivers
+        if receiver is None:
+            return
+        self._wake_idle_poller()
+        receiver.transport.wake_waiters()
+        with self._idle_pass:  # the idle poller has left the pass that may still wait on it
+            receiver.close()
+
+    def _wake_idle_poller(self) -> None:
+        self._receivers_changed.set()
+
     def start_idle_poller(self) -> None:
         if self._idle_thread is not None:
             return
@@ -97,17 +127,27 @@ class ColdWeaving:
         self._idle_thread.start()
 
     def _idle_loop(self) -> None:
-        receivers = list(self.receivers.values())
-        wait_s = IDLE_WAIT_S / max(1, len(receivers))
         while not self._stop.is_set():
-            for receiver in receivers:
-                # Sleeps on the region's doorbell (no busy-wait: the machine's other
-                # engine needs the core); a published task wakes it at once.
-                if not receiver.wait_for_task(wait_s) and not receiver.has_pending():
-                    continue
-                with self.step_lock:
-                    if receiver.poll(by_idle_poller=True):
-                        self.num_idle_served += 1
+            self._receivers_changed.clear()
+            receivers = list(self.receivers.values())
+            if not receivers:  # no hot engine yet: wait for one to be added
+                self._receivers_changed.wait(IDLE_WAIT_S)
+                continue
+            with self._idle_pass:
+                self._idle_pass_over(receivers)
+
+    def _idle_pass_over(self, receivers: list[OffloadReceiver]) -> None:
+        wait_s = IDLE_WAIT_S / len(receivers)
+        for receiver in receivers:
+            if self._receivers_changed.is_set():
+                return
+            # Sleeps on the region's doorbell (no busy-wait: the machine's other engine
+            # needs the core); a published task wakes it at once.
+            if not receiver.wait_for_task(wait_s) and not receiver.has_pending():
+                continue
+            with self.step_lock:
+                if receiver.poll(by_idle_poller=True):
+                    self.num_idle_served += 1
 
     def export_handles(self) -> dict[str, str]:
         """CUDA IPC handles (hex) of the regions on this GPU, by region name, for the hot
@@ -123,6 +163,7 @@ class ColdWeaving:
     def close(self) -> None:
         """Stop the idle poller, then close (and unlink) every region; safe to call twice."""
         self._stop.set()
+        self._receivers_changed.set()
         if self._idle_thread is not None:
             for receiver in self.receivers.values():
                 receiver.transport.wake_waiters()

@@ -88,6 +88,12 @@ def read_attention_shape(model_dir: Path, dtype: str, block_size: int,
         config = json.loads(config_file.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"cannot read the hot model's {config_file}: {exc}") from None
+    return attention_shape_of(config, dtype, block_size, kv_format)
+
+
+def attention_shape_of(config: dict, dtype: str, block_size: int,
+                       kv_format: str = "pages") -> HotAttentionShape:
+    """The attention shape of a Llama-family model's Hugging Face config (as a dict)."""
     num_heads = config["num_attention_heads"]
     head_size = config.get("head_dim") or config["hidden_size"] // num_heads
     return HotAttentionShape(
@@ -167,6 +173,32 @@ def plan_pairs(
             transport="shm" if hot.device == "cpu" else "cuda",
         ))
     return plans
+
+
+def region_bytes_of(shape: HotAttentionShape, num_remote_blocks: int) -> int:
+    """The KV bytes of `num_remote_blocks` blocks of the hot model (every layer)."""
+    probe = RegionLayout(shape=shape, num_remote_blocks=1, max_seqs_per_task=1,
+                         max_blocks_per_seq=1)
+    return probe.kv_block_bytes * shape.num_layers * num_remote_blocks
+
+
+def plugin_hot_plan(hot: str, pair: str, shape: HotAttentionShape, remote_kv_gib: float,
+                    max_model_len: int, max_num_seqs: int, offload_ratio: float,
+                    timeout_s: float, transport: str) -> PairPlan:
+    """A hot engine's plan under plain `vllm serve` (weaver/weaving/rendezvous.py): sized
+    by the hot engine alone, from its own model and the KV it places remotely; the cold
+    engine names the region when it accepts the plan (region_name is empty until then)."""
+    num_remote_blocks = int(remote_kv_gib * GiB) // region_bytes_of(shape, 1)
+    max_blocks_per_seq = math.ceil(max_model_len / shape.block_size)
+    if num_remote_blocks < max_blocks_per_seq:
+        raise ValueError(
+            f"weaver remote_kv_gib {remote_kv_gib} is {num_remote_blocks} blocks of {hot!r}, "
+            f"fewer than one {max_model_len}-token sequence needs ({max_blocks_per_seq}); "
+            "raise remote_kv_gib (and the cold engine's lend_kv_gib with it)")
+    return PairPlan(hot=hot, cold=pair, region_name="", shape=shape,
+                    num_remote_blocks=num_remote_blocks, max_seqs_per_task=max_num_seqs,
+                    max_blocks_per_seq=max_blocks_per_seq, offload_ratio=offload_ratio,
+                    timeout_s=timeout_s, transport=transport)
 
 
 def tenant_shape(model_dir: Path, spec: ModelSpec) -> TenantShape:

@@ -1,0 +1,86 @@
+"""A weaving pair's counters in the /metrics of a plain `vllm serve`, beside `vllm:*`.
+
+The counters live in the engine's processes (the hot scheduler's HotLink, the cold worker's
+ColdLink: weaver/weaving/pair_link.py), which publish them every second in the rendezvous
+directory; this collector, registered in the front end's prometheus registry (the one
+vLLM's /metrics serves with a single API server), reads them at each scrape. Series are
+named as under `weaver serve` (weaver/server/weaving.py); `cold` is the pair name on the
+hot side, the cold model's name on the cold side.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+from prometheus_client import REGISTRY
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from weaver.weaving import rendezvous
+
+logger = logging.getLogger(__name__)
+
+_registered: set[tuple[str, tuple[str, ...]]] = set()
+
+
+class PairStatsCollector(Collector):
+    def __init__(self, role: str, pairs: tuple[str, ...]) -> None:
+        self.role = role
+        self.pairs = pairs
+
+    def collect(self) -> Iterator:
+        if self.role == "hot":
+            yield from self._hot()
+        else:
+            yield from self._cold()
+
+    def _hot(self) -> Iterator:
+        sequences = CounterMetricFamily("weaver_offload_sequences", "Hot sequences placed "
+                                        "remotely", labels=["model"])
+        tasks = CounterMetricFamily("weaver_offload_tasks", "Decode-attention tasks served "
+                                    "remotely", labels=["hot", "cold"])
+        fallbacks = CounterMetricFamily("weaver_offload_fallbacks", "Remote decode-attention "
+                                        "tasks computed on the hot side because the cold side "
+                                        "failed or timed out", labels=["model"])
+        attaches = CounterMetricFamily("weaver_pair_attaches", "Regions of the cold engine "
+                                       "this hot engine attached (one more each time the cold "
+                                       "engine restarts)", labels=["pair"])
+        connected = GaugeMetricFamily("weaver_pair_connected", "1 while the pair's cold "
+                                      "engine is attached and sequences may go remote",
+                                      labels=["pair"])
+        for pair in self.pairs:
+            stats = rendezvous.read_even_if_dead(pair, "hot.stats")
+            if stats is None:
+                connected.add_metric([pair], 0)
+                continue
+            model = stats.get("hot", "")
+            sequences.add_metric([model], stats.get("remote_sequences", 0))
+            tasks.add_metric([model, pair], stats.get("offloaded_tasks", 0))
+            fallbacks.add_metric([model], stats.get("fallback_tasks", 0))
+            attaches.add_metric([pair], stats.get("attaches", 0))
+            connected.add_metric([pair], 1 if stats.get("connected") else 0)
+        yield from (sequences, tasks, fallbacks, attaches, connected)
+
+    def _cold(self) -> Iterator:
+        busy = CounterMetricFamily(
+            "weaver_offload_cold_busy_seconds", "Cold side's time serving a hot model's "
+            "attention tasks, by where: at poll points inside the cold model's own steps or "
+            "by the idle poller between them", labels=["hot", "cold", "where"])
+        for pair in self.pairs:
+            stats = rendezvous.read_even_if_dead(pair, "cold.stats")
+            if stats is None:
+                continue
+            labels = [stats.get("hot", ""), stats.get("cold", "")]
+            busy.add_metric([*labels, "poll_point"], stats.get("busy_at_poll_points_s", 0.0))
+            busy.add_metric([*labels, "idle"], stats.get("busy_by_idle_poller_s", 0.0))
+        yield busy
+
+
+def register_pair_collector(role: str, pairs: tuple[str, ...]) -> None:
+    """Once per process and pair set (vLLM may build its config more than once)."""
+    key = (role, pairs)
+    if key in _registered:
+        return
+    REGISTRY.register(PairStatsCollector(role, pairs))
+    _registered.add(key)

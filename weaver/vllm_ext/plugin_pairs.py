@@ -1,0 +1,161 @@
+"""Weaving under plain `vllm serve`: the plugin reads a `weaver` block and wires the rest.
+
+    vllm serve HOT  --additional-config '{"weaver": {"role": "hot", "pair": "p1",
+                                          "remote_kv_gib": 0.25, "offload_ratio": 0.5}}'
+    vllm serve COLD --additional-config '{"weaver": {"role": "cold", "pair": "p1",
+                                          "lend_kv_gib": 0.25}}'
+
+Three moments of an engine's start, each reached through a patch the plugin installs
+(patches/engine_config_hook.py, patches/engine_core_hook.py):
+1. `configure_engine_args` (front end, before vLLM builds its config): Weaver's scheduler
+   (hot) and worker extension (both) are set, and prefix caching is turned off on the hot
+   engine (a remote request gets no local prefix hits), so the user gives only the block.
+2. `complete_engine_config` (front end, once vLLM's config exists): the hot engine's plan is
+   computed from its own model and put where the gateway would have put it
+   (additional_config's `weaver.hot`), so the scheduler and worker run unchanged; the
+   pair's counters are registered with this server's /metrics.
+3. `on_engine_core_ready` (EngineCore process): the cold worker starts its ColdLink; the hot
+   scheduler gets a HotLink (weaver/weaving/pair_link.py) that it ticks every step and that
+   reaches the worker through vLLM's collective_rpc.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from weaver.vllm_ext.additional_config import KEY
+from weaver.weaving import rendezvous
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+SCHEDULER = "weaver.vllm_ext.scheduler.WeaverScheduler"
+WORKER_EXTENSION = "weaver.vllm_ext.worker.WeaverWorkerExtension"
+HOT_FIELDS = {"role", "pair", "remote_kv_gib", "offload_ratio", "timeout_s"}
+COLD_FIELDS = {"role", "pair", "lend_kv_gib"}
+
+
+@dataclass(frozen=True)
+class PluginWeaving:
+    """The `weaver` block of one `vllm serve`: its side of one pair (hot) or of several
+    (cold: `pair` may be a list)."""
+
+    role: str
+    pairs: tuple[str, ...]
+    remote_kv_gib: float = 0.0  # hot: the KV it places on the cold engine
+    offload_ratio: float = 0.5  # hot: the share of sequences placed remotely
+    timeout_s: float = 3.0  # hot: a remote task not answered by then is computed locally
+    lend_kv_gib: float = 0.0  # cold: the KV it lends, all pairs together
+
+    @property
+    def pair(self) -> str:
+        return self.pairs[0]
+
+
+def plugin_weaving(additional_config: Any) -> PluginWeaving | None:
+    """The block, when the engine was started with one in plugin form (a `role`); None for
+    any other engine, a gateway-planned one included. ValueError saying the fix."""
+    section = (additional_config or {}).get(KEY) if isinstance(additional_config, dict) else None
+    if not isinstance(section, dict) or "role" not in section:
+        return None
+    role = section["role"]
+    fields = {"hot": HOT_FIELDS, "cold": COLD_FIELDS}.get(role)
+    if fields is None:
+        raise ValueError(f"--additional-config weaver.role is {role!r}; use 'hot' or 'cold'")
+    unknown = sorted(set(section) - fields - {"hot"})  # "hot": the plan it gets (step 2)
+    if unknown:
+        raise ValueError(f"--additional-config weaver (role {role}) has unknown field(s) "
+                         f"{unknown}; a {role} engine takes {sorted(fields)}")
+    raw_pairs = section.get("pair")
+    pairs = tuple(raw_pairs) if isinstance(raw_pairs, list) and role == "cold" else (raw_pairs,)
+    for pair in pairs:
+        rendezvous.check_pair_name(pair)
+    weaving = PluginWeaving(role=role, pairs=pairs, **{
+        k: float(v) for k, v in section.items() if k not in ("role", "pair", "hot")})
+    if role == "hot":
+        if weaving.remote_kv_gib <= 0:
+            raise ValueError("--additional-config weaver: a hot engine needs remote_kv_gib "
+                             "> 0, the KV (GiB) it places on the cold engine (at most the "
+                             "cold engine's lend_kv_gib)")
+        if not 0 < weaving.offload_ratio <= 1:
+            raise ValueError("--additional-config weaver.offload_ratio must be in (0, 1]")
+    elif weaving.lend_kv_gib <= 0:
+        raise ValueError("--additional-config weaver: a cold engine needs lend_kv_gib > 0, "
+                         "the KV (GiB) it lends to its hot engines")
+    return weaving
+
+
+def configure_engine_args(engine_args: Any) -> None:
+    """Step 1: the hooks a weaving engine needs, set from the block alone."""
+    weaving = plugin_weaving(engine_args.additional_config)
+    if weaving is None:
+        return
+    extension = engine_args.worker_extension_cls
+    if extension and extension != WORKER_EXTENSION:
+        raise ValueError(f"--worker-extension-cls {extension} cannot be combined with "
+                         "Weaver's weaving block (it sets its own)")
+    engine_args.worker_extension_cls = WORKER_EXTENSION
+    if weaving.role == "hot":
+        scheduler = engine_args.scheduler_cls
+        if scheduler not in (None, SCHEDULER):
+            raise ValueError(f"--scheduler-cls {scheduler} cannot be combined with Weaver's "
+                             "weaving block on a hot engine (it sets its own)")
+        engine_args.scheduler_cls = SCHEDULER
+        engine_args.enable_prefix_caching = False
+
+
+def complete_engine_config(vllm_config: Any) -> None:
+    """Step 2: the hot engine's plan, and this server's /metrics series of the pair."""
+    weaving = plugin_weaving(vllm_config.additional_config)
+    if weaving is None:
+        return
+    from weaver.vllm_ext.plugin_metrics import register_pair_collector
+
+    served = vllm_config.model_config.served_model_name
+    model = served if isinstance(served, str) else served[0]
+    if weaving.role == "hot":
+        plan = hot_plan_for(vllm_config, weaving, model)
+        vllm_config.additional_config[KEY]["hot"] = plan.to_dict()
+        logger.info("weaving pair %s: hot engine %r places %d remote blocks (ratio %.2f) "
+                    "once its cold engine answers", weaving.pair, model,
+                    plan.num_remote_blocks, plan.offload_ratio)
+    register_pair_collector(weaving.role, weaving.pairs)
+
+
+def hot_plan_for(vllm_config: Any, weaving: PluginWeaving, model: str) -> Any:
+    from weaver.weaving.plan import attention_shape_of, plugin_hot_plan
+
+    model_config = vllm_config.model_config
+    on_cpu = vllm_config.device_config.device_type == "cpu"
+    dtype = str(model_config.dtype).removeprefix("torch.")
+    shape = attention_shape_of(model_config.hf_config.to_dict(), dtype,
+                               vllm_config.cache_config.block_size,
+                               "pages" if on_cpu else "token")
+    return plugin_hot_plan(model, weaving.pair, shape, weaving.remote_kv_gib,
+                           model_config.max_model_len,
+                           vllm_config.scheduler_config.max_num_seqs, weaving.offload_ratio,
+                           weaving.timeout_s, "shm" if on_cpu else "cuda")
+
+
+def on_engine_core_ready(engine_core: Any) -> None:
+    """Step 3: each side starts linking itself to the other."""
+    vllm_config = engine_core.vllm_config
+    weaving = plugin_weaving(vllm_config.additional_config)
+    if weaving is None:
+        return
+    rpc = engine_core.model_executor.collective_rpc
+    if weaving.role == "cold":
+        served = vllm_config.model_config.served_model_name
+        rpc("weaver_join_pairs", args=(list(weaving.pairs), int(weaving.lend_kv_gib * GiB),
+                                       served if isinstance(served, str) else served[0]))
+        return
+    from weaver.weaving.pair_link import HotLink
+    from weaver.weaving.plan import PairPlan
+
+    plan = PairPlan.from_dict(vllm_config.additional_config[KEY]["hot"])
+    engine_core.scheduler.weaver_link = HotLink(
+        weaving.pair, plan,
+        attach=lambda plan_data, handle: rpc("weaver_attach_hot", args=(plan_data, handle)),
+        read_stats=lambda: rpc("weaver_stats")[0])

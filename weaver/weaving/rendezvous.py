@@ -1,0 +1,98 @@
+"""How two engines of one weaving pair find each other with no Weaver process in front.
+
+Under plain `vllm serve` (Weaver's plugin, weaver/vllm_ext/plugin_pairs.py) a hot and a cold
+engine on one node meet by the pair name they were both given, through small JSON files in
+a runtime directory ($WEAVER_RUNTIME_DIR, default /dev/shm/weaver-pairs-<uid>):
+- `<pair>.hot.json`: the hot engine's plan (weaver/weaving/plan.py) and its process id;
+- `<pair>.cold.json`: the cold engine's answer: the region it created for that plan (or
+  why it refused it) and its process id;
+- `<pair>.<side>.stats.json`: each side's counters, for its server's /metrics.
+Each file is written whole (a temporary file renamed over it), so a reader never sees half
+of one; a file whose process is gone is treated as absent, so either engine may start first,
+die or restart. Pure Python: no vLLM, no torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+RUNTIME_DIR_ENV = "WEAVER_RUNTIME_DIR"
+SIDES = ("hot", "cold")
+_PAIR_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def check_pair_name(name: Any) -> str:
+    if not isinstance(name, str) or not _PAIR_NAME_RE.match(name):
+        raise ValueError(f"weaving pair name {name!r} must be 1-64 letters, digits, '.', "
+                         "'_' or '-', starting with a letter or digit (both engines of the "
+                         "pair give the same one)")
+    return name
+
+
+def runtime_dir() -> Path:
+    """Where the pairs' files live: one node-local directory per user."""
+    configured = os.environ.get(RUNTIME_DIR_ENV)
+    base = Path(configured) if configured else Path(f"/dev/shm/weaver-pairs-{os.getuid()}")
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return base
+
+
+def _path(pair: str, name: str) -> Path:
+    return runtime_dir() / f"{check_pair_name(pair)}.{name}.json"
+
+
+def is_alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def publish(pair: str, name: str, data: dict[str, Any]) -> None:
+    """Write `<pair>.<name>.json` whole, with this process's id."""
+    path = _path(pair, name)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(json.dumps({**data, "pid": os.getpid()}))
+    os.replace(temporary, path)
+
+
+def read(pair: str, name: str) -> dict[str, Any] | None:
+    """`<pair>.<name>.json`, or None when it is missing, unreadable or its process is gone."""
+    try:
+        data = json.loads(_path(pair, name).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or not is_alive(data.get("pid")):
+        return None
+    return data
+
+
+def read_even_if_dead(pair: str, name: str) -> dict[str, Any] | None:
+    """The file whatever became of its writer (a successor cleans up after a dead one)."""
+    try:
+        data = json.loads(_path(pair, name).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def withdraw(pair: str, name: str) -> None:
+    """Remove `<pair>.<name>.json` if this process wrote it (a successor's stays)."""
+    path = _path(pair, name)
+    data = read_even_if_dead(pair, name)
+    if data is not None and data.get("pid") == os.getpid():
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
