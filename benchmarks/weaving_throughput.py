@@ -7,7 +7,12 @@ other, each in its own `weaver serve`:
 - weaving:     the same, plus REMOTE blocks lent by the cold engine (weaving on), whose
                long operators are split (--cold-split) so a task waits less behind them;
 - upper-bound: a dedicated hot engine whose own KV is LOCAL + REMOTE blocks: what the
-               extra memory would give with no offload cost.
+               extra memory would give with no offload cost;
+- weaving-vllm (asked for with --deployments): the weaving pair as two plain `vllm serve`
+               processes with Weaver's plugin (README, "Weaving under plain vllm serve"),
+               no gateway: the same engines, hooks and cores, each server's front end on
+               the frontend core; the load generator sends each model's requests to its
+               own server.
 
 The hot model gets NUM_HOT requests at once (long outputs, ignore_eos) and the cold model
 a steady trickle; both engines are pinned to their own core so that the cold core is the
@@ -27,6 +32,8 @@ offloaded work itself.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
+import contextlib
 import json
 import os
 import platform
@@ -37,12 +44,13 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 from weaver.bench.loadgen import LoadGenConfig, run_load_sync
-from weaver.bench.prom_histogram import read_counter, read_histogram
-from weaver.bench.server_process import weaver_server
+from weaver.bench.prom_histogram import read_counter, read_gauge, read_histogram
+from weaver.bench.server_process import vllm_cli_env, vllm_server, weaver_server
 from weaver.cli.pairs import parse_pairs
-from weaver.config.cpu_cores import usable_cpu_cores
+from weaver.config.cpu_cores import pin_process_threads, usable_cpu_cores
 from weaver.models.registry import prepare_model
 from weaver.results.records import RequestStatus
 from weaver.splitting.deploy import validate_split_chunks
@@ -53,6 +61,8 @@ BLOCK_SIZE = 32
 # SmolLM2: 30 layers × 3 kv heads × block tokens × (K, V) × head 64 × fp32
 SMOLLM2_BLOCK_BYTES = 30 * 3 * BLOCK_SIZE * 2 * 64 * 4
 DEPLOYMENTS = ("dedicated", "weaving", "upper-bound")
+EXTRA_DEPLOYMENTS = ("weaving-vllm",)
+PAIR = "bench"
 
 
 def deployment_yaml(label: str, model_dir: Path, local_blocks: int, remote_blocks: int,
@@ -89,6 +99,82 @@ weaving: {weaving}
 """
 
 
+def vllm_serve_args(side: str, local_blocks: int, remote_blocks: int, ratio: float,
+                    cold_split: dict[str, int] | None) -> list[str]:
+    """The `vllm serve` flags of the weaving deployment's hot or cold engine (what `weaver
+    config --engines` prints for it), with the pair given as a `weaver` block."""
+    lend = float(lend_kv_gib_for(remote_blocks, SMOLLM2_BLOCK_BYTES))
+    common = ["--max-model-len", "1024", "--dtype", "float32", "--enforce-eager",
+              "--max-num-seqs", "64", "--disable-uvicorn-access-log"]
+    if side == "hot":
+        block = {"role": "hot", "pair": PAIR, "remote_kv_gib": lend, "offload_ratio": ratio}
+        return ["--served-model-name", "hot", *common, "--block-size", str(BLOCK_SIZE),
+                "--num-gpu-blocks-override", str(local_blocks + 1),
+                "--kv-cache-memory-bytes", str(1 << 29),
+                "--additional-config", json.dumps({"weaver": block})]
+    block = {"role": "cold", "pair": PAIR, "lend_kv_gib": lend}
+    if cold_split:
+        block["split"] = cold_split
+    return ["--served-model-name", "cold", *common, "--kv-cache-memory-bytes", str(1 << 28),
+            "--additional-config", json.dumps({"weaver": block})]
+
+
+@contextlib.contextmanager
+def vllm_pair(work_dir: Path, model_dir: Path, args: argparse.Namespace,
+              cold_split: dict[str, int] | None):
+    """The weaving pair as two `vllm serve` processes, linked; yields (hot, cold)."""
+    env = {**vllm_cli_env(work_dir / "shim"), "WEAVER_RUNTIME_DIR": str(work_dir / "runtime")}
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for side, core in (("cold", 1), ("hot", 0)):
+            servers[side] = stack.enter_context(vllm_server(
+                str(model_dir), work_dir / f"weaving-vllm-{side}.log",
+                *vllm_serve_args(side, args.local_blocks, args.remote_blocks,
+                                 args.offload_ratio, cold_split),
+                env_overrides={**env, "VLLM_CPU_OMP_THREADS_BIND": str(core)}))
+            # As weaver serve pins each engine's scheduler process to the engine's core
+            # (its worker binds its own threads); the front end stays on the frontend core.
+            for child in psutil.Process(servers[side].process.pid).children():
+                if "EngineCore" in " ".join(child.cmdline()):
+                    pin_process_threads(child.pid, frozenset({core}))
+        yield servers["hot"], servers["cold"]
+
+
+def _wait_pair_connected(hot, timeout_s: float = 120) -> None:
+    """The hot side links on its scheduler's steps: warm-up requests until it has."""
+    deadline = time.monotonic() + timeout_s
+    while read_gauge(httpx.get(f"{hot.base_url}/metrics", timeout=30).text,
+                     "weaver_pair_connected") != 1:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the vllm serve pair did not connect:\n{hot.log_tail()}")
+        run_load_sync([TraceRequest(0.0, 8, 4, "hot", 0)],
+                      LoadGenConfig(hot.base_url, show_progress=False))
+        time.sleep(1.5)  # its counters are published every second
+
+
+def measure_vllm_pair(work_dir: Path, model_dir: Path, args: argparse.Namespace,
+                      cold_split: dict[str, int] | None, requests: list[TraceRequest]) -> dict:
+    with vllm_pair(work_dir, model_dir, args, cold_split) as (hot, cold):
+        for server, model in ((hot, "hot"), (cold, "cold")):
+            run_load_sync([TraceRequest(0.0, 8, 4, model, 0)],
+                          LoadGenConfig(server.base_url, show_progress=False))
+        _wait_pair_connected(hot)
+        # Each model's requests to its own server, both runs started together.
+        with cf.ThreadPoolExecutor(2) as pool:
+            runs = [pool.submit(run_load_sync, [r for r in requests if r.model == model],
+                                LoadGenConfig(server.base_url, show_progress=model == "hot"))
+                    for server, model in ((hot, "hot"), (cold, "cold"))]
+            records = [record for run in runs for record in run.result().records]
+        hot_text = httpx.get(f"{hot.base_url}/metrics", timeout=30).text
+        cold_text = httpx.get(f"{cold.base_url}/metrics", timeout=30).text
+        busy = {where: read_counter(cold_text, "weaver_offload_cold_busy_seconds",
+                                    {"where": where}) for where in ("poll_point", "idle")}
+        pair = {"sequences": read_counter(hot_text, "weaver_offload_sequences"),
+                "tasks": read_counter(hot_text, "weaver_offload_tasks"),
+                "fallbacks": read_counter(hot_text, "weaver_offload_fallbacks")}
+    return summarize_records("weaving-vllm", records, None, busy, {"vllm_serve_pair": pair})
+
+
 def workload(args: argparse.Namespace) -> list[TraceRequest]:
     hot = [TraceRequest(0.0, args.hot_input, args.hot_output, "hot", i)
            for i in range(args.num_hot)]
@@ -108,9 +194,14 @@ def measure(label: str, config: Path, requests: list[TraceRequest]) -> dict:
         wait = read_histogram(metrics_text, "weaver_offload_wait_seconds")
         busy = {where: read_counter(metrics_text, "weaver_offload_cold_busy_seconds",
                                     {"where": where}) for where in ("poll_point", "idle")}
-    hot = [r for r in outcome.records if r.model == "hot"]
-    cold = [r for r in outcome.records if r.model == "cold"]
-    failed = [r for r in outcome.records if r.status is not RequestStatus.OK]
+    return summarize_records(label, outcome.records, wait, busy,
+                             {"weaving": health.get("weaving")})
+
+
+def summarize_records(label: str, records: list, wait, busy: dict, extra: dict) -> dict:
+    hot = [r for r in records if r.model == "hot"]
+    cold = [r for r in records if r.model == "cold"]
+    failed = [r for r in records if r.status is not RequestStatus.OK]
     if failed:
         raise RuntimeError(f"{label}: {len(failed)} requests failed: {failed[0].error}")
     hot_span = max(r.sent_at_s + r.e2e_s for r in hot) - min(r.sent_at_s for r in hot)
@@ -123,7 +214,7 @@ def measure(label: str, config: Path, requests: list[TraceRequest]) -> dict:
         "hot_throughput_tok_s": sum(r.num_output_tokens for r in hot) / hot_span,
         "cold_tpot_mean_s": sum(cold_tpots) / len(cold_tpots),
         "cold_tpot_p50_s": cold_tpots[len(cold_tpots) // 2],
-        "weaving": health.get("weaving"),
+        **extra,
         # The hot side's wait for each offloaded layer (after its local attention).
         "offload_wait": None if wait is None or not wait.count else {
             "num_tasks": wait.count, "mean_s": wait.mean, "p50_s": wait.quantile(0.5),
@@ -187,11 +278,19 @@ def summarize_rounds(runs: list[dict]) -> dict:
     mean_tok_s = per_label("hot_throughput_tok_s", statistics.fmean)
     pooled = gains(mean_tok_s, per_label("cold_tpot_mean_s", statistics.fmean))
     unweaved_tpot = statistics.fmean(r["cold_tpot_mean_s"] for r in runs
-                                     if r["label"] != "weaving")
+                                     if r["label"] in ("dedicated", "upper-bound"))
     weaving_tpot = statistics.fmean(r["cold_tpot_mean_s"] for r in runs
                                     if r["label"] == "weaving")
     round_ratios = [r["ratio_of_gains"] for r in per_round if r["ratio_of_gains"] is not None]
-    return {"rounds": per_round, "median_hot_tok_s": median_tok_s,
+    extra = {}
+    if any(r["label"] == "weaving-vllm" for r in runs):
+        # The same gains with the pair launched by two vllm serve processes (medians).
+        vllm_tok_s = {**median_tok_s, "weaving": statistics.median(
+            r["hot_throughput_tok_s"] for r in runs if r["label"] == "weaving-vllm")}
+        vllm_tpot = {**median_tpot, "weaving": statistics.median(
+            r["cold_tpot_mean_s"] for r in runs if r["label"] == "weaving-vllm")}
+        extra["vllm_serve_pair"] = gains(vllm_tok_s, vllm_tpot)
+    return {**extra, "rounds": per_round, "median_hot_tok_s": median_tok_s,
             "median_cold_tpot_s": median_tpot,
             "weaving_gain": overall["weaving_gain"],
             "upper_bound_gain": overall["upper_bound_gain"],
@@ -250,7 +349,9 @@ def main() -> int:
                         help="cores for the gateway and the load generator, in cpu_cores "
                         "syntax ('0-1' leaves them to the OS)")
     parser.add_argument("--deployments", nargs="+", default=list(DEPLOYMENTS),
-                        choices=DEPLOYMENTS, help="which to run (default: all three)")
+                        choices=DEPLOYMENTS + EXTRA_DEPLOYMENTS,
+                        help="which to run (default: the first three; weaving-vllm runs the "
+                        "weaving pair as two plain vllm serve processes)")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
@@ -277,7 +378,7 @@ def main() -> int:
     # Kept after the run: each deployment's YAML and server log, for a look afterwards.
     work_dir = Path(tempfile.mkdtemp(prefix="weaver-bench-"))
     print(f"deployment files and server logs: {work_dir}", flush=True)
-    for label in args.deployments:
+    for label in set(args.deployments) & set(DEPLOYMENTS):
         (work_dir / f"{label}.yaml").write_text(deployment_yaml(
             label, model_dir, args.local_blocks, args.remote_blocks, args.offload_ratio,
             cold_split))
@@ -286,11 +387,14 @@ def main() -> int:
     for round_index in range(args.rounds):
         for label in args.deployments:
             print(f"== round {round_index + 1}/{args.rounds}: {label}", flush=True)
-            run = measure(label, work_dir / f"{label}.yaml", requests)
+            if label == "weaving-vllm":
+                run = measure_vllm_pair(work_dir, model_dir, args, cold_split, requests)
+            else:
+                run = measure(label, work_dir / f"{label}.yaml", requests)
             run["round"] = round_index + 1
             runs.append(run)
             _print_run(run)
-    summary = summarize_rounds(runs) if set(args.deployments) == set(DEPLOYMENTS) else None
+    summary = summarize_rounds(runs) if set(DEPLOYMENTS) <= set(args.deployments) else None
     print(f"\n{'round':<6} {'deployment':<12} {'hot tok/s':>10} {'cold TPOT ms':>13} "
           f"{'offload wait mean/p99 ms':>25} {'cold ms/token on tasks':>22}")
     for run in runs:
@@ -310,6 +414,12 @@ def main() -> int:
               f"{_ratio_text(summary['weaving_gain_over_upper_bound_gain'])} (target >= 0.85)")
         print(f"cold TPOT weaving / dedicated: {summary['cold_tpot_weaving_over_dedicated']:.3f}"
               " (target <= 1.10)")
+        if "vllm_serve_pair" in summary:
+            same = summary["vllm_serve_pair"]
+            print(f"the pair as two vllm serve processes: hot gain {same['weaving_gain']:+.1%}, "
+                  f"ratio of gains {_ratio_text(same['ratio_of_gains'])}, cold TPOT "
+                  f"x{same['cold_tpot_ratio']:.3f} (weaver serve: ratio of gains "
+                  f"{_ratio_text(summary['weaving_gain_over_upper_bound_gain'])})")
         print(f"other estimators: median of per-round ratios of gains "
               f"{_ratio_text(summary['median_of_round_ratios_of_gains'])}, cold TPOT "
               f"{summary['median_of_round_cold_tpot_ratios']:.3f}; ratio of gains of the "

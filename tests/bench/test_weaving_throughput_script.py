@@ -4,6 +4,7 @@ over interleaved rounds (the benchmark itself runs engines for ~7 minutes a roun
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,41 @@ def test_hot_capacity_counts_requests_at_full_length(bench):
     assert bench.hot_capacity(args) == {"dedicated": 16, "weaving": 24, "upper-bound": 24}
     args.hot_output = 257  # one token more needs a tenth block
     assert bench.hot_capacity(args) == {"dedicated": 14, "weaving": 21, "upper-bound": 21}
+
+
+def test_the_pair_under_vllm_serve_gets_the_weaving_deployments_engines(bench, tmp_path):
+    """weaving-vllm must measure the same engines as weaving, launched the other way."""
+    pytest.importorskip("vllm")
+    from weaver.config.deployment import parse_deployment
+    from weaver.vllm_ext.engine.app import parse_engine_args
+    from weaver.vllm_ext.engine.flags import parse_serve_args
+    from weaver.weaving.plan import attention_shape_of, plugin_hot_plan
+
+    deployment = parse_deployment(yaml.safe_load(bench.deployment_yaml(
+        "weaving", tmp_path, 99, 189, 0.66, {"lm_head": 16})), "weaving")
+    compared = ("max_model_len", "dtype", "max_num_seqs", "kv_cache_memory_bytes",
+                "num_gpu_blocks_override", "block_size", "enforce_eager", "served_model_name")
+    for side in ("hot", "cold"):
+        flags = bench.vllm_serve_args(side, 99, 189, 0.66, {"lm_head": 16})
+        plain = parse_serve_args(["--model", str(tmp_path), *flags])
+        weaver = parse_engine_args(deployment.model(side), tmp_path)
+        assert {k: getattr(plain, k) for k in compared} == \
+            {k: getattr(weaver, k) for k in compared}
+    hot_block = json.loads(bench.vllm_serve_args("hot", 99, 189, 0.66, None)[-1])["weaver"]
+    shape = attention_shape_of({"num_attention_heads": 9, "num_key_value_heads": 3,
+                                "hidden_size": 576, "num_hidden_layers": 30}, "float32", 32)
+    plan = plugin_hot_plan("hot", "bench", shape, hot_block["remote_kv_gib"], 1024, 64,
+                           0.66, 3.0, "shm")
+    assert plan.num_remote_blocks == 189  # exactly the lent blocks, as under weaver serve
+    cold_block = json.loads(bench.vllm_serve_args("cold", 99, 189, 0.66, {"lm_head": 16})[-1])
+    assert cold_block["weaver"]["split"] == {"lm_head": 16}
+
+
+def test_the_vllm_serve_pair_has_its_own_gains_and_is_not_an_unweaved_run(bench):
+    runs = [_run("dedicated", 1, 50.0, 0.100), _run("weaving", 1, 90.0, 0.105),
+            _run("upper-bound", 1, 100.0, 0.100), _run("weaving-vllm", 1, 85.0, 0.5)]
+    summary = bench.summarize_rounds(runs)
+    assert summary["vllm_serve_pair"]["weaving_gain"] == pytest.approx(0.7)
+    assert summary["vllm_serve_pair"]["ratio_of_gains"] == pytest.approx(0.7)
+    assert summary["weaving_gain_over_upper_bound_gain"] == pytest.approx(0.8)
+    assert summary["cold_tpot_weaving_over_unweaved_mean"] == pytest.approx(1.05)

@@ -67,6 +67,18 @@ def test_a_cold_block_sets_only_the_worker_extension():
                               {"role": "cold", "pair": "p1", "lend_kv_gib": 0.1})
     assert config.parallel_config.worker_extension_cls == WORKER_EXTENSION
     assert "hot" not in config.additional_config["weaver"]
+    assert "split" not in config.additional_config["weaver"]
+
+
+def test_a_cold_block_with_a_split_gets_the_split_plan_its_layers_read():
+    from weaver.models.registry import prepare_model
+    from weaver.vllm_ext.additional_config import split_chunks_of
+
+    block = {"role": "cold", "pair": "p1", "lend_kv_gib": 0.1, "split": {"lm_head": 4}}
+    _, config = engine_config(prepare_model("tiny-llama-b"), block)
+    assert split_chunks_of(config) == {"lm_head": 4}
+    with pytest.raises(ValueError, match="unknown operator"):
+        engine_config(prepare_model("tiny-llama-b"), {**block, "split": {"nope": 2}})
 
 
 def test_a_block_and_a_foreign_scheduler_conflict():

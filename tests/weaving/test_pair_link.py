@@ -153,6 +153,8 @@ def test_a_dead_cold_side_disconnects_the_hot_side(cold, runtime_dir):
     (runtime_dir / "p1.cold.json").write_text(json.dumps({**answer, "pid": 2**22 + 1}))
     hot.tick(now=1.0)
     assert not hot.connected
+    # Killed, the cold engine could not unlink its region: the hot side removes the names.
+    assert not any(os.path.exists(p) for p in region_paths(answer["region_name"]))
 
 
 def test_a_failed_attach_is_retried_later(cold):

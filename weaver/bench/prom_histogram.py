@@ -74,6 +74,14 @@ def read_counter(metrics_text: str, name: str,
     return sum(values) if values else None
 
 
+def read_gauge(metrics_text: str, name: str,
+               labels: dict[str, str] | None = None) -> float | None:
+    """The gauge ``name`` whose labels include ``labels``, summed over any other labels;
+    None when the text has no such series."""
+    values = [sample.value for sample in _samples(metrics_text, name, "gauge", labels or {})]
+    return sum(values) if values else None
+
+
 def _samples(metrics_text: str, name: str, kind: str,
              labels: dict[str, str]) -> Iterator[Sample]:
     """The samples of the ``kind`` family ``name`` whose labels include ``labels``."""

@@ -12,8 +12,9 @@ Three moments of an engine's start, each reached through a patch the plugin inst
    engine (a remote request gets no local prefix hits), so the user gives only the block.
 2. `complete_engine_config` (front end, once vLLM's config exists): the hot engine's plan is
    computed from its own model and put where the gateway would have put it
-   (additional_config's `weaver.hot`), so the scheduler and worker run unchanged; the
-   pair's counters are registered with this server's /metrics.
+   (additional_config's `weaver.hot`; a cold engine's `split` becomes its split plan), so
+   the scheduler, worker and layers run unchanged; the pair's counters are registered with
+   this server's /metrics.
 3. `on_engine_core_ready` (EngineCore process): the cold worker starts its ColdLink; the hot
    scheduler gets a HotLink (weaver/weaving/pair_link.py) that it ticks every step and that
    reaches the worker through vLLM's collective_rpc.
@@ -34,7 +35,7 @@ GiB = 1 << 30
 SCHEDULER = "weaver.vllm_ext.scheduler.WeaverScheduler"
 WORKER_EXTENSION = "weaver.vllm_ext.worker.WeaverWorkerExtension"
 HOT_FIELDS = {"role", "pair", "remote_kv_gib", "offload_ratio", "timeout_s"}
-COLD_FIELDS = {"role", "pair", "lend_kv_gib"}
+COLD_FIELDS = {"role", "pair", "lend_kv_gib", "split"}
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,9 @@ class PluginWeaving:
     offload_ratio: float = 0.5  # hot: the share of sequences placed remotely
     timeout_s: float = 3.0  # hot: a remote task not answered by then is computed locally
     lend_kv_gib: float = 0.0  # cold: the KV it lends, all pairs together
+    # cold: chunks per operator kind ({"lm_head": 16}), as a deployment's `split`
+    # (docs/architecture.md, part 7): a hot task waits behind one chunk, not an operator.
+    split: tuple[tuple[str, int], ...] = ()
 
     @property
     def pair(self) -> str:
@@ -72,8 +76,12 @@ def plugin_weaving(additional_config: Any) -> PluginWeaving | None:
     pairs = tuple(raw_pairs) if isinstance(raw_pairs, list) and role == "cold" else (raw_pairs,)
     for pair in pairs:
         rendezvous.check_pair_name(pair)
-    weaving = PluginWeaving(role=role, pairs=pairs, **{
-        k: float(v) for k, v in section.items() if k not in ("role", "pair", "hot")})
+    split = section.get("split") or {}
+    if not isinstance(split, dict):
+        raise ValueError("--additional-config weaver.split must map operator kinds to "
+                         'chunks, e.g. {"lm_head": 16}')
+    weaving = PluginWeaving(role=role, pairs=pairs, split=tuple(split.items()), **{
+        k: float(v) for k, v in section.items() if k not in ("role", "pair", "hot", "split")})
     if role == "hot":
         if weaving.remote_kv_gib <= 0:
             raise ValueError("--additional-config weaver: a hot engine needs remote_kv_gib "
@@ -121,6 +129,13 @@ def complete_engine_config(vllm_config: Any) -> None:
         logger.info("weaving pair %s: hot engine %r places %d remote blocks (ratio %.2f) "
                     "once its cold engine answers", weaving.pair, model,
                     plan.num_remote_blocks, plan.offload_ratio)
+    elif weaving.split:
+        from weaver.splitting.deploy import validate_split_chunks
+
+        # Where a gateway-planned cold engine has its split plan (additional_config.py),
+        # read by the split layers when the model loads.
+        chunks = validate_split_chunks(dict(weaving.split))
+        vllm_config.additional_config[KEY]["split"] = {"chunks": chunks}
     register_pair_collector(weaving.role, weaving.pairs)
 
 

@@ -43,6 +43,25 @@ def _unnamed(plan_data: dict) -> dict:
     return {**plan_data, "region_name": ""}
 
 
+def remove_dead_cold_region(pair: str) -> list[str]:
+    """Unlink the region files of the pair's cold engine if it died without doing so
+    (killed; `vllm serve` also force-kills its worker on SIGTERM unless given a
+    --shutdown-timeout): a mapping that is still open stays valid, a name is all that goes.
+    Returns the paths removed."""
+    old = rendezvous.read_even_if_dead(pair, "cold")
+    if old is None or rendezvous.is_alive(old.get("pid")) or not old.get("region_name"):
+        return []
+    removed = []
+    for path in region_paths(old["region_name"]):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(path)
+    if removed:
+        logger.warning("weaving pair %s: removed the region a dead cold engine left: %s",
+                       pair, removed)
+    return removed
+
+
 class ColdLink:
     def __init__(self, pairs: list[str], lend_bytes: int, cold_model: str, cold: ColdWeaving,
                  make_executor: Callable[[PairPlan], Any]) -> None:
@@ -68,14 +87,7 @@ class ColdLink:
 
     @staticmethod
     def _remove_dead_predecessor(pair: str) -> None:
-        """A cold engine killed before it could unlink its region leaves it behind."""
-        old = rendezvous.read_even_if_dead(pair, "cold")
-        if old is None or rendezvous.is_alive(old.get("pid")) or not old.get("region_name"):
-            return
-        for path in region_paths(old["region_name"]):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-                logger.warning("removed the region %s a dead cold engine left", path)
+        remove_dead_cold_region(pair)
 
     def _loop(self) -> None:
         while not self._stop.wait(LINK_INTERVAL_S):
@@ -163,6 +175,7 @@ class HotLink:
         self._next_look = 0.0
         self._next_stats = 0.0
         self._said_gone = False
+        self._said_refused: str | None = None
         rendezvous.publish(pair, "hot", {"plan": plan.to_dict(), "model": plan.hot})
 
     def tick(self, now: float | None = None) -> None:
@@ -178,6 +191,13 @@ class HotLink:
 
     def _look(self, now: float) -> None:
         cold = rendezvous.read(self.pair, "cold")
+        if cold is not None and cold.get("status") == "refused" \
+                and cold.get("reason") != self._said_refused:
+            self._said_refused = cold.get("reason")
+            logger.error("weaving pair %s: the cold engine refused this engine's plan: %s; "
+                         "every sequence stays local", self.pair, self._said_refused)
+        if cold is None:
+            remove_dead_cold_region(self.pair)  # once: its names are gone after
         if cold is None or cold.get("status") != "ready":
             if self.connected and not self._said_gone:
                 logger.warning("weaving pair %s: the cold engine is gone; new sequences stay "
