@@ -70,15 +70,22 @@ def weaver_server(
     and its vLLM flags in `extra_args` for the single-model form) on a free port, with
     `env_overrides` in its environment, until the block ends; then it and every process it
     started are gone."""
+    config_args = [] if config is None else [str(config)]
+    with _server([sys.executable, "-m", "weaver.cli.main", "serve", *config_args],
+                 list(extra_args), log_path, env_overrides, "wb") as server:
+        yield server
+
+
+@contextlib.contextmanager
+def _server(command: list[str], extra_args: list[str], log_path: Path,
+            env_overrides: Mapping[str, str] | None, log_mode: str) -> Iterator[RunningServer]:
+    """`command --port PORT EXTRA_ARGS` on a free port until ready; when the block ends it
+    gets SIGTERM (90 s to stop), and every process it started is killed."""
     port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_overrides or {}))
-    config_args = [] if config is None else [str(config)]
-    with open(log_path, "wb") as log:
-        process = popen_dying_with_parent(
-            [sys.executable, "-m", "weaver.cli.main", "serve", *config_args,
-             "--port", str(port), *extra_args],
-            stdout=log, stderr=subprocess.STDOUT, env=env,
-        )
+    with open(log_path, log_mode) as log:
+        process = popen_dying_with_parent([*command, "--port", str(port), *extra_args],
+                                          stdout=log, stderr=subprocess.STDOUT, env=env)
     server = RunningServer(process, f"http://127.0.0.1:{port}", log_path)
     try:
         _wait_ready(server)
@@ -86,7 +93,8 @@ def weaver_server(
     finally:
         leftovers = server.descendants()
         if server.process.poll() is None:
-            server.stop(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                server.stop(signal.SIGTERM, timeout_s=90)
         for child in leftovers:
             with contextlib.suppress(psutil.NoSuchProcess):
                 child.kill()
@@ -111,25 +119,11 @@ def vllm_cli_env(shim_dir: Path) -> dict[str, str]:
 def vllm_server(model: str, log_path: Path, *vllm_args: str,
                 env_overrides: Mapping[str, str] | None = None) -> Iterator[RunningServer]:
     """Plain `vllm serve MODEL ARGS...` on a free port (Weaver's plugin loads in it), until
-    the block ends; then it and every process it started are gone (a killed one too)."""
-    port = free_port()
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_overrides or {}))
-    with open(log_path, "ab") as log:
-        process = popen_dying_with_parent(
-            [*vllm_cli(), "serve", model, "--port", str(port), *vllm_args],
-            stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = RunningServer(process, f"http://127.0.0.1:{port}", log_path)
-    try:
-        _wait_ready(server)
+    the block ends; then it and every process it started are gone (a killed one too). The
+    log is appended to, so that a server started again keeps the earlier one's lines."""
+    with _server([*vllm_cli(), "serve", model], list(vllm_args), log_path, env_overrides,
+                 "ab") as server:
         yield server
-    finally:
-        leftovers = server.descendants()
-        if server.process.poll() is None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                server.stop(signal.SIGTERM, timeout_s=60)
-        for child in leftovers:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                child.kill()
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h

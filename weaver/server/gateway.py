@@ -173,19 +173,25 @@ class Gateway:
             return
         await _send_json(send, 200, json.dumps(self._card(name)).encode())
 
+    async def _take_body(self, scope: dict, receive: Callable, send: Callable) -> bytes | None:
+        """A new request's body; None once it has been answered 503 (draining) or 413."""
+        if self.draining:
+            await self._reject(send, 503, "draining", "the server is shutting down and takes "
+                               "no new requests; retry on another replica or later", retry=True)
+            return None
+        body = await _read_body(receive, self.config.max_body_bytes, _content_length(scope))
+        if body is None:
+            await self._reject(send, 413, "body_too_large", "the request body is larger than "
+                               f"{self.config.max_body_bytes} bytes (serving.max_body_bytes)")
+        return body
+
     async def _forward_by_response_id(self, scope: dict, receive: Callable,
                                       send: Callable) -> None:
         """`/v1/responses/{id}` (retrieve, cancel, delete) names no model: each live engine
         is asked in turn and the first that knows the id answers; when none does, the
         last engine's own 404 goes to the client."""
-        if self.draining:
-            await self._reject(send, 503, "draining", "the server is shutting down and takes "
-                               "no new requests; retry on another replica or later", retry=True)
-            return
-        body = await _read_body(receive, self.config.max_body_bytes, _content_length(scope))
+        body = await self._take_body(scope, receive, send)
         if body is None:
-            await self._reject(send, 413, "body_too_large", "the request body is larger than "
-                               f"{self.config.max_body_bytes} bytes (serving.max_body_bytes)")
             return
         live = [(name, b) for name, b in self.backends.items() if not b.is_dead]
         if not live:
@@ -238,14 +244,8 @@ class Gateway:
         await _send_json(send, status, error_body(status, message, param), headers)
 
     async def _forward(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if self.draining:
-            await self._reject(send, 503, "draining", "the server is shutting down and takes "
-                               "no new requests; retry on another replica or later", retry=True)
-            return
-        body = await _read_body(receive, self.config.max_body_bytes, _content_length(scope))
+        body = await self._take_body(scope, receive, send)
         if body is None:
-            await self._reject(send, 413, "body_too_large", "the request body is larger than "
-                               f"{self.config.max_body_bytes} bytes (serving.max_body_bytes)")
             return
         endpoint = self._endpoint_label(scope["path"])
         try:
