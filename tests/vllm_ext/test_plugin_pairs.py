@@ -88,3 +88,22 @@ def test_a_block_and_a_foreign_scheduler_conflict():
         engine_config(prepare_model("tiny-llama-a"),
                       {"role": "hot", "pair": "p1", "remote_kv_gib": 0.01},
                       scheduler_cls="my.Scheduler")
+
+
+def test_weavers_log_lines_reach_vllms_handlers_under_plain_vllm_serve():
+    """The front end of `vllm serve` loads the plugin before vLLM configures its logging:
+    Weaver's INFO lines must still come out, through vLLM's handler."""
+    import subprocess
+    import sys
+
+    code = ("import logging, vllm.plugins as p; p.load_general_plugins()\n"
+            "from vllm.logger import _configure_vllm_root_logger\n"
+            "_configure_vllm_root_logger()\n"
+            "logging.getLogger('weaver.x').info('weaving pair p1: connected')\n"
+            "logging.getLogger('weaver.x').debug('not at INFO')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    output = done.stdout + done.stderr
+    assert "INFO" in output and "weaving pair p1: connected" in output
+    assert "not at INFO" not in output

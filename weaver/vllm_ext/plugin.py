@@ -22,6 +22,7 @@ moved). Then:
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -82,13 +83,19 @@ def register_woven_backends(platform: Any) -> list[str]:
 def _log_like_vllm() -> None:
     """Under plain `vllm serve` nothing configures Weaver's loggers: its INFO lines (a pair
     connected, a region made) would be dropped (the root logger has no handler, or one at
-    ERROR that a library of vLLM's set). Then they go where vLLM's own go, at vLLM's
-    level; under `weaver serve` (root at INFO or finer) its configuration stands."""
+    ERROR that a library of vLLM's set). Then they go to vLLM's own handlers, looked up at
+    each record (the front end loads plugins before vLLM configures its logging), at
+    vLLM's level; under `weaver serve` (root at INFO or finer) its configuration stands."""
     weaver_logger, root = logging.getLogger("weaver"), logging.getLogger()
     if weaver_logger.handlers or (root.handlers and root.level <= logging.INFO):
         return
-    vllm_logger = logging.getLogger("vllm")
-    for handler in vllm_logger.handlers:
-        weaver_logger.addHandler(handler)
-    weaver_logger.setLevel(vllm_logger.level or logging.INFO)
+    weaver_logger.addHandler(_ToVllmHandlers())
+    weaver_logger.setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
     weaver_logger.propagate = False
+
+
+class _ToVllmHandlers(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        for handler in logging.getLogger("vllm").handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
