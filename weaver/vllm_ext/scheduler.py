@@ -244,21 +244,22 @@ class WeaverScheduler(Scheduler):
                 # schedule() sets the target every step; this is the first one's.
                 lease_blocks=plan.max_blocks_per_seq)
             AllocatorBlockPool.adopt(remote.block_pool, self.weaver_lease, plan.hot, num_local)
-        lease = self.weaver_lease
-        if lease is not None:
-            remote_available = lambda: lease.broken_reason is None  # noqa: E731
-        elif plugin_weaving(self.vllm_config.additional_config) is not None:
-            # Linked by the engines themselves: remote only while the cold side is attached.
-            remote_available = lambda: self.weaver_link is not None and self.weaver_link.connected  # noqa: E501, E731
-        else:
-            remote_available = None
+        # Linked by the engines themselves (plain `vllm serve`): remote only while the cold
+        # side is attached; leased from a unified pool: only while its owner is there.
+        is_linked = plugin_weaving(self.vllm_config.additional_config) is not None
         routing_kv_cache_manager.install(self, RoutingKVCacheManager(
             local, remote, num_local, RatioPlacement(plan.offload_ratio),
-            remote_available=remote_available))
+            remote_available=(self._weaver_remote_available
+                              if self.weaver_lease is not None or is_linked else None)))
         logger.info(
             "weaving %s -> %s: %d local + %d remote KV blocks, offload ratio %.2f",
             plan.hot, plan.cold, num_local, plan.num_remote_blocks, plan.offload_ratio,
         )
+
+    def _weaver_remote_available(self) -> bool:
+        if self.weaver_lease is not None:
+            return self.weaver_lease.broken_reason is None
+        return self.weaver_link is not None and self.weaver_link.connected
 
     def _pool_lock(self) -> Any:
         """The pool owner's lock around everything that touches vLLM's block pool (the ADBS
