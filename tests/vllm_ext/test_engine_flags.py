@@ -45,6 +45,7 @@ def test_a_wrong_extra_engine_arg_names_the_model_and_the_flag(engine_args, mess
     with pytest.raises(EngineFlagError, match=message) as raised:
         parse_engine_args(spec, MODEL_DIR)
     assert str(raised.value).startswith("model 'm': ")
+    assert str(raised.value).count("model 'm'") == 1
 
 
 def test_vllm_flags_come_last_and_win():

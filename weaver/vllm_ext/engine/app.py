@@ -144,6 +144,7 @@ def parse_engine_args(
     `vllm serve` checks them; ValueError (EngineFlagError) naming the model and the flag."""
     from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
 
+    # Its own errors (an unknown extra_engine_args name) already name the model.
     argv = engine_cli_args(spec, model_path, additional_config, placement)
     try:
         args = parse_serve_args(argv)
