@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from weaver.vllm_ext.plugin_pairs import SCHEDULER, WORKER_EXTENSION, plugin_weaving
+from weaver.vllm_ext.additional_config import SCHEDULER, WORKER_EXTENSION
+from weaver.vllm_ext.plugin_pairs import plugin_weaving
 
 pytest.importorskip("vllm")
 

@@ -91,13 +91,13 @@ def _check_devices(deployment, gpus, models_dir: Path | None) -> None:
     vLLM's own parser (extra_engine_args and vllm_flags: a wrong one fails here, not when
     its engine starts)."""
     from weaver.config.devices import place_engines
-    from weaver.vllm_ext.engine.app import parse_engine_args
+    from weaver.server.app import CheckedEngines, check_engine_flags
 
     dirs = _model_dirs(deployment, models_dir, strict=False)
     placements = place_engines(deployment, dirs, gpus)
-    for spec in deployment.models:
-        model_dir = dirs.get(spec.name, Path(spec.model))
-        parse_engine_args(spec, model_dir, None, placements[spec.name])
+    # A model not prepared here is checked as the directory it names.
+    paths = {spec.name: dirs.get(spec.name, Path(spec.model)) for spec in deployment.models}
+    check_engine_flags(deployment, CheckedEngines(paths, placements))
 
 
 def _describe_engines(deployment, gpus, models_dir: Path | None) -> str:

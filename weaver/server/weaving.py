@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from weaver.config.deployment import Deployment, Role
 from weaver.offload.naming import region_paths
+from weaver.weaving import series
 from weaver.weaving.plan import PairPlan, default_shm_prefix, plan_pairs
 
 logger = logging.getLogger(__name__)
@@ -37,25 +38,16 @@ WAIT_BUCKETS = (5e-5, 1e-4, 1.5e-4, 2e-4, 2.5e-4, 3e-4, 4e-4, 5e-4, 6e-4, 7.5e-4
 
 class WeavingMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.sequences = Counter("weaver_offload_sequences", "Hot sequences placed remotely",
-                                 ["model"], registry=registry)
-        self.tasks = Counter("weaver_offload_tasks", "Decode-attention tasks served remotely",
-                             ["hot", "cold"], registry=registry)
-        self.fallbacks = Counter(
-            "weaver_offload_fallbacks",
-            "Remote decode-attention tasks computed on the hot side because the cold side "
-            "failed or timed out", ["model"], registry=registry)
+        self.sequences = Counter(*series.OFFLOAD_SEQUENCES, registry=registry)
+        self.tasks = Counter(*series.OFFLOAD_TASKS, registry=registry)
+        self.fallbacks = Counter(*series.OFFLOAD_FALLBACKS, registry=registry)
         self.wait = Histogram("weaver_offload_wait_seconds",
                               "Hot side's wait for a remote attention task (publish to output)",
                               ["hot", "cold"], buckets=WAIT_BUCKETS, registry=registry)
         self.remote_blocks = Gauge("weaver_remote_kv_blocks_used",
                                    "Remote KV blocks held by running hot sequences",
                                    ["hot", "cold"], registry=registry)
-        self.cold_busy = Counter(
-            "weaver_offload_cold_busy_seconds",
-            "Cold side's time serving a hot model's attention tasks, by where: at poll "
-            "points inside the cold model's own steps (its TPOT pays it) or by the idle "
-            "poller between them", ["hot", "cold", "where"], registry=registry)
+        self.cold_busy = Counter(*series.COLD_BUSY, registry=registry)
         # The unified KV pools of cold models with unified_kv (weaver/kv), as
         # their owners publish the allocator's stats.
         self.pool_pages = Gauge("weaver_kv_pool_pages", "Pages a tenant's live blocks hold "

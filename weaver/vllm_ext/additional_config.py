@@ -14,6 +14,11 @@ from weaver.splitting.deploy import validate_split_chunks
 from weaver.weaving.plan import PairPlan
 
 KEY = "weaver"
+# Weaver's vLLM hooks (`--scheduler-cls`, `--worker-extension-cls`), as both launchers set
+# them: `weaver serve` (engine/app.py) and the plugin under plain `vllm serve`
+# (plugin_pairs.py).
+SCHEDULER = "weaver.vllm_ext.scheduler.WeaverScheduler"
+WORKER_EXTENSION = "weaver.vllm_ext.worker.WeaverWorkerExtension"
 
 
 def hot_plan(vllm_config: Any) -> PairPlan | None:

@@ -17,7 +17,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from weaver.weaving import rendezvous
+from weaver.weaving import rendezvous, series
 
 logger = logging.getLogger(__name__)
 
@@ -36,13 +36,9 @@ class PairStatsCollector(Collector):
             yield from self._cold()
 
     def _hot(self) -> Iterator:
-        sequences = CounterMetricFamily("weaver_offload_sequences", "Hot sequences placed "
-                                        "remotely", labels=["model"])
-        tasks = CounterMetricFamily("weaver_offload_tasks", "Decode-attention tasks served "
-                                    "remotely", labels=["hot", "cold"])
-        fallbacks = CounterMetricFamily("weaver_offload_fallbacks", "Remote decode-attention "
-                                        "tasks computed on the hot side because the cold side "
-                                        "failed or timed out", labels=["model"])
+        sequences = _counter(series.OFFLOAD_SEQUENCES)
+        tasks = _counter(series.OFFLOAD_TASKS)
+        fallbacks = _counter(series.OFFLOAD_FALLBACKS)
         attaches = CounterMetricFamily("weaver_pair_attaches", "Regions of the cold engine "
                                        "this hot engine attached (one more each time the cold "
                                        "engine restarts)", labels=["pair"])
@@ -63,10 +59,7 @@ class PairStatsCollector(Collector):
         yield from (sequences, tasks, fallbacks, attaches, connected)
 
     def _cold(self) -> Iterator:
-        busy = CounterMetricFamily(
-            "weaver_offload_cold_busy_seconds", "Cold side's time serving a hot model's "
-            "attention tasks, by where: at poll points inside the cold model's own steps or "
-            "by the idle poller between them", labels=["hot", "cold", "where"])
+        busy = _counter(series.COLD_BUSY)
         for pair in self.pairs:
             stats = rendezvous.read_even_if_dead(pair, "cold.stats")
             if stats is None:
@@ -75,6 +68,11 @@ class PairStatsCollector(Collector):
             busy.add_metric([*labels, "poll_point"], stats.get("busy_at_poll_points_s", 0.0))
             busy.add_metric([*labels, "idle"], stats.get("busy_by_idle_poller_s", 0.0))
         yield busy
+
+
+def _counter(spec: tuple[str, str, tuple[str, ...]]) -> CounterMetricFamily:
+    name, documentation, labels = spec
+    return CounterMetricFamily(name, documentation, labels=labels)
 
 
 def register_pair_collector(role: str, pairs: tuple[str, ...]) -> None:

@@ -26,14 +26,12 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from weaver.vllm_ext.additional_config import KEY
+from weaver.vllm_ext.additional_config import KEY, SCHEDULER, WORKER_EXTENSION
 from weaver.weaving import rendezvous
 
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
-SCHEDULER = "weaver.vllm_ext.scheduler.WeaverScheduler"
-WORKER_EXTENSION = "weaver.vllm_ext.worker.WeaverWorkerExtension"
 HOT_FIELDS = {"role", "pair", "remote_kv_gib", "offload_ratio", "timeout_s"}
 COLD_FIELDS = {"role", "pair", "lend_kv_gib", "split"}
 

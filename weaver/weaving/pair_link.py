@@ -43,16 +43,16 @@ def _unnamed(plan_data: dict) -> dict:
     return {**plan_data, "region_name": ""}
 
 
-def remove_dead_cold_region(pair: str) -> list[str]:
-    """Unlink the region files of the pair's cold engine if it died without doing so
-    (killed; `vllm serve` also force-kills its worker on SIGTERM unless given a
-    --shutdown-timeout): a mapping that is still open stays valid, a name is all that goes.
-    Returns the paths removed."""
-    old = rendezvous.read_even_if_dead(pair, "cold")
-    if old is None or rendezvous.is_alive(old.get("pid")) or not old.get("region_name"):
+def remove_dead_cold_region(pair: str, answer: dict[str, Any] | None) -> list[str]:
+    """Unlink the region files named in the pair's cold answer (its `<pair>.cold.json`, as
+    read) if the cold engine died without doing so (killed; `vllm serve` also force-kills
+    its worker on SIGTERM unless given a --shutdown-timeout): a mapping that is still open
+    stays valid, a name is all that goes. Returns the paths removed."""
+    if answer is None or rendezvous.is_alive(answer.get("pid")) \
+            or not answer.get("region_name"):
         return []
     removed = []
-    for path in region_paths(old["region_name"]):
+    for path in region_paths(answer["region_name"]):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
             removed.append(path)
@@ -79,15 +79,11 @@ class ColdLink:
 
     def start(self) -> None:
         for pair in self.pairs:
-            self._remove_dead_predecessor(pair)
+            remove_dead_cold_region(pair, rendezvous.read_even_if_dead(pair, "cold"))
             rendezvous.publish(pair, "cold", {"status": "waiting", "model": self.cold_model})
         self._thread = threading.Thread(target=self._loop, name="weaver-cold-link",
                                         daemon=True)
         self._thread.start()
-
-    @staticmethod
-    def _remove_dead_predecessor(pair: str) -> None:
-        remove_dead_cold_region(pair)
 
     def _loop(self) -> None:
         while not self._stop.wait(LINK_INTERVAL_S):
@@ -190,14 +186,17 @@ class HotLink:
             self.publish_stats()
 
     def _look(self, now: float) -> None:
-        cold = rendezvous.read(self.pair, "cold")
+        # One read of the cold side's file: alive, it is the answer; dead, its region's
+        # names are removed (nothing left to remove after the first time).
+        cold = rendezvous.read_even_if_dead(self.pair, "cold")
+        if cold is not None and not rendezvous.is_alive(cold.get("pid")):
+            remove_dead_cold_region(self.pair, cold)
+            cold = None
         if cold is not None and cold.get("status") == "refused" \
                 and cold.get("reason") != self._said_refused:
             self._said_refused = cold.get("reason")
             logger.error("weaving pair %s: the cold engine refused this engine's plan: %s; "
                          "every sequence stays local", self.pair, self._said_refused)
-        if cold is None:
-            remove_dead_cold_region(self.pair)  # once: its names are gone after
         if cold is None or cold.get("status") != "ready":
             if self.connected and not self._said_gone:
                 logger.warning("weaving pair %s: the cold engine is gone; new sequences stay "

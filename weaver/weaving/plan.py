@@ -141,11 +141,7 @@ def plan_pairs(
         cold = deployment.model(pair.cold[0])
         shape = read_attention_shape(model_dirs[hot.name], hot.dtype, block_size_of(hot),
                                      kv_format_of(hot))
-        probe = RegionLayout(shape=shape, num_remote_blocks=1, max_seqs_per_task=1,
-                             max_blocks_per_seq=1)
-        # kv_block_bytes is one layer's share of a block; a block spans every layer.
-        block_bytes = probe.kv_block_bytes * shape.num_layers
-        num_remote_blocks = num_lent_blocks(cold, block_bytes)
+        num_remote_blocks = num_lent_blocks(cold, region_bytes_of(shape, 1))
         pool = None
         if cold.unified_kv:
             if cold.name not in pools:
@@ -179,6 +175,7 @@ def region_bytes_of(shape: HotAttentionShape, num_remote_blocks: int) -> int:
     """The KV bytes of `num_remote_blocks` blocks of the hot model (every layer)."""
     probe = RegionLayout(shape=shape, num_remote_blocks=1, max_seqs_per_task=1,
                          max_blocks_per_seq=1)
+    # kv_block_bytes is one layer's share of a block; a block spans every layer.
     return probe.kv_block_bytes * shape.num_layers * num_remote_blocks
 
 

@@ -71,13 +71,8 @@ def publish(pair: str, name: str, data: dict[str, Any]) -> None:
 
 def read(pair: str, name: str) -> dict[str, Any] | None:
     """`<pair>.<name>.json`, or None when it is missing, unreadable or its process is gone."""
-    try:
-        data = json.loads(_path(pair, name).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict) or not is_alive(data.get("pid")):
-        return None
-    return data
+    data = read_even_if_dead(pair, name)
+    return data if data is not None and is_alive(data.get("pid")) else None
 
 
 def read_even_if_dead(pair: str, name: str) -> dict[str, Any] | None:

@@ -24,7 +24,7 @@ from weaver.config.cpu_cores import pin_engine_processes, usable_cpu_cores
 from weaver.config.deployment import ModelSpec, Role
 from weaver.config.devices import EnginePlacement
 from weaver.models.registry import vllm_model_arg
-from weaver.vllm_ext.additional_config import pool_of
+from weaver.vllm_ext.additional_config import SCHEDULER, WORKER_EXTENSION, pool_of
 from weaver.vllm_ext.engine.flags import EngineFlagError, flags_for, parse_serve_args
 from weaver.vllm_ext.engine.stats import EngineStatsRecorder, attach_stats_recorder
 from weaver.weaving.plan import block_size_of
@@ -70,8 +70,6 @@ class EngineHandle:
         }
 
 
-SCHEDULER = "weaver.vllm_ext.scheduler.WeaverScheduler"
-WORKER_EXTENSION = "weaver.vllm_ext.worker.WeaverWorkerExtension"
 # How long an engine's processes get to tear down after SIGTERM before they are killed.
 # vLLM's own exit path passes its request-drain timeout (0 by default), which kills the
 # EngineCore at once: its worker is then force-killed too and neither unlinks its
