@@ -43,3 +43,12 @@ def test_the_cold_server_exports_its_time_on_the_hot_models_tasks():
     assert 'weaver_offload_cold_busy_seconds_total{cold="c",hot="h",where="poll_point"} 0.5' \
         in text
     assert 'weaver_offload_cold_busy_seconds_total{cold="c",hot="h",where="idle"} 0.25' in text
+
+
+def test_registering_reads_no_file_and_makes_no_directory(tmp_path, monkeypatch):
+    runtime = tmp_path / "not-yet"
+    monkeypatch.setenv(rendezvous.RUNTIME_DIR_ENV, str(runtime))
+    registry = CollectorRegistry()
+    registry.register(PairStatsCollector("hot", ("p1",)))
+    assert not runtime.exists()  # the first publisher makes it
+    assert 'weaver_pair_connected{pair="p1"} 0.0' in generate_latest(registry).decode()

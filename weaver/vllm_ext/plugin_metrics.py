@@ -30,44 +30,52 @@ class PairStatsCollector(Collector):
         self.pairs = pairs
 
     def collect(self) -> Iterator:
-        if self.role == "hot":
-            yield from self._hot()
-        else:
-            yield from self._cold()
-
-    def _hot(self) -> Iterator:
-        sequences = _counter(series.OFFLOAD_SEQUENCES)
-        tasks = _counter(series.OFFLOAD_TASKS)
-        fallbacks = _counter(series.OFFLOAD_FALLBACKS)
-        attaches = CounterMetricFamily("weaver_pair_attaches", "Regions of the cold engine "
-                                       "this hot engine attached (one more each time the cold "
-                                       "engine restarts)", labels=["pair"])
-        connected = GaugeMetricFamily("weaver_pair_connected", "1 while the pair's cold "
-                                      "engine is attached and sequences may go remote",
-                                      labels=["pair"])
+        families = self._families()
         for pair in self.pairs:
-            stats = rendezvous.read_even_if_dead(pair, "hot.stats")
-            if stats is None:
-                connected.add_metric([pair], 0)
-                continue
-            model = stats.get("hot", "")
-            sequences.add_metric([model], stats.get("remote_sequences", 0))
-            tasks.add_metric([model, pair], stats.get("offloaded_tasks", 0))
-            fallbacks.add_metric([model], stats.get("fallback_tasks", 0))
-            attaches.add_metric([pair], stats.get("attaches", 0))
-            connected.add_metric([pair], 1 if stats.get("connected") else 0)
-        yield from (sequences, tasks, fallbacks, attaches, connected)
+            stats = rendezvous.read_even_if_dead(pair, f"{self.role}.stats")
+            if self.role == "hot":
+                self._add_hot(families, pair, stats)
+            elif stats is not None:
+                self._add_cold(families, stats)
+        yield from families.values()
 
-    def _cold(self) -> Iterator:
-        busy = _counter(series.COLD_BUSY)
-        for pair in self.pairs:
-            stats = rendezvous.read_even_if_dead(pair, "cold.stats")
-            if stats is None:
-                continue
-            labels = [stats.get("hot", ""), stats.get("cold", "")]
-            busy.add_metric([*labels, "poll_point"], stats.get("busy_at_poll_points_s", 0.0))
-            busy.add_metric([*labels, "idle"], stats.get("busy_by_idle_poller_s", 0.0))
-        yield busy
+    def describe(self) -> Iterator:
+        """The families without samples: what the registry asks when the collector is
+        registered, answered without reading the pair's files."""
+        yield from self._families().values()
+
+    def _families(self) -> dict[str, CounterMetricFamily | GaugeMetricFamily]:
+        if self.role != "hot":
+            return {"busy": _counter(series.COLD_BUSY)}
+        return {
+            "sequences": _counter(series.OFFLOAD_SEQUENCES),
+            "tasks": _counter(series.OFFLOAD_TASKS),
+            "fallbacks": _counter(series.OFFLOAD_FALLBACKS),
+            "attaches": CounterMetricFamily(
+                "weaver_pair_attaches", "Regions of the cold engine this hot engine attached "
+                "(one more each time the cold engine restarts)", labels=["pair"]),
+            "connected": GaugeMetricFamily(
+                "weaver_pair_connected", "1 while the pair's cold engine is attached and "
+                "sequences may go remote", labels=["pair"]),
+        }
+
+    @staticmethod
+    def _add_hot(families: dict, pair: str, stats: dict | None) -> None:
+        if stats is None:
+            families["connected"].add_metric([pair], 0)
+            return
+        model = stats.get("hot", "")
+        families["sequences"].add_metric([model], stats.get("remote_sequences", 0))
+        families["tasks"].add_metric([model, pair], stats.get("offloaded_tasks", 0))
+        families["fallbacks"].add_metric([model], stats.get("fallback_tasks", 0))
+        families["attaches"].add_metric([pair], stats.get("attaches", 0))
+        families["connected"].add_metric([pair], 1 if stats.get("connected") else 0)
+
+    @staticmethod
+    def _add_cold(families: dict, stats: dict) -> None:
+        labels, busy = [stats.get("hot", ""), stats.get("cold", "")], families["busy"]
+        busy.add_metric([*labels, "poll_point"], stats.get("busy_at_poll_points_s", 0.0))
+        busy.add_metric([*labels, "idle"], stats.get("busy_by_idle_poller_s", 0.0))
 
 
 def _counter(spec: tuple[str, str, tuple[str, ...]]) -> CounterMetricFamily:

@@ -40,9 +40,7 @@ def check_pair_name(name: Any) -> str:
 def runtime_dir() -> Path:
     """Where the pairs' files live: one node-local directory per user."""
     configured = os.environ.get(RUNTIME_DIR_ENV)
-    base = Path(configured) if configured else Path(f"/dev/shm/weaver-pairs-{os.getuid()}")
-    base.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return base
+    return Path(configured) if configured else Path(f"/dev/shm/weaver-pairs-{os.getuid()}")
 
 
 def _path(pair: str, name: str) -> Path:
@@ -64,6 +62,7 @@ def is_alive(pid: Any) -> bool:
 def publish(pair: str, name: str, data: dict[str, Any]) -> None:
     """Write `<pair>.<name>.json` whole, with this process's id."""
     path = _path(pair, name)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # made by the first writer
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     temporary.write_text(json.dumps({**data, "pid": os.getpid()}))
     os.replace(temporary, path)
