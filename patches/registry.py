@@ -78,6 +78,24 @@ PATCHES: tuple[Patch, ...] = (
         remove_when="vLLM gives workers a hook around each step (a step-context callback).",
     ),
     Patch(
+        name="worker_step_turns",
+        targets=(
+            Target("vllm.v1.worker.gpu_worker:Worker.execute_model",
+                   ("self", "scheduler_output")),
+            Target("vllm.v1.worker.gpu_worker:Worker.sample_tokens",
+                   ("self", "grammar_output")),
+            Target("vllm.v1.core.sched.output:SchedulerOutput"),
+        ),
+        why="The engines of a colocated group (MuxServe, Mux-Temporal) take turns step by "
+            "step on one set of devices; each step must wait for its turn and say whether it "
+            "holds prefill tokens.",
+        how="Rebinds the worker instance's execute_model and sample_tokens to wrappers that "
+            "ask the group's turn table before the forward pass and free the turn once the "
+            "step's output exists (weaver/vllm_ext/mux_gate.py reads scheduled_new_reqs, "
+            "num_scheduled_tokens and total_num_scheduled_tokens).",
+        remove_when="vLLM gives workers a hook around each step (a step-context callback).",
+    ),
+    Patch(
         name="routing_kv_cache_manager",
         targets=(
             Target("vllm.v1.core.sched.scheduler:Scheduler.__init__"),

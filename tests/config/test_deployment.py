@@ -93,3 +93,43 @@ def test_serving_errors_say_the_fix():
                           "serving": {"restart": {"backoff_s": 10, "backoff_max_s": 1}}})
     with pytest.raises(ValueError, match="serving.restart.max_restart: unknown field"):
         parse_deployment({"models": [model("m")], "serving": {"restart": {"max_restart": 1}}})
+
+
+def mux_deployment(**group) -> dict:
+    return {"models": [model("a"), model("b"), model("c")],
+            "mux": [{"name": "g", "models": ["a", "b"], **group}]}
+
+
+def test_a_mux_group_binds_its_engines_to_its_cores():
+    deployment = parse_deployment(mux_deployment(cpu_cores="0-1", rates={"a": 4.0}))
+    group = deployment.mux_group_of("a")
+    assert group is not None and group.mode == "spatial-temporal"
+    assert [deployment.model(m).cpu_cores for m in "abc"] == ["0-1", "0-1", None]
+    assert (group.weight("a"), group.weight("b")) == (4.0, 1.0)
+    assert deployment.mux_group_of("c") is None
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        (mux_deployment(models=["a", "x"]), "names 'x', which is not in models"),
+        (mux_deployment(models=["a"]), "at least 2 items"),
+        (mux_deployment(mode="spatial"), "'temporal' or 'spatial-temporal'"),
+        (mux_deployment(rates={"c": 1.0}), "rates names ['c']"),
+        (mux_deployment(rates={"a": 0}), "every rate must be > 0"),
+        ({"models": [model("a", cpu_cores="0"), model("b")],
+          "mux": [{"name": "g", "models": ["a", "b"], "cpu_cores": "0-1"}]},
+         "remove the model's cpu_cores"),
+        ({"models": [model("a", role="cold", lend_kv_gib=0.1), model("b")],
+          "mux": [{"name": "g", "models": ["a", "b"]}]}, "a colocated model is dedicated"),
+        ({"models": [model("a", device="cuda:0"), model("b")],
+          "mux": [{"name": "g", "models": ["a", "b"]}]}, "cpu engines only so far"),
+        ({"models": [model("a"), model("b"), model("c")],
+          "mux": [{"name": "g", "models": ["a", "b"]}, {"name": "h", "models": ["b", "c"]}]},
+         "model 'b' is in mux groups 'g' and 'h'"),
+    ],
+)
+def test_mux_group_errors_say_the_fix(data, expected):
+    with pytest.raises(ValueError) as info:
+        parse_deployment(data)
+    assert expected in str(info.value)

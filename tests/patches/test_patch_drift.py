@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import weaver.patches  # noqa: E402
-from weaver.patches import block_pool_class, worker_step_lock  # noqa: E402
+from weaver.patches import block_pool_class, worker_step_lock, worker_step_turns  # noqa: E402
 from weaver.patches.registry import PATCHES, PatchTargetMissing, check_targets  # noqa: E402
 
 
@@ -107,3 +107,44 @@ def test_patches_import_nothing_of_weaver_but_themselves():
             for name in names:
                 assert not name.startswith("weaver") or name.startswith("weaver.patches"), (
                     f"{path.name} imports {name}")
+
+
+class _TwoPhaseWorker:
+    """A worker whose execute_model returns None (sampling follows) for odd steps."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def execute_model(self, scheduler_output):
+        self.events.append(f"forward {scheduler_output}")
+        if scheduler_output == "boom":
+            raise RuntimeError("forward failed")
+        return None if scheduler_output == "two-phase" else "output"
+
+    def sample_tokens(self, grammar_output):
+        self.events.append("sample")
+        return "sampled"
+
+
+def test_a_turn_spans_the_step_and_is_given_back_after_its_output_or_failure():
+    events: list[str] = []
+    worker = _TwoPhaseWorker(events)
+
+    def begin(scheduler_output) -> bool:
+        events.append("turn")
+        return scheduler_output != "empty"
+
+    worker_step_turns.install(worker, begin, lambda: events.append("done"))
+    assert worker.execute_model("one-phase") == "output"
+    assert worker.execute_model("two-phase") is None
+    assert worker.sample_tokens(None) == "sampled"
+    with pytest.raises(RuntimeError):
+        worker.execute_model("boom")
+    worker.execute_model("empty")  # nothing scheduled: no turn to give back
+    assert events == ["turn", "forward one-phase", "done",
+                      "turn", "forward two-phase", "sample", "done",
+                      "turn", "forward boom", "done",
+                      "turn", "forward empty"]
+    worker_step_turns.uninstall(worker)
+    worker.execute_model("one-phase")
+    assert events[-1] == "forward one-phase"

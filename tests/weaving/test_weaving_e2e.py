@@ -1,14 +1,15 @@
 """Weaving end to end on real vLLM engines, through the OpenAI endpoint.
 
-One server hosts four engines: `ref` (SmolLM2, dedicated: weaving off), `hot` (the same
-model weaving half its sequences into `cold`), `hot-all` (every sequence remote) and
-`cold` (a random-weight Llama of another shape: 3 layers, 6 q / 1 kv heads, head 64,
-against SmolLM2's 30 layers, 9 q / 3 kv heads). The three SmolLM2 engines have the same
-capped local KV (16 usable blocks of 32 tokens) and a small prefill chunk (64 tokens), so long
-prompts span several chunks and the batch is KV-bound. Tests run in file order; the last
-ones kill the cold engine and stop the server. Engine restarts are off here, so a killed cold
-engine stays down and its pairs stay degraded; restarts and re-attachment are pinned in
-tests/server/test_serve_e2e.py.
+One server hosts six engines: `ref` (SmolLM2, dedicated: weaving off), `hot` (the same
+model weaving half its sequences into `cold`), `hot-all` (every sequence remote), `cold` (a
+random-weight Llama of another shape: 3 layers, 6 q / 1 kv heads, head 64, against
+SmolLM2's 30 layers, 9 q / 3 kv heads), and `mux-a`, `mux-b` (SmolLM2 twice, colocated in a
+spatial-temporal mux group, taking turns step by step: weaver/mux/). The five SmolLM2
+engines have the same capped local KV (16 usable blocks of 32 tokens) and a small prefill
+chunk (64 tokens), so long prompts span several chunks and the batch is KV-bound. Tests run
+in file order; the last ones kill the cold engine and stop the server. Engine restarts are
+off here, so a killed cold engine stays down and its pairs stay degraded; restarts and
+re-attachment are pinned in tests/server/test_serve_e2e.py.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ import pytest
 from weaving_client import complete_all, make_prompts, metric, openai_client
 
 from weaver.bench.server_process import weaver_server
+from weaver.mux.table import table_path
 
 pytestmark = pytest.mark.engine
 
 NUM_PROMPTS = 32
+MUX_MODELS = ("mux-a", "mux-b")
 LOCAL_BLOCKS = 17  # 16 usable: block 0 is vLLM's null block
 SMOLLM2_ENGINE = """
     model: {smollm2}
@@ -46,6 +49,10 @@ models:
     role: hot{engine}
   - name: hot-all
     role: hot{engine}
+  - name: mux-a
+    role: dedicated{engine}
+  - name: mux-b
+    role: dedicated{engine}
   - name: cold
     model: {tiny}
     role: cold
@@ -54,6 +61,8 @@ models:
     lend_kv_gib: 0.25
 serving:
   restart: {{enabled: false}}
+mux:
+  - {{name: pair, models: [mux-a, mux-b], mode: spatial-temporal, rates: {{mux-a: 3, mux-b: 1}}}}
 weaving:
   - {{hot: hot, cold: [cold], offload_ratio: 0.5, timeout_s: 3.0}}
   - {{hot: hot-all, cold: [cold], offload_ratio: 1.0, timeout_s: 3.0}}
@@ -111,6 +120,21 @@ def test_all_remote_is_token_exact(server, client, reference):
     assert metric(server, 'weaver_offload_fallbacks_total{model="hot-all"}') == 0
 
 
+def test_colocated_models_take_turns_and_stay_token_exact(server, client, reference):
+    prompts = reference["prompts"][:16]
+    with cf.ThreadPoolExecutor(2) as pool:  # both models at once, so their steps interleave
+        runs = [pool.submit(complete_all, client, model, prompts) for model in MUX_MODELS]
+        outputs = [run.result(timeout=600) for run in runs]
+    assert outputs == [reference["outputs"][:16]] * 2
+    for model in MUX_MODELS:  # labels as the exposition sorts them
+        for kind, least in (("prefill", 1), ("decode", 23)):
+            series = f'weaver_mux_steps_total{{group="pair",kind="{kind}",model="{model}"}}'
+            assert metric(server, series) >= least
+        labels = f'{{group="pair",model="{model}"}}'
+        assert metric(server, f"weaver_mux_turn_wait_seconds_total{labels}") > 0
+        assert metric(server, f"weaver_mux_reclaimed_turns_total{labels}") == 0
+
+
 def test_health_reports_weaving_pairs(server):
     pairs = {(p["hot"], p["cold"]): p for p in server.health().json()["weaving"]}
     assert pairs[("hot", "cold")]["status"] == "ok"
@@ -139,3 +163,4 @@ def test_no_shared_memory_left_after_sigterm(server):
     assert server.stop(signal.SIGTERM) == 0
     leftovers = [p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(prefix)]
     assert leftovers == []
+    assert not table_path(f"weaver{server.process.pid}-pair").parent.exists()

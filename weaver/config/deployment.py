@@ -187,11 +187,68 @@ class WeavingSpec(BaseModel):
     timeout_s: float = Field(5.0, gt=0, description="longest wait for a cold model's answer")
 
 
+MuxMode = Literal["temporal", "spatial-temporal"]
+
+
+class MuxGroupSpec(BaseModel):
+    """Models colocated on one set of devices, taking turns step by step (MuxServe)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="the group's name (its turn table is named after it)")
+    models: list[str] = Field(min_length=2, description="names of dedicated models that "
+                              "share the group's devices")
+    mode: MuxMode = Field(
+        "spatial-temporal",
+        description="temporal: one model's step at a time (Mux-Temporal); spatial-temporal: "
+        "a prefill of one model may run beside a decode step of another (MuxServe); either "
+        "way prefill steps go first and decode steps share the rest by rate "
+        "(weaver/mux/turns.py)")
+    cpu_cores: str | None = Field(
+        None, description="cpu device: the cores every engine of the group is bound to "
+        "(VLLM_CPU_OMP_THREADS_BIND syntax); default: vLLM's choice")
+    rates: dict[str, float] = Field(
+        default_factory=dict, description="request rate (req/s) of each model: the weights "
+        "of the decode round-robin, so a popular model gets its share; unset: equal")
+    skip_limit: int = Field(4, ge=1, description="most times a waiting step may be passed "
+                            "over before it goes first (no model starves)")
+
+    @field_validator("name")
+    @classmethod
+    def _check_group_name(cls, value: str) -> str:
+        if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", value):
+            raise ValueError(f"mux group name {value!r} must be 1-64 letters, digits, '.', "
+                             "'_' or '-'")
+        return value
+
+    @field_validator("cpu_cores")
+    @classmethod
+    def _check_group_cores(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_cpu_cores(value)
+        return value
+
+    @model_validator(mode="after")
+    def _check_rates(self) -> MuxGroupSpec:
+        stray = sorted(set(self.rates) - set(self.models))
+        if stray:
+            raise ValueError(f"mux group {self.name!r}: rates names {stray}, which are not "
+                             f"in its models {self.models}")
+        if any(rate <= 0 for rate in self.rates.values()):
+            raise ValueError(f"mux group {self.name!r}: every rate must be > 0 req/s")
+        return self
+
+    def weight(self, model: str) -> float:
+        """The model's weight in the decode round-robin: its rate, else 1."""
+        return self.rates.get(model, 1.0)
+
+
 class Deployment(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     models: list[ModelSpec] = Field(min_length=1)
     weaving: list[WeavingSpec] = Field(default_factory=list)
+    mux: list[MuxGroupSpec] = Field(default_factory=list, description="colocated groups")
     serving: ServingSpec = Field(default_factory=ServingSpec)
 
     @model_validator(mode="after")
@@ -206,7 +263,41 @@ class Deployment(BaseModel):
         hots = [p.hot for p in self.weaving]
         if len(hots) != len(set(hots)):
             raise ValueError("each hot model may appear in only one weaving entry")
+        self._check_mux_groups(by_name)
         return self
+
+    def _check_mux_groups(self, by_name: dict[str, ModelSpec]) -> None:
+        seen: dict[str, str] = {}
+        groups = [g.name for g in self.mux]
+        if len(groups) != len(set(groups)):
+            raise ValueError(f"mux group names must be unique; got {groups}")
+        for group in self.mux:
+            for name in group.models:
+                spec = by_name.get(name)
+                if spec is None:
+                    raise ValueError(f"mux group {group.name!r} names {name!r}, which is not "
+                                     f"in models: {sorted(by_name)}")
+                if name in seen:
+                    raise ValueError(f"model {name!r} is in mux groups {seen[name]!r} and "
+                                     f"{group.name!r}; a model shares one set of devices")
+                seen[name] = group.name
+                if spec.role is not Role.DEDICATED:
+                    raise ValueError(f"mux group {group.name!r}: {name!r} has role "
+                                     f"{spec.role.value!r}; a colocated model is dedicated "
+                                     "(weaving and muxing are compared, not combined)")
+                if spec.device != "cpu":
+                    raise ValueError(f"mux group {group.name!r}: {name!r} is on {spec.device}; "
+                                     "colocated groups run on cpu engines only so far")
+                if group.cpu_cores is not None:
+                    if spec.cpu_cores not in (None, group.cpu_cores):
+                        raise ValueError(
+                            f"mux group {group.name!r} binds its engines to cores "
+                            f"{group.cpu_cores!r} but {name!r} says cpu_cores "
+                            f"{spec.cpu_cores!r}; remove the model's cpu_cores")
+                    spec.cpu_cores = group.cpu_cores
+
+    def mux_group_of(self, model: str) -> MuxGroupSpec | None:
+        return next((g for g in self.mux if model in g.models), None)
 
     @staticmethod
     def _check_pair(pair: WeavingSpec, by_name: dict[str, ModelSpec]) -> None:

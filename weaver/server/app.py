@@ -27,6 +27,7 @@ from weaver.config.devices import EnginePlacement, place_engines
 from weaver.server.gateway import Gateway, GatewayConfig, ModelLimits
 from weaver.server.inflight import Aborted
 from weaver.server.metrics import GatewayMetrics
+from weaver.server.mux import MuxTurnsCollector, remove_turn_tables
 from weaver.server.supervisor import SupervisedEngine
 from weaver.server.weaving import (
     WeavingMetrics,
@@ -115,6 +116,11 @@ async def start_engines(settings: ServeSettings, checked: CheckedEngines,
     # Registered first so it runs last: regions whose owner died are unlinked after
     # every engine has stopped.
     stack.callback(remove_leftover_regions, plans)
+    if deployment.mux:
+        collector = MuxTurnsCollector(deployment)
+        settings.metrics.registry.register(collector)
+        stack.callback(remove_turn_tables, deployment)
+        stack.callback(collector.close)
     # One engine starts at a time: vLLM builds an engine synchronously anyway, and each
     # engine's processes inherit the environment set for it alone (cpu_cores, visible
     # GPUs), also when one restarts while another does.

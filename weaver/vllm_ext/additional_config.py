@@ -57,7 +57,9 @@ def pool_of(additional_config: dict) -> tuple[PoolPlan, str] | None:
 
 def make_additional_config(hot: PairPlan | None, cold: list[PairPlan],
                            split_chunks: dict[str, int] | None = None,
-                           pool: tuple[PoolPlan, str] | None = None) -> dict:
+                           pool: tuple[PoolPlan, str] | None = None,
+                           mux: dict | None = None) -> dict:
+    """`mux`: a colocated engine's group block (weaver/vllm_ext/mux_gate.py)."""
     section: dict[str, Any] = {}
     if hot is not None:
         section["hot"] = hot.to_dict()
@@ -69,4 +71,6 @@ def make_additional_config(hot: PairPlan | None, cold: list[PairPlan],
         plan, tenant = pool
         plan.tenant(tenant)  # ValueError now rather than in the engine
         section["pool"] = {"plan": plan.to_dict(), "tenant": tenant}
+    if mux is not None:
+        section["mux"] = dict(mux)
     return {KEY: section} if section else {}

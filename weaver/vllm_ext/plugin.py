@@ -16,7 +16,8 @@ moved). Then:
 - it hooks vLLM's config building and EngineCore start (patches/engine_config_hook.py,
   patches/engine_core_hook.py) for weaving under plain `vllm serve`
   (weaver/vllm_ext/plugin_pairs.py), no-ops unless the engine has a `weaver` block with a
-  role.
+  role, and to let a colocated engine take turns with its group (weaver/vllm_ext/mux_gate.py),
+  a no-op unless the block has `mux`.
 """
 
 from __future__ import annotations
@@ -56,8 +57,15 @@ def register() -> None:
     kv_cache_allocation.install(pool_section, initialize_with_pool)
     engine_config_hook.install(plugin_pairs.configure_engine_args,
                                plugin_pairs.complete_engine_config)
-    engine_core_hook.install(plugin_pairs.on_engine_core_ready)
+    engine_core_hook.install(_on_engine_core_ready)
     register_woven_backends(current_platform)
+
+
+def _on_engine_core_ready(engine_core: Any) -> None:
+    from weaver.vllm_ext import mux_gate, plugin_pairs
+
+    mux_gate.on_engine_core_ready(engine_core)
+    plugin_pairs.on_engine_core_ready(engine_core)
 
 
 def register_woven_backends(platform: Any) -> list[str]:

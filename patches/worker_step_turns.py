@@ -1,0 +1,67 @@
+"""Make each step of a worker wait for its turn (colocated models, weaver/mux/).
+
+vLLM's worker loop runs a step as ``worker.execute_model(scheduler_output)`` and, when that
+returns None, ``worker.sample_tokens(grammar_output)``; the step is over when one of them
+returns an output. Both methods of the worker instance are rebound: ``begin(scheduler_output)``
+runs before the forward pass (it blocks until the turn is granted) and ``end()`` once the
+step's output exists or the step failed. The originals are kept on the instance
+(``_weaver_original_<name>``) and put back by ``uninstall``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from weaver.patches.registry import PatchTargetMissing
+
+STEP_METHODS = ("execute_model", "sample_tokens")
+
+
+def install(worker: Any, begin: Callable[[Any], bool], end: Callable[[], None]) -> None:
+    """Rebind the worker's step methods; `begin` returns False for a step that needs no turn
+    (nothing scheduled). Raises if vLLM renamed a method."""
+    originals = {}
+    for name in STEP_METHODS:
+        method = getattr(worker, name, None)
+        if not callable(method):
+            raise PatchTargetMissing(
+                f"{type(worker).__name__} has no {name}(): vLLM's worker loop changed, and "
+                "colocated models would run their steps unscheduled (patches/"
+                "worker_step_turns.py)")
+        originals[name] = method
+    holding = {"turn": False}
+
+    def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        holding["turn"] = begin(scheduler_output)
+        try:
+            output = originals["execute_model"](scheduler_output, *args, **kwargs)
+        except BaseException:
+            _end_turn()
+            raise
+        if output is not None:
+            _end_turn()
+        return output
+
+    def sample_tokens(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return originals["sample_tokens"](*args, **kwargs)
+        finally:
+            _end_turn()
+
+    def _end_turn() -> None:
+        if holding["turn"]:
+            holding["turn"] = False
+            end()
+
+    for name, method in originals.items():
+        setattr(worker, f"_weaver_original_{name}", method)
+    worker.execute_model = execute_model
+    worker.sample_tokens = sample_tokens
+
+
+def uninstall(worker: Any) -> None:
+    for name in STEP_METHODS:
+        original = worker.__dict__.pop(f"_weaver_original_{name}", None)
+        if original is not None:
+            worker.__dict__.pop(name, None)
