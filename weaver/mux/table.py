@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from weaver.mux.turns import Kind, Member, Mode, next_turn
+from weaver.processes import is_process_alive
 
 logger = logging.getLogger(__name__)
 
@@ -111,18 +112,6 @@ class MemberCounters:
     num_reclaimed: int  # turns taken back from this member after it died running
 
 
-def _is_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class TurnTable:
     """One process's view of a group's table; open with ``TurnTable.open``."""
 
@@ -168,7 +157,7 @@ class TurnTable:
                 and bytes(self._view[self._names_at:self._records_at])
                 == self.layout._names_block())
         live = [i for i in range(num if magic == MAGIC else 0)
-                if _is_alive(self._get(i)[0])]
+                if is_process_alive(self._get(i)[0])]
         if same:
             self._write_settings()
             return
@@ -216,7 +205,7 @@ class TurnTable:
     def _reclaim_dead(self) -> None:
         for i in range(len(self.layout.members)):
             record = list(self._get(i))
-            if (record[1] or record[2]) and not _is_alive(record[0]):
+            if (record[1] or record[2]) and not is_process_alive(record[0]):
                 if record[2]:
                     record[11] += 1
                     logger.warning("mux group %s: %s died during its step; its turn is "
