@@ -101,7 +101,7 @@ class GroupLayout:
 
 @dataclass(frozen=True)
 class MemberCounters:
-    """One member's counters, as /metrics and the benchmarks report them."""
+    """One member's counters, as the gateway's /metrics reports them."""
 
     name: str
     num_prefill_steps: int
