@@ -20,18 +20,31 @@ STEP_METHODS = ("execute_model", "sample_tokens")
 
 def install(worker: Any, lock: threading.Lock) -> None:
     """Rebind the worker's step methods to hold `lock`; raises if vLLM renamed one."""
-    originals = {}
+    originals = step_methods(worker, "the cold worker's step lock would be silently dropped "
+                                     "(patches/worker_step_lock.py)")
+    rebind_step_methods(worker, {name: _holding(lock, method)
+                                 for name, method in originals.items()})
+
+
+def step_methods(worker: Any, consequence: str) -> dict[str, Callable[..., Any]]:
+    """The worker's step methods by name; PatchTargetMissing saying `consequence` if vLLM
+    renamed one (also used by patches/worker_step_turns.py)."""
+    methods = {}
     for name in STEP_METHODS:
         method = getattr(worker, name, None)
         if not callable(method):
-            raise PatchTargetMissing(
-                f"{type(worker).__name__} has no {name}(): vLLM's worker loop changed, and "
-                "the cold worker's step lock would be silently dropped (patches/"
-                "worker_step_lock.py)")
-        originals[name] = method
-    for name, method in originals.items():
-        setattr(worker, f"_weaver_original_{name}", method)
-        setattr(worker, name, _holding(lock, method))
+            raise PatchTargetMissing(f"{type(worker).__name__} has no {name}(): vLLM's worker "
+                                     f"loop changed, and {consequence}")
+        methods[name] = method
+    return methods
+
+
+def rebind_step_methods(worker: Any, wrappers: dict[str, Callable[..., Any]]) -> None:
+    """Put `wrappers` in place of the worker instance's step methods, keeping the originals
+    as ``_weaver_original_<name>`` for ``uninstall``."""
+    for name, wrapper in wrappers.items():
+        setattr(worker, f"_weaver_original_{name}", getattr(worker, name))
+        setattr(worker, name, wrapper)
 
 
 def uninstall(worker: Any) -> None:

@@ -5,7 +5,8 @@ returns None, ``worker.sample_tokens(grammar_output)``; the step is over when on
 returns an output. Both methods of the worker instance are rebound: ``begin(scheduler_output)``
 runs before the forward pass (it blocks until the turn is granted) and ``end()`` once the
 step's output exists or the step failed. The originals are kept on the instance
-(``_weaver_original_<name>``) and put back by ``uninstall``.
+(``_weaver_original_<name>``) and put back by ``uninstall``; the method check and the
+rebinding are patches/worker_step_lock.py's, which wraps the same two methods.
 """
 
 from __future__ import annotations
@@ -13,23 +14,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from weaver.patches.registry import PatchTargetMissing
+from weaver.patches.worker_step_lock import rebind_step_methods, step_methods, uninstall
 
-STEP_METHODS = ("execute_model", "sample_tokens")
+__all__ = ["install", "uninstall"]
 
 
 def install(worker: Any, begin: Callable[[Any], bool], end: Callable[[], None]) -> None:
     """Rebind the worker's step methods; `begin` returns False for a step that needs no turn
     (nothing scheduled). Raises if vLLM renamed a method."""
-    originals = {}
-    for name in STEP_METHODS:
-        method = getattr(worker, name, None)
-        if not callable(method):
-            raise PatchTargetMissing(
-                f"{type(worker).__name__} has no {name}(): vLLM's worker loop changed, and "
-                "colocated models would run their steps unscheduled (patches/"
-                "worker_step_turns.py)")
-        originals[name] = method
+    originals = step_methods(worker, "colocated models would run their steps unscheduled "
+                                     "(patches/worker_step_turns.py)")
     holding = {"turn": False}
 
     def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
@@ -54,14 +48,5 @@ def install(worker: Any, begin: Callable[[Any], bool], end: Callable[[], None]) 
             holding["turn"] = False
             end()
 
-    for name, method in originals.items():
-        setattr(worker, f"_weaver_original_{name}", method)
-    worker.execute_model = execute_model
-    worker.sample_tokens = sample_tokens
-
-
-def uninstall(worker: Any) -> None:
-    for name in STEP_METHODS:
-        original = worker.__dict__.pop(f"_weaver_original_{name}", None)
-        if original is not None:
-            worker.__dict__.pop(name, None)
+    rebind_step_methods(worker, {"execute_model": execute_model,
+                                 "sample_tokens": sample_tokens})

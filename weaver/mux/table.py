@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from weaver.mux.turns import Kind, Member, Mode, next_turn
 from weaver.processes import is_process_alive
@@ -37,9 +38,7 @@ MAX_MEMBERS = 16
 NAME_BYTES = 96
 # magic, num_members, mode (0 temporal, 1 spatial-temporal), skip_limit, num_grants
 _HEADER = struct.Struct("=IIIIQ")
-# pid, waiting, running (0 none, 1 decode, 2 prefill), skips, weight, served_s,
-# wait_since_ns, num_prefill_steps, num_decode_steps, num_overlapped, wait_s, num_reclaimed,
-# running_since_ns
+# One member's record, the fields of _Record in order.
 _RECORD = struct.Struct("=qIIIxxxxddQQQQdQQ")
 _KINDS = (None, Kind.DECODE, Kind.PREFILL)
 _MODES = (Mode.TEMPORAL, Mode.SPATIAL_TEMPORAL)
@@ -99,6 +98,22 @@ class GroupLayout:
         return text.ljust(NAME_BYTES * MAX_MEMBERS, b"\0")
 
 
+class _Record(NamedTuple):
+    pid: int  # the process that asks or runs
+    waiting: int  # the kind of step it asks for: an index of _KINDS (0: not asking)
+    running: int  # the kind of step it runs: an index of _KINDS (0: not running)
+    skips: int  # turns given to others while it waited
+    weight: float
+    served_s: float  # time its steps held their turn
+    wait_since_ns: int
+    num_prefill_steps: int
+    num_decode_steps: int
+    num_overlapped: int
+    wait_s: float
+    num_reclaimed: int
+    running_since_ns: int
+
+
 @dataclass(frozen=True)
 class MemberCounters:
     """One member's counters, as the gateway's /metrics reports them."""
@@ -156,15 +171,14 @@ class TurnTable:
         same = (magic == MAGIC and num == len(self.layout.members)
                 and bytes(self._view[self._names_at:self._records_at])
                 == self.layout._names_block())
-        live = [i for i in range(num if magic == MAGIC else 0)
-                if is_process_alive(self._get(i)[0])]
+        live = [pid for pid in (self._get(i).pid for i in range(num if magic == MAGIC else 0))
+                if is_process_alive(pid)]
         if same:
             self._write_settings()
             return
         if live:
-            raise ValueError(f"{self.path}: live engines (pids "
-                             f"{[self._get(i)[0] for i in live]}) use this mux group with "
-                             "other members; give the group another name or stop them")
+            raise ValueError(f"{self.path}: live engines (pids {live}) use this mux group "
+                             "with other members; give the group another name or stop them")
         self._view[:] = b"\0" * len(self._view)
         self._view[self._names_at:self._records_at] = self.layout._names_block()
         self._write_settings()
@@ -176,14 +190,13 @@ class TurnTable:
         _HEADER.pack_into(self._view, 0, MAGIC, len(self.layout.members),
                           _MODES.index(self.layout.mode), self.layout.skip_limit, grants)
         for i, weight in enumerate(self.layout.weights):
-            record = list(self._get(i))
-            record[4] = weight
-            self._put(i, record)
+            self._put(i, self._get(i)._replace(weight=weight))
 
-    def _get(self, index: int) -> tuple:
-        return _RECORD.unpack_from(self._view, self._records_at + index * _RECORD.size)
+    def _get(self, index: int) -> _Record:
+        return _Record._make(_RECORD.unpack_from(self._view,
+                                                 self._records_at + index * _RECORD.size))
 
-    def _put(self, index: int, record: list) -> None:
+    def _put(self, index: int, record: _Record) -> None:
         _RECORD.pack_into(self._view, self._records_at + index * _RECORD.size, *record)
 
     @contextlib.contextmanager
@@ -197,21 +210,21 @@ class TurnTable:
     def _members(self) -> list[Member]:
         out = []
         for i in range(len(self.layout.members)):
-            pid, waiting, running, skips, weight, served, since, *_ = self._get(i)
-            out.append(Member(i, weight, served, _KINDS[waiting], _KINDS[running], skips,
-                              since))
+            r = self._get(i)
+            out.append(Member(i, r.weight, r.served_s, _KINDS[r.waiting], _KINDS[r.running],
+                              r.skips, r.wait_since_ns))
         return out
 
     def _reclaim_dead(self) -> None:
         for i in range(len(self.layout.members)):
-            record = list(self._get(i))
-            if (record[1] or record[2]) and not is_process_alive(record[0]):
-                if record[2]:
-                    record[11] += 1
+            record = self._get(i)
+            if (record.waiting or record.running) and not is_process_alive(record.pid):
+                if record.running:
                     logger.warning("mux group %s: %s died during its step; its turn is "
                                    "taken back", self.layout.group, self.layout.members[i])
-                record[1] = record[2] = 0
-                self._put(i, record)
+                self._put(i, record._replace(
+                    waiting=0, running=0,
+                    num_reclaimed=record.num_reclaimed + int(bool(record.running))))
 
     # --- taking turns --------------------------------------------------------------
     def try_start(self, index: int, kind: Kind) -> bool:
@@ -219,10 +232,10 @@ class TurnTable:
         now: the caller then runs it and calls ``finish``."""
         now = time.monotonic_ns()
         with self._locked():
-            record = list(self._get(index))
-            if not record[1]:
-                record[0], record[1], record[6] = os.getpid(), _KINDS.index(kind), now
-                self._put(index, record)
+            record = self._get(index)
+            if not record.waiting:
+                self._put(index, record._replace(pid=os.getpid(), waiting=_KINDS.index(kind),
+                                                 wait_since_ns=now))
             self._reclaim_dead()
             _, num, mode, skip_limit, grants = _HEADER.unpack_from(self._view, 0)
             members = self._members()
@@ -231,16 +244,16 @@ class TurnTable:
             beside = any(m.running is not None for m in members)
             for other in members:
                 if other.waiting is not None and other.index != index:
-                    skipped = list(self._get(other.index))
-                    skipped[3] += 1
-                    self._put(other.index, skipped)
-            record = list(self._get(index))
-            record[1], record[2], record[3] = 0, _KINDS.index(kind), 0
-            record[7 if kind is Kind.PREFILL else 8] += 1
-            record[9] += int(beside)
-            record[10] += (now - record[6]) / 1e9
-            record[12] = now
-            self._put(index, record)
+                    self._put(other.index, self._get(other.index)._replace(skips=other.skips + 1))
+            record = self._get(index)
+            is_prefill = kind is Kind.PREFILL
+            self._put(index, record._replace(
+                waiting=0, running=_KINDS.index(kind), skips=0,
+                num_prefill_steps=record.num_prefill_steps + int(is_prefill),
+                num_decode_steps=record.num_decode_steps + int(not is_prefill),
+                num_overlapped=record.num_overlapped + int(beside),
+                wait_s=record.wait_s + (now - record.wait_since_ns) / 1e9,
+                running_since_ns=now))
             _HEADER.pack_into(self._view, 0, MAGIC, num, mode, skip_limit, grants + 1)
             return True
 
@@ -253,24 +266,18 @@ class TurnTable:
         """The member's step is over: its time counts as service, the turn is free."""
         now = time.monotonic_ns()
         with self._locked():
-            record = list(self._get(index))
-            if record[2]:
-                record[5] += (now - record[12]) / 1e9
-            record[2] = 0
-            self._put(index, record)
-
-    def leave(self, index: int) -> None:
-        """The member stops asking (its engine shuts down)."""
-        with self._locked():
-            record = list(self._get(index))
-            record[1] = record[2] = 0
-            self._put(index, record)
+            record = self._get(index)
+            if record.running:
+                self._put(index, record._replace(
+                    running=0,
+                    served_s=record.served_s + (now - record.running_since_ns) / 1e9))
 
     # --- reading -------------------------------------------------------------------
     def counters(self) -> list[MemberCounters]:
         with self._locked():
             records = [self._get(i) for i in range(len(self.layout.members))]
-        return [MemberCounters(name, r[7], r[8], r[9], r[10], r[5], r[11])
+        return [MemberCounters(name, r.num_prefill_steps, r.num_decode_steps, r.num_overlapped,
+                               r.wait_s, r.served_s, r.num_reclaimed)
                 for name, r in zip(self.layout.members, records, strict=True)]
 
     def running(self) -> list[tuple[int, Kind]]:

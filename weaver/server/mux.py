@@ -1,5 +1,5 @@
-"""A deployment's colocated groups in the gateway: their turn tables' counters in /metrics,
-and the tables removed when the server stops.
+"""A deployment's colocated groups in the gateway: each engine's `weaver.mux` block, their
+turn tables' counters in /metrics, and the tables removed when the server stops.
 
 The engines write the counters (weaver/mux/table.py); this collector reads them at each
 scrape, so a scrape never waits on an engine.
@@ -7,7 +7,6 @@ scrape, so a scrape never waits on an engine.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily
@@ -16,15 +15,27 @@ from prometheus_client.registry import Collector
 from weaver.config.deployment import Deployment
 from weaver.mux.table import GroupLayout, TurnTable, remove_table, table_path
 from weaver.mux.turns import Mode
-from weaver.server.weaving import mux_table_key
+from weaver.vllm_ext.mux_gate import MuxMembership
+from weaver.weaving.plan import default_shm_prefix
 
-logger = logging.getLogger(__name__)
+
+def mux_table_key(group: str) -> str:
+    # The gateway's prefix keeps two servers of one deployment on a machine apart.
+    return f"{default_shm_prefix()}-{group}"
 
 
 def group_layouts(deployment: Deployment) -> list[GroupLayout]:
     return [GroupLayout(mux_table_key(g.name), tuple(g.models),
                         tuple(g.weight(m) for m in g.models), Mode(g.mode), g.skip_limit)
             for g in deployment.mux]
+
+
+def mux_block(deployment: Deployment, model: str) -> dict | None:
+    """The `weaver.mux` block of a colocated model's engine (weaver/vllm_ext/mux_gate.py)."""
+    for group, layout in zip(deployment.mux, group_layouts(deployment), strict=True):
+        if model in group.models:
+            return MuxMembership(layout, model).to_dict()
+    return None
 
 
 class MuxTurnsCollector(Collector):

@@ -98,6 +98,7 @@ def weaving_plans(deployment: Deployment, model_dirs: Mapping[str, Path]) -> lis
 
 
 def additional_configs(deployment: Deployment, plans: list[PairPlan]) -> dict[str, dict]:
+    from weaver.server.mux import mux_block
     from weaver.splitting.deploy import split_chunks_for
     from weaver.vllm_ext.additional_config import make_additional_config
 
@@ -112,21 +113,6 @@ def additional_configs(deployment: Deployment, plans: list[PairPlan]) -> dict[st
         configs[spec.name] = make_additional_config(hot, colds, split_chunks_for(spec), pool,
                                                     mux_block(deployment, spec.name))
     return configs
-
-
-def mux_table_key(group: str) -> str:
-    return f"{default_shm_prefix()}-{group}"
-
-
-def mux_block(deployment: Deployment, model: str) -> dict | None:
-    """The `weaver.mux` block of a colocated model's engine (weaver/vllm_ext/mux_gate.py)."""
-    group = deployment.mux_group_of(model)
-    if group is None:
-        return None
-    # The gateway's prefix keeps two servers of one deployment on a machine apart.
-    return {"group": mux_table_key(group.name), "member": model,
-            "members": {m: group.weight(m) for m in group.models}, "mode": group.mode,
-            "skip_limit": group.skip_limit}
 
 
 class WeavingSupervisor:

@@ -26,10 +26,10 @@ from typing import Any
 from weaver.mux.table import GroupLayout, TurnTable
 from weaver.mux.turns import Kind, Mode
 from weaver.patches import worker_step_turns
+from weaver.vllm_ext.additional_config import KEY
 
 logger = logging.getLogger(__name__)
 
-KEY = "weaver"
 FIELDS = {"group", "member", "members", "mode", "skip_limit", "runtime_dir"}
 
 
@@ -116,7 +116,6 @@ def join_mux_group(worker: Any, membership_data: dict) -> dict:
     inner = getattr(worker, "worker", worker)  # vLLM's WorkerWrapperBase holds the worker
     turns = StepTurns(table, membership.layout.index(membership.member))
     worker_step_turns.install(inner, turns.begin, turns.end)
-    inner._weaver_mux_turns = turns
     logger.info("mux group %s: %s takes turns (%s) through %s", membership.layout.group,
                 membership.member, membership.layout.mode.value, table.path)
     return {"table": str(table.path), "index": turns.index}
