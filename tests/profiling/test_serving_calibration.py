@@ -156,7 +156,7 @@ def test_plan_fits_two_to_three_minutes_for_smollm2():
 
 def test_probe_deployment_is_a_valid_pinned_dedicated_engine(lin):
     plan = ServingPlan()
-    data = serving_probe.deployment_dict("smollm2-135m-instruct", 1, plan,
+    data = serving_probe.deployment_dict("smollm2-135m-instruct", "1", plan,
                                          lin.SHAPE.kv_bytes_per_token)
     spec = parse_deployment(data).models[0]
     assert spec.cpu_cores == "1" and spec.block_size == 32 and spec.max_model_len == 512
@@ -188,14 +188,15 @@ def test_decode_point_uses_the_requests_that_decoded_with_the_whole_batch():
 
 
 def test_serve_cores_are_parsed_and_checked():
-    assert serving_probe.parse_serve_cores("all", 0) is None
+    assert serving_probe.parse_serve_cores("all", "0") is None
     core = min(serving_probe.os.sched_getaffinity(0))
-    assert serving_probe.parse_serve_cores("engine", core) == {core}
-    assert serving_probe.parse_serve_cores(f"{core}-{core}", core) == {core}
+    assert serving_probe.parse_serve_cores("engine", str(core)) == {core}
+    assert serving_probe.parse_serve_cores("engine", "0-1") == {0, 1}
+    assert serving_probe.parse_serve_cores(f"{core}-{core}", str(core)) == {core}
     with pytest.raises(ValueError, match="serve-cores"):
-        serving_probe.parse_serve_cores("fast", 0)
+        serving_probe.parse_serve_cores("fast", "0")
     with pytest.raises(ValueError, match="machine does not have"):
-        serving_probe.parse_serve_cores("100000", 0)
+        serving_probe.parse_serve_cores("100000", "0")
 
 
 def parse(argv):
@@ -292,4 +293,17 @@ def test_serving_deployment_is_served_as_it_is_and_checked_first(tmp_path, lin, 
     for bad in (str(deployment), f"{deployment}:nope", f"{tmp_path / 'none.yaml'}:hot"):
         assert run(bad) == 2, bad
     assert run(f"{deployment}:hot", "--serving-batch-sizes", "1", "32") == 2  # 128 > 64 blocks
+    # A profile timed on other cores than the model's (one thread against two) is refused.
+    wider = tmp_path / "wider.yaml"
+    wider.write_text(deployment.read_text().replace(f"cpu_cores: '{core}'", "cpu_cores: 0-1"))
+    assert "0-1" in wider.read_text()
+    assert run(f"{wider}:hot") == 2
     assert len(seen) == 1
+
+
+def test_cpu_core_takes_a_deployment_core_list():
+    args = parse(["profile", "--engine", "m", "--cpu-core", "0-1", "--out", "p.json"])
+    assert args.cpu_core == "0-1"
+    for bad in ("x", "1-0", "auto"):
+        with pytest.raises(SystemExit):
+            parse(["profile", "--engine", "m", "--cpu-core", bad, "--out", "p.json"])

@@ -1,11 +1,15 @@
+from __future__ import annotations
+
 import pytest
 
+from weaver.mux.turns import Kind
 from weaver.sim.cluster import Cluster
+from weaver.sim.config import SimConfig
 from weaver.sim.engine import Engine
 from weaver.sim.instance import SimRequest
 from weaver.sim.plan import Plan, default_plan
 from weaver.sim.policies import POLICY_CLASSES, get_policy
-from weaver.sim.runner import simulate
+from weaver.sim.runner import generate_requests, simulate
 from weaver.workloads.types import TraceRequest
 
 
@@ -74,6 +78,93 @@ def test_mux_policies_share_one_gpu_and_serve_everyone(make_config):
         summary = simulate(cfg, policy=policy)["summary"]
         assert summary["a"]["num_completed"] == summary["a"]["num_submitted"] > 0
         assert summary["b"]["num_completed"] == summary["b"]["num_submitted"] > 0
+
+
+class _MuxRun:
+    """The muxserve policy over `requests` on one GPU, run by hand so that a test can
+    watch the instance after every event."""
+
+    def __init__(self, cfg, requests) -> None:
+        self.engine = Engine()
+        self.cluster = Cluster(cfg, self.engine)
+        policy = get_policy("muxserve")(self.cluster, default_plan(cfg))
+        (self.instance,) = policy.instances
+        self.requests = [SimRequest(r) for r in requests]
+        for req in self.requests:
+            self.engine.schedule(req.trace.arrival_s, "arrive",
+                                 lambda t, req=req: policy.route(req, t))
+
+    def run(self, on_event=None) -> _MuxRun:
+        self.engine.run(on_event=on_event)
+        return self
+
+
+@pytest.mark.parametrize("mode", ["temporal", "spatial-temporal"])
+def test_muxed_gpu_steps_follow_the_groups_turn_rule(make_config, mode):
+    cfg = make_config([("a", 6.0), ("b", 3.0)], num_gpus=1,
+                      placement={"gpus": [{"models": ["a", "b"], "mux": {"mode": mode}}]})
+    run = _MuxRun(cfg, generate_requests(cfg))
+    most = []
+
+    def check(_event):
+        kinds = [step.kind for step in run.instance.running.values()]
+        most.append(len(kinds))
+        if mode == "temporal":
+            assert len(kinds) <= 1
+        else:  # a prefill beside another model's decode, nothing else
+            assert len(kinds) <= 2 and (len(kinds) < 2 or set(kinds) == set(Kind))
+
+    run.run(check)
+    assert len(run.cluster.finished) == len(run.requests) > 20
+    assert (max(most) == 2) == (mode == "spatial-temporal")
+    assert (run.instance.num_overlapped > 0) == (mode == "spatial-temporal")
+
+
+@pytest.mark.parametrize(("mode", "speed"), [("temporal", 0.5), ("spatial-temporal", 0.5),
+                                             ("spatial-temporal", 0.8)])
+def test_an_overlapping_prefill_shares_the_device(make_config, lin, mode, speed):
+    # a decodes for seconds; b's 1000-token prompt arrives meanwhile.
+    cfg = make_config([("a", 1.0), ("b", 1.0)], num_gpus=1,
+                      placement={"gpus": [{"models": ["a", "b"], "mux": {"mode": mode}}]},
+                      muxserve={"overlap_speed": speed})
+    requests = [TraceRequest(0.0, 10, 200, "a", 0), TraceRequest(0.05, 1000, 2, "b", 1)]
+    a, b = _MuxRun(cfg, requests).run().requests
+    ttft = b.first_token_s - 0.05
+    if mode == "temporal":  # after a's step in flight, alone: prefill goes first
+        assert lin.prefill_time(1000) < ttft <= lin.prefill_time(1000) + lin.decode_time(1, 211)
+    else:  # at once, beside a's decodes for its whole length
+        assert ttft == pytest.approx(lin.prefill_time(1000) / speed)
+    assert a.finish_s is not None
+
+
+def test_a_busy_neighbour_slows_a_step_by_the_contended_speed(make_config):
+    def finish(speed, with_b):
+        cfg = make_config([("a", 1.0), ("b", 1.0)], num_gpus=1,
+                          placement={"gpus": [{"models": ["a", "b"]}]},
+                          muxserve={"contended_speed": speed})
+        requests = [TraceRequest(0.0, 10, 50, "a", 0)]
+        requests += [TraceRequest(0.0, 10, 50, "b", 1)] if with_b else []
+        return _MuxRun(cfg, requests).run().requests[0].finish_s
+
+    assert finish(0.5, with_b=False) == pytest.approx(finish(1.0, with_b=False))  # alone
+    # Every step of the two runs while the other model has work: all take twice as long.
+    assert finish(0.5, with_b=True) == pytest.approx(2 * finish(1.0, with_b=True), rel=0.02)
+
+
+def test_own_kv_keeps_each_models_blocks(make_config):
+    for own_kv, quotas in ((True, [40, 200]), (False, None)):
+        cfg = make_config([("a", 9.0), ("b", 1.0)], num_gpus=1, placement={
+            "gpus": [{"models": ["a", "b"], "mux": {"own_kv": own_kv}}]})
+        data = cfg.model_dump()
+        for model, blocks in zip(data["models"], (40, 200), strict=True):
+            model["num_blocks"] = blocks
+        cfg = SimConfig.model_validate(data)
+        run = _MuxRun(cfg, generate_requests(cfg)).run()
+        got = [s.local.quota_blocks for s in run.instance.servers.values()]
+        if quotas:  # the engines' own KV, whatever the load
+            assert got == quotas
+        else:  # ADBS re-balanced one pool of 240 blocks by demand
+            assert got != [40, 200] and sum(got) <= 240
 
 
 def test_muxserve_quotas_follow_the_rates(make_config):

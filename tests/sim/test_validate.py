@@ -92,6 +92,20 @@ def test_weaving_places_remote_by_the_hot_schedulers_ratio(cpu_profile):
     assert 0.5 <= sum(r["is_remote"] for r in hot) / len(hot) <= 0.8
 
 
+def test_mux_group_becomes_one_instance_taking_turns_with_its_own_kv(cpu_profile):
+    profiles = {"hot": cpu_profile, "cold": cpu_profile}
+    for name, mode in (("muxserve", "spatial-temporal"), ("mux_temporal", "temporal")):
+        config = sim_config_from_deployment(load_deployment(DEPLOYMENTS / f"{name}.yaml"),
+                                            profiles, _requests())
+        assert config.policy == "muxserve" and config.cluster.num_gpus == 1
+        (gpu,) = config.placement.gpus
+        assert gpu.models == ["hot", "cold"] and gpu.mux.own_kv and gpu.mux.mode == mode
+        assert gpu.mux.weights == {"hot": 0.74, "cold": 0.26} and gpu.mux.skip_limit == 4
+        assert [m.num_blocks for m in config.models] == [64, 44]  # as the engines have
+        result = simulate(config, requests=_requests())
+        assert all(r["e2e_s"] is not None for r in result["requests"])
+
+
 def _measured_by_the_sim(deployment_file: Path, profile: str) -> RunResult:
     """A 'measured' run whose records are the simulator's own: validation must match it."""
     config = sim_config_from_deployment(load_deployment(deployment_file),
@@ -103,15 +117,18 @@ def _measured_by_the_sim(deployment_file: Path, profile: str) -> RunResult:
                      summary=summarize(records, duration))
 
 
+COMPARED = ("dedicated", "mux_temporal", "muxserve", "weaving")
+
+
 def test_validation_of_runs_the_simulator_produced_is_exact(cpu_profile):
-    runs = [_measured_by_the_sim(DEPLOYMENTS / f"{n}.yaml", cpu_profile)
-            for n in ("dedicated", "weaving")]
+    runs = [_measured_by_the_sim(DEPLOYMENTS / f"{n}.yaml", cpu_profile) for n in COMPARED]
     result = BenchResult(command=["weaver", "bench", "compare"], created_at="t", machine={},
                          runs=runs)
-    deployments = {n: load_deployment(DEPLOYMENTS / f"{n}.yaml")
-                   for n in ("dedicated", "weaving")}
+    deployments = {n: load_deployment(DEPLOYMENTS / f"{n}.yaml") for n in COMPARED}
     report = validate_results([result], deployments, {"hot": cpu_profile, "cold": cpu_profile})
-    assert report["all_within"] and report["num_checked"] == 2 * 2 * 2  # runs x models x 2
+    assert report["all_within"] and report["num_checked"] == 4 * 2 * 2  # runs x models x 2
+    assert [r["policy"] for r in report["runs"]] == ["dedicated", "muxserve", "muxserve",
+                                                     "weaver"]
     for run in report["runs"]:
         for c in run["comparisons"]:
             assert c["ratio"] == pytest.approx(1.0, rel=1e-9)
@@ -211,6 +228,38 @@ def test_validate_command_reads_deployments_from_the_results_command(tmp_path, c
     cold_tpot = next(c for c in report["runs"][0]["comparisons"]
                      if c["model"] == "cold" and c["metric"] == "mean_tpot_s")
     assert cold_tpot["is_within"]
+
+
+def test_validate_command_takes_a_profile_per_deployment_model(tmp_path, cpu_profile, capsys):
+    runs = [_measured_by_the_sim(DEPLOYMENTS / f"{n}.yaml", cpu_profile)
+            for n in ("dedicated", "muxserve")]
+    result = BenchResult(command=["weaver", "bench", "compare",
+                                  *(str(DEPLOYMENTS / f"{n}.yaml")
+                                    for n in ("dedicated", "muxserve"))],
+                         created_at="t", machine={}, runs=runs)
+    results_file = tmp_path / "measured.json"
+    results_file.write_text(result.model_dump_json())
+    slower = smollm2_profile()
+    slower.decode_s = [[2 * t for t in row] for row in slower.decode_s]
+    slower_path = tmp_path / "two_threads.json"
+    slower.save(slower_path)
+
+    def validate(*profiles):
+        args = build_parser().parse_args(["simulate", "--validate", str(results_file),
+                                          "--out", str(tmp_path), *profiles])
+        return args.handler(args)
+
+    assert validate("--profile", cpu_profile, "--profile", f"muxserve:hot={slower_path}") == 0
+    report = json.loads((tmp_path / "validate_measured.json").read_text())
+    assert report["label_profiles"] == {"muxserve": {"hot": str(slower_path)}}
+    ratios = {(r["label"], c["model"], c["metric"]): c["ratio"]
+              for r in report["runs"] for c in r["comparisons"]}
+    # Only the muxed hot model was replayed with the slower profile.
+    assert ratios[("muxserve", "hot", "mean_tpot_s")] > 1.3
+    assert ratios[("dedicated", "hot", "mean_tpot_s")] == pytest.approx(1.0)
+    capsys.readouterr()
+    assert validate("--profile", cpu_profile, "--profile", f"nope:hot={slower_path}") == 2
+    assert validate("--profile", cpu_profile, "--profile", f"muxserve:x={slower_path}") == 2
 
 
 def test_validate_without_profile_exits_2(tmp_path):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import shlex
 import sys
 import tempfile
@@ -41,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "their cpu_cores, its other models idle) and measure its model "
                             "MODEL (API name) instead of MODEL alone: the fit then also "
                             "holds what the deployment's other engines cost it (--cpu-core "
-                            "must be that model's core)")
+                            "must be that model's cores)")
     group.add_argument("--serve-cores", default="engine", metavar="engine|all|CORES",
                        help="cores of the gateway/frontend process and of this client: "
                             "'engine' (default) puts them on --cpu-core, so their whole "
@@ -51,6 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_calibrate_serving(args: argparse.Namespace) -> int:
+    from weaver.config.cpu_cores import own_cpu_cores
     from weaver.profiling import serving_probe
     from weaver.profiling.serving_calibration import (
         ServingDecodePoint,
@@ -68,9 +68,7 @@ def run_calibrate_serving(args: argparse.Namespace) -> int:
         profile = load_profile(args.calibrate_serving)
         require_in_process(profile)
         model_dir = check_model(args.engine, profile)
-        if args.cpu_core not in os.sched_getaffinity(0):
-            raise ValueError(f"--cpu-core {args.cpu_core} is not one of this process's cores "
-                             f"{sorted(os.sched_getaffinity(0))}")
+        own_cpu_cores("--cpu-core", args.cpu_core)
         serve_cores = serving_probe.parse_serve_cores(args.serve_cores, args.cpu_core)
         plan = ServingPlan(batch_sizes=tuple(args.serving_batch_sizes))
         deployment = _serving_deployment(args.serving_deployment, args.cpu_core, plan,
@@ -81,7 +79,7 @@ def run_calibrate_serving(args: argparse.Namespace) -> int:
 
     perf = PerfModel(profile)
     work_dir = Path(tempfile.mkdtemp(prefix="weaver-serving-probe-"))
-    print(f"serving calibration of {args.calibrate_serving}: {model_dir} on core "
+    print(f"serving calibration of {args.calibrate_serving}: {model_dir} on cores "
           f"{args.cpu_core}, gateway/frontend and client on "
           f"{_cores_text(serve_cores)}; about {plan.estimate_s(profile):.0f} s of requests "
           f"(in-process estimate) after the server starts; deployment and server log in "
@@ -134,10 +132,11 @@ def run_calibrate_serving(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serving_deployment(value: str | None, core: int, plan,
+def _serving_deployment(value: str | None, cpu_cores: str, plan,
                         kv_bytes_per_token: int) -> tuple[Path, str] | None:
-    """--serving-deployment FILE:MODEL, checked: the model is in the file, runs on --cpu-core
-    and has the KV blocks the plan's largest batch needs (or the points would queue)."""
+    """--serving-deployment FILE:MODEL, checked: the model is in the file, runs on the cores
+    of --cpu-core and has the KV blocks the plan's largest batch needs (or the points would
+    queue)."""
     if value is None:
         return None
     from weaver.config.cpu_cores import parse_cpu_cores
@@ -156,9 +155,10 @@ def _serving_deployment(value: str | None, core: int, plan,
                          f"{[m.name for m in deployment.models]})")
     spec = deployment.model(name)
     cores = parse_cpu_cores(spec.cpu_cores) if spec.cpu_cores else None
-    if not cores or core not in cores:
+    if not cores or cores != parse_cpu_cores(cpu_cores):
         raise ValueError(f"--serving-deployment: {name!r} runs on cpu_cores "
-                         f"{spec.cpu_cores!r}; pass --cpu-core with one of its cores")
+                         f"{spec.cpu_cores!r}, the profile on {cpu_cores!r}; pass --cpu-core "
+                         f"{spec.cpu_cores} (and calibrate a profile timed on those cores)")
     # The plan's requests in the deployment's own blocks.
     need = replace(plan, block_size=block_size_of(spec)).kv_blocks()
     have = num_usable_blocks(spec, kv_bytes_per_token)

@@ -74,7 +74,8 @@ def run_calibrate_weaving(args: argparse.Namespace) -> int:
             raise ValueError(f"batch sizes {list(plan.batch_sizes)} at offload ratio "
                              f"{pair.offload_ratio} put {list(remote.values())} sequences "
                              "remote; the fit needs >= 2 distinct counts, none of them 0")
-        serve_cores = serving_probe.parse_serve_cores(args.serve_cores, hot["first_core"])
+        serve_cores = serving_probe.parse_serve_cores(args.serve_cores,
+                                                     str(hot["first_core"]))
     except (ValueError, OSError) as exc:
         logger.error("%s", exc)
         return 2

@@ -59,9 +59,11 @@ def _register_profile(subparsers: argparse._SubParsersAction) -> None:
                              "steps over batch x context, and the CPU attention kernel the "
                              "cold side runs (about 2-3 minutes for smollm2-135m-instruct); "
                              "with --calibrate-serving: the model to serve")
-    parser.add_argument("--cpu-core", type=int, default=0,
-                        help="--engine: the core to pin to, as a deployment's cpu_cores "
-                             "(default: %(default)s)")
+    parser.add_argument("--cpu-core", type=cpu_cores_arg, default="0", metavar="CORES",
+                        help="--engine: the cores to pin the engine to, in a deployment's "
+                             "cpu_cores syntax: '0' for one core, '0-1' for two (vLLM then "
+                             "runs one compute thread per core, as a colocated group's "
+                             "engines do) (default: %(default)s)")
     parser.add_argument("--retime-attention", metavar="PROFILE_JSON",
                         help="with --engine MODEL: time only the offloaded-attention table "
                              "again and write PROFILE_JSON with it to --out, its engine-step "
@@ -71,18 +73,30 @@ def _register_profile(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run_profile)
 
 
+def cpu_cores_arg(value: str) -> str:
+    """--cpu-core: cores in a deployment's cpu_cores syntax."""
+    from weaver.config.cpu_cores import parse_cpu_cores
+
+    try:
+        cores = parse_cpu_cores(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not cores:
+        raise argparse.ArgumentTypeError(f"{value!r} names no cores; give e.g. 0 or 0-1")
+    return value
+
+
 def _engine_model(args: argparse.Namespace):
     """--engine MODEL's directory and shape (float32, as the engine is timed); ValueError
-    if --cpu-core is not ours."""
+    if --cpu-core names cores that are not ours."""
+    from weaver.config.cpu_cores import own_cpu_cores
     from weaver.models.registry import resolve_model
     from weaver.profiling.engine_profile import shape_from_hf_config
 
     model_dir = resolve_model(args.engine)
     config = json.loads((model_dir / "config.json").read_text())
     shape = shape_from_hf_config(config, Path(args.engine).name, dtype_bytes=4)
-    if args.cpu_core not in os.sched_getaffinity(0):
-        raise ValueError(f"--cpu-core {args.cpu_core} is not one of this process's cores "
-                         f"{sorted(os.sched_getaffinity(0))}")
+    own_cpu_cores("--cpu-core", args.cpu_core)
     return model_dir, shape
 
 
@@ -98,7 +112,7 @@ def run_engine_profile(args: argparse.Namespace) -> int:
     from weaver.vllm_ext.engine.timing import time_engine
 
     grid = EngineGrid()
-    logger.info("profiling %s on core %d: %d prefill tokens in all", model_dir,
+    logger.info("profiling %s on cores %s: %d prefill tokens in all", model_dir,
                 args.cpu_core, grid.num_prefill_tokens())
     timings = time_engine(model_dir, shape, grid, args.cpu_core)
     profile = build_profile(grid, shape, timings, device="cpu",
@@ -134,7 +148,7 @@ def run_retime_attention(args: argparse.Namespace) -> int:
     attention_s, isa = retime_attention(shape, grid, args.cpu_core)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     profile = with_attention(profile, shape, attention_s, attention_note(grid, isa),
-                             f"{when} on core {args.cpu_core}")
+                             f"{when} on cores {args.cpu_core}")
     for tokens, before, after in zip(profile.attention_context_tokens, old, attention_s,
                                      strict=True):
         print(f"attention, {tokens:6d} tokens, all layers: {before * 1e3:8.2f} ms -> "

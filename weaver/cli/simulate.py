@@ -51,12 +51,20 @@ def _register_simulate(subparsers: argparse._SubParsersAction) -> None:
                        help="a `weaver bench` results file to replay instead of a config; "
                             "several files are repeats of the same benchmark command, "
                             "compared by their mean, with the measured runs' spread")
-    group.add_argument("--profile", action="append", default=[], metavar="[MODEL=]PATH",
+    group.add_argument("--profile", action="append", default=[],
+                       metavar="[[LABEL:]MODEL=]PATH",
                        help="measured profile JSON (weaver profile --engine) for every "
-                            "model, or for one deployment model; repeatable")
+                            "model; MODEL=PATH for one model; LABEL:MODEL=PATH for one "
+                            "model of one deployment (e.g. a mux group's engines, which "
+                            "run on all the group's cores: a profile timed with --cpu-core "
+                            "0-1); the most specific wins; repeatable")
     group.add_argument("--deployment", action="append", default=[], metavar="LABEL=PATH",
                        help="deployment file of a run label (default: the .yaml files "
                             "named in the results' command, by file stem)")
+    group.add_argument("--mux-contended-speed", type=float, default=1.0, metavar="S",
+                       help="mux groups: a step's speed while the group's other engine "
+                            "has work, relative to it idle, as measured by "
+                            "benchmarks/mux_contention.py (default: %(default)s, no cost)")
     group.add_argument("--tolerance", type=float, default=0.15,
                        help="largest |sim/measured - 1| counted as a match (default: "
                             "%(default)s)")
@@ -142,8 +150,12 @@ def run_validate(args: argparse.Namespace) -> int:
         labels = {run.label for result in results for run in result.runs}
         deployments = {label: load_deployment(paths[label]) for label in labels
                        if label in paths}
-        profiles = _profiles(args.profile, deployments.values())
-        report = validate_results(results, deployments, profiles, args.tolerance)
+        profiles, label_profiles = _profiles(args.profile, deployments)
+        if not 0 < args.mux_contended_speed <= 1:
+            raise ValueError(f"--mux-contended-speed {args.mux_contended_speed}: give a "
+                             "speed in (0, 1]")
+        report = validate_results(results, deployments, profiles, args.tolerance,
+                                  label_profiles, args.mux_contended_speed)
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
@@ -158,17 +170,28 @@ def run_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _profiles(values: list[str], deployments) -> dict[str, str]:
-    """`--profile PATH` for every model, `--profile MODEL=PATH` for one (wins)."""
+def _profiles(values: list[str], deployments: dict) -> tuple[dict[str, str], dict]:
+    """`--profile PATH` for every model, `--profile MODEL=PATH` for one (wins), and
+    `--profile LABEL:MODEL=PATH` for one model of one deployment (wins over both)."""
     if not values:
         raise ValueError("--validate needs --profile PATH (from `weaver profile --engine`)")
     shared = [v for v in values if "=" not in v]
     if len(shared) > 1:
         raise ValueError(f"more than one --profile without MODEL=: {shared}")
-    names = {m.name for d in deployments for m in d.models}
+    names = {m.name for d in deployments.values() for m in d.models}
     profiles = dict.fromkeys(names, shared[0]) if shared else {}
-    profiles.update(parse_pairs([v for v in values if "=" in v], "--profile"))
-    return profiles
+    label_profiles: dict[str, dict[str, str]] = {}
+    for key, path in parse_pairs([v for v in values if "=" in v], "--profile").items():
+        label, sep, model = key.partition(":")
+        if not sep:
+            profiles[key] = path
+        elif label not in deployments or model not in {m.name for m in
+                                                       deployments[label].models}:
+            raise ValueError(f"--profile {key}={path}: no deployment {label!r} with a model "
+                             f"{model!r} (deployments: {sorted(deployments)})")
+        else:
+            label_profiles.setdefault(label, {})[model] = path
+    return profiles, label_profiles
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -72,6 +72,17 @@ def usable_cpu_cores(owner: str, cpu_cores: str) -> frozenset[int] | None:
     return cores
 
 
+def own_cpu_cores(owner: str, cpu_cores: str) -> frozenset[int]:
+    """The cores of `cpu_cores` (for `owner`, named in the error); ValueError unless they
+    are named and this process may run on every one (it is about to pin itself there)."""
+    cores = parse_cpu_cores(cpu_cores)
+    allowed = os.sched_getaffinity(0)
+    if not cores or not cores <= allowed:
+        raise ValueError(f"{owner} {cpu_cores}: name cores this process may use "
+                         f"({sorted(allowed)})")
+    return cores
+
+
 def pin_engine_processes(engine_name: str, pids: list[int], cores: frozenset[int]) -> None:
     """Pin an engine's scheduler processes (not its workers: vLLM binds each compute
     thread of those to one core itself) to the model's cores, and say so in the log."""

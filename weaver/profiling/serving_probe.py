@@ -68,7 +68,8 @@ class ServingPoints:
     log_path: Path
 
 
-def deployment_dict(model: str, core: int, plan: ServingPlan, kv_bytes_per_token: int) -> dict:
+def deployment_dict(model: str, cpu_cores: str, plan: ServingPlan,
+                    kv_bytes_per_token: int) -> dict:
     """A one-model deployment like benchmarks/deployments/dedicated.yaml, with KV for the
     plan's largest batch (x1.5, and no less than the cold model's 0.25 GiB there)."""
     block_bytes = plan.block_size * kv_bytes_per_token
@@ -78,7 +79,7 @@ def deployment_dict(model: str, core: int, plan: ServingPlan, kv_bytes_per_token
             "name": API_NAME, "model": model, "role": "dedicated",
             "kv_cache_gib": max(MIN_KV_GIB, math.ceil(need_gib * 64) / 64),
             "max_model_len": plan.max_model_len, "block_size": plan.block_size,
-            "max_num_seqs": max(64, max(plan.batch_sizes)), "cpu_cores": str(core),
+            "max_num_seqs": max(64, max(plan.batch_sizes)), "cpu_cores": cpu_cores,
         }],
         "weaving": [],
     }
@@ -118,11 +119,11 @@ def prefill_point(record: RequestRecord) -> ServingPrefillPoint:
     return ServingPrefillPoint(_prompt_tokens(record), record.ttft_s)
 
 
-def measure_serving_points(model: str, core: int, plan: ServingPlan, kv_bytes_per_token: int,
+def measure_serving_points(model: str, cpu_cores: str, plan: ServingPlan, kv_bytes_per_token: int,
                            work_dir: Path, serve_cores: set[int] | None,
                            on_point: OnPoint,
                            deployment: tuple[Path, str] | None = None) -> ServingPoints:
-    """Start `weaver serve` for `model` on `core`, warm it up, measure the plan's points
+    """Start `weaver serve` for `model` on `cpu_cores`, warm it up, measure the plan's points
     (each reported to `on_point` with a remark as it comes); the server is gone after.
 
     `deployment` = (file, API name): serve that deployment as it is instead (its engines
@@ -131,7 +132,7 @@ def measure_serving_points(model: str, core: int, plan: ServingPlan, kv_bytes_pe
     work_dir.mkdir(parents=True, exist_ok=True)
     if deployment is None:
         config = write_deployment(work_dir / "serving_probe.yaml",
-                                  deployment_dict(model, core, plan, kv_bytes_per_token))
+                                  deployment_dict(model, cpu_cores, plan, kv_bytes_per_token))
         api_name = API_NAME
     else:
         config, api_name = deployment
@@ -219,12 +220,12 @@ def measure_woven_points(deployment_path: Path, hot_model: str, plan: ServingPla
         return _decode_points(client, plan, on_point)
 
 
-def parse_serve_cores(value: str, engine_core: int) -> set[int] | None:
-    """'engine' (that core), 'all' (unpinned: None) or a list like '0,1' or '0-1'."""
+def parse_serve_cores(value: str, engine_cores: str) -> set[int] | None:
+    """'engine' (the engine's cores), 'all' (unpinned: None) or a list like '0,1' or '0-1'."""
     if value == "all":
         return None
     if value == "engine":
-        value = str(engine_core)
+        value = engine_cores
     try:
         cores = usable_cpu_cores("--serve-cores", value)
     except ValueError as exc:

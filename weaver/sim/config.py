@@ -107,6 +107,17 @@ class SplitwiseSpec(_Strict):
 
 class MuxServeSpec(_Strict):
     rebalance_interval_s: float = Field(1.0, gt=0, description="ADBS quota re-balancing")
+    overlap_speed: float = Field(
+        0.5, gt=0, le=1, description="spatial-temporal groups: the speed of each of two "
+        "overlapping steps, relative to running alone. 0.5: they share the device evenly "
+        "(CPU cores, both engines' threads on all of them); above 0.5 when the two steps "
+        "use different resources (a compute-bound prefill beside a memory-bound decode, "
+        "MuxServe's premise on a GPU)")
+    contended_speed: float = Field(
+        1.0, gt=0, le=1, description="the speed of a step while another model of its group "
+        "has work too, relative to the group's other engines idle: what their processes "
+        "cost it beside the compute they take in turn (on CPU, their schedulers and "
+        "frontends on the same cores; benchmarks/mux_contention.py measures it)")
 
 
 class SloSpec(_Strict):
@@ -114,9 +125,25 @@ class SloSpec(_Strict):
     tpot_ms: float = Field(100.0, gt=0)
 
 
+class MuxSpec(_Strict):
+    """How the models of one GPU take turns (policies muxserve and weaver), as a
+    deployment's mux group does (weaver/mux/turns.py)."""
+
+    mode: Literal["temporal", "spatial-temporal"] = Field(
+        "temporal", description="temporal: one step at a time; spatial-temporal: a prefill "
+        "may run beside another model's decode (muxserve.overlap_speed)")
+    weights: dict[str, float] = Field(default_factory=dict, description="decode share of "
+                                      "each model; unset: its rate per replica")
+    skip_limit: int = Field(4, ge=1, description="most times a waiting step is passed over")
+    own_kv: bool = Field(False, description="each model keeps its own num_blocks (a "
+                         "deployment's engines); false: one pool with ADBS quotas")
+
+
 class GpuSpec(_Strict):
     models: list[str] = Field(min_length=1)
     role: Literal["both", "prompt", "token"] = "both"
+    mux: MuxSpec | None = Field(None, description="turn-taking of the GPU's models; "
+                                "default: temporal, weights by rate, ADBS quotas")
 
 
 class PairSpec(_Strict):
@@ -193,6 +220,10 @@ def _check_placement(placement: PlacementSpec, names: list[str], num_gpus: int) 
         unknown = set(gpu.models) - set(names)
         if unknown:
             raise ValueError(f"placement.gpus[{i}] names unknown models {sorted(unknown)}")
+        stray = set(gpu.mux.weights) - set(gpu.models) if gpu.mux else set()
+        if stray:
+            raise ValueError(f"placement.gpus[{i}].mux.weights names {sorted(stray)}, which "
+                             f"are not on that GPU ({gpu.models})")
     for pair in placement.pairs:
         if max(pair.hot_gpu, pair.cold_gpu) >= len(placement.gpus) or \
                 pair.hot_gpu == pair.cold_gpu:

@@ -4,7 +4,10 @@ Each model of the deployment is one instance (its engine, pinned to its own core
 the KV blocks its engine gets; a weaving entry becomes a hot/cold pair whose remote pool
 holds the blocks the cold model lends (`lend_kv_gib`, sized as `weaver.weaving.plan`
 sizes the shared region) and places sequences by the hot scheduler's own `RatioPlacement`.
-Step times come from measured profiles (`weaver profile --engine`), one per model.
+A mux group becomes one instance of all its models taking turns by the group's own rule,
+mode and weights (`weaver.mux.turns`, policy muxserve), each engine keeping its own KV.
+Step times come from measured profiles (`weaver profile --engine`), one per model, timed
+on as many cores as the model's engine runs on.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from weaver.workloads.types import TraceRequest
 CPU_SERVER_MAX_NUM_BATCHED_TOKENS = 2048
 # Simulated time allowed after the last arrival; a replay should drain well before.
 REPLAY_DRAIN_S = 3600.0
+# A mux group's engines run their threads on all the group's cores: two overlapping steps
+# share them evenly.
+CPU_OVERLAP_SPEED = 0.5
 
 
 def num_usable_blocks(spec: ModelSpec, kv_bytes_per_token: int) -> int:
@@ -39,9 +45,13 @@ def sim_config_from_deployment(
     profiles: Mapping[str, str],
     requests: Sequence[TraceRequest],
     name: str = "deployment",
+    overlap_speed: float = CPU_OVERLAP_SPEED,
+    contended_speed: float = 1.0,
 ) -> SimConfig:
-    """The `SimConfig` (cpu device, one instance per model, explicit placement) that serves
-    `requests` as `deployment` would. `profiles` maps each model name to a profile JSON."""
+    """The `SimConfig` (cpu device, one instance per model or mux group, explicit
+    placement) that serves `requests` as `deployment` would. `profiles` maps each model
+    name to a profile JSON; `contended_speed` is a mux group's step speed while its other
+    engine has work (benchmarks/mux_contention.py measures it)."""
     missing = [m.name for m in deployment.models if m.name not in profiles]
     if missing:
         raise ValueError(f"no profile for model(s) {missing}; pass --profile PATH (all models) "
@@ -51,18 +61,35 @@ def sim_config_from_deployment(
     models = [_model(spec, profiles[spec.name], shapes[spec.name].kv_bytes_per_token,
                      sum(r.model == spec.name for r in requests) / max(span, 1.0))
               for spec in deployment.models]
-    index = {spec.name: i for i, spec in enumerate(deployment.models)}
+    gpus = _instances(deployment)
+    index = {model: i for i, gpu in enumerate(gpus) for model in gpu["models"]}
     pairs = [_pair(deployment, entry, index, shapes) for entry in deployment.weaving]
+    policy = "weaver" if pairs else "muxserve" if deployment.mux else "dedicated"
     return SimConfig.model_validate({
         "name": name, "duration_s": max(span, 1e-3), "drain_s": REPLAY_DRAIN_S,
-        "policy": "weaver" if pairs else "dedicated",
-        "cluster": {"device": CPU_DEVICE, "num_gpus": len(deployment.models)},
+        "policy": policy,
+        "cluster": {"device": CPU_DEVICE, "num_gpus": len(gpus)},
         "models": models,
         "server": {"max_num_batched_tokens": CPU_SERVER_MAX_NUM_BATCHED_TOKENS},
         "weaving": {"offload_policy": "ratio"},
-        "placement": {"gpus": [{"models": [m.name]} for m in deployment.models],
-                      "pairs": pairs},
+        "muxserve": {"overlap_speed": overlap_speed, "contended_speed": contended_speed},
+        "placement": {"gpus": gpus, "pairs": pairs},
     })
+
+
+def _instances(deployment: Deployment) -> list[dict]:
+    """One simulated instance per mux group (its models in the file's order) and one per
+    other model, in the order the file first names them."""
+    gpus: list[dict] = []
+    for spec in deployment.models:
+        group = deployment.mux_group_of(spec.name)
+        if group is None:
+            gpus.append({"models": [spec.name]})
+        elif group.models[0] == spec.name:
+            gpus.append({"models": list(group.models), "mux": {
+                "mode": group.mode, "skip_limit": group.skip_limit, "own_kv": True,
+                "weights": {m: group.weight(m) for m in group.models}}})
+    return gpus
 
 
 def _model(spec: ModelSpec, profile: str, kv_bytes_per_token: int, rate: float) -> dict:

@@ -466,9 +466,6 @@ class Instance:
         self._rr = (self._rr + 1) % len(ready)
         return Job(ready[self._rr])
 
-    def on_step(self, job: Job, dt: float) -> None:
-        """Hook for subclasses that account service per model."""
-
     def _start_step(self, now: float) -> list[Event]:
         tried: set[str] = set()
         while True:
@@ -480,18 +477,22 @@ class Instance:
             if job.plan.num_decode or job.plan.chunks:
                 break
             tried.add(job.server.name)  # e.g. its quota shrank: let another model run
+        dt = self._begin(job)
+        self.is_busy = True
+        return [self.engine.event(now + dt, f"{self.name}.step",
+                                  lambda t, job=job: self._end_step(job, t))]
+
+    def _begin(self, job: Job) -> float:
+        """Account for a planned step that starts now; returns how long it takes alone."""
         server = job.server
         poll = server.remote_instance.poll_context() if server.remote_instance else None
         dt = self._inflate(server.step_time(job.plan, poll))
         if job.plan.num_decode:
             self.last_decode_s = dt
             self._report_remote_load(server, dt)
-        self.on_step(job, dt)
-        self.is_busy = True
         self.busy_s += dt
         self.num_steps += 1
-        return [self.engine.event(now + dt, f"{self.name}.step",
-                                  lambda t, job=job: self._end_step(job, t))]
+        return dt
 
     def _inflate(self, dt: float) -> float:
         # Offloaded attention steals a share of this device's time (Weaver §5: cold TPOT

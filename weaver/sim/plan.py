@@ -10,9 +10,20 @@ from weaver.sim.config import PlacementSpec, SimConfig
 
 
 @dataclass
+class MuxPlan:
+    """How a shared GPU's models take turns (config.MuxSpec)."""
+
+    mode: str = "temporal"  # or "spatial-temporal"
+    weights: dict[str, float] = field(default_factory=dict)  # unset: rate per replica
+    skip_limit: int = 4
+    own_kv: bool = False  # each model its own num_blocks, no ADBS quotas
+
+
+@dataclass
 class GpuPlan:
     models: list[str]
     role: str = "both"  # Splitwise pool: "prompt", "token" or "both"
+    mux: MuxPlan | None = None
 
 
 @dataclass
@@ -33,15 +44,18 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict) -> Plan:
-        return cls([GpuPlan(**g) for g in data["gpus"]],
-                   [WeavePair(**p) for p in data.get("pairs", [])])
+        gpus = [GpuPlan(**{**g, "mux": MuxPlan(**g["mux"]) if g.get("mux") else None})
+                for g in data["gpus"]]
+        return cls(gpus, [WeavePair(**p) for p in data.get("pairs", [])])
 
     def gpus_of(self, model: str) -> list[int]:
         return [i for i, g in enumerate(self.gpus) if model in g.models]
 
 
 def plan_from_spec(spec: PlacementSpec, default_ratio: float) -> Plan:
-    gpus = [GpuPlan(list(g.models), g.role) for g in spec.gpus]
+    gpus = [GpuPlan(list(g.models), g.role,
+                    MuxPlan(**g.mux.model_dump()) if g.mux is not None else None)
+            for g in spec.gpus]
     pairs = [WeavePair(p.hot_gpu, p.cold_gpu,
                        default_ratio if p.offload_ratio is None else p.offload_ratio,
                        p.remote_blocks)

@@ -86,24 +86,26 @@ def deployment_paths_from_command(result: BenchResult) -> dict[str, Path]:
 
 
 def simulate_run(run: RunResult, deployment: Deployment,
-                 profiles: Mapping[str, str]) -> dict:
+                 profiles: Mapping[str, str], contended_speed: float = 1.0) -> dict:
     """Replay one measured run in the simulator: its policy, sim stats and summaries."""
     requests = replay_run(run)
-    config = sim_config_from_deployment(deployment, profiles, requests, name=run.label)
+    config = sim_config_from_deployment(deployment, profiles, requests, name=run.label,
+                                        contended_speed=contended_speed)
     sim = simulate(config, requests=requests, keep_requests=True)
     simulated = bench_summary([bench_record(r) for r in sim["requests"]])
     return {"policy": sim["policy"], "sim": sim["sim"], "summary": simulated}
 
 
 def validate_runs(runs: Sequence[RunResult], deployment: Deployment,
-                  profiles: Mapping[str, str], tolerance: float = DEFAULT_TOLERANCE) -> dict:
+                  profiles: Mapping[str, str], tolerance: float = DEFAULT_TOLERANCE,
+                  contended_speed: float = 1.0) -> dict:
     """Replay repeats of one deployment at one rate; compare the means of their summaries."""
     first = runs[0]
     for run in runs[1:]:
         if run.workload != first.workload:
             raise ValueError(f"runs of {first.label!r} at rate {first.rate} have different "
                              "workloads; repeats must come from the same benchmark command")
-    replays = [simulate_run(run, deployment, profiles) for run in runs]
+    replays = [simulate_run(run, deployment, profiles, contended_speed) for run in runs]
     comparisons = []
     for model in sorted(first.summary):
         if not all(model in run.summary and model in rep["summary"]
@@ -126,9 +128,14 @@ def validate_runs(runs: Sequence[RunResult], deployment: Deployment,
 
 def validate_results(results: Sequence[BenchResult], deployments: Mapping[str, Deployment],
                      profiles: Mapping[str, str],
-                     tolerance: float = DEFAULT_TOLERANCE) -> dict:
+                     tolerance: float = DEFAULT_TOLERANCE,
+                     label_profiles: Mapping[str, Mapping[str, str]] | None = None,
+                     contended_speed: float = 1.0) -> dict:
     """Validate every (deployment, rate) of one or more results files of the same workload;
-    repeats of a (deployment, rate) are compared by their means."""
+    repeats of a (deployment, rate) are compared by their means. `profiles` maps a model to
+    its profile; `label_profiles[label]` overrides that for one deployment's models (its
+    engines may run on other cores: a mux group's on all of the group's).
+    `contended_speed`: a mux group's step speed while its other engine has work."""
     groups: dict[tuple[str, float | None], list[RunResult]] = {}
     for result in results:
         for run in result.runs:
@@ -137,12 +144,17 @@ def validate_results(results: Sequence[BenchResult], deployments: Mapping[str, D
     if missing:
         raise ValueError(f"no deployment file for run label(s) {missing}; pass "
                          "--deployment LABEL=PATH")
-    runs = [validate_runs(group, deployments[label], profiles, tolerance)
+    label_profiles = label_profiles or {}
+    runs = [validate_runs(group, deployments[label],
+                          {**profiles, **label_profiles.get(label, {})}, tolerance,
+                          contended_speed)
             for (label, _), group in groups.items()]
     checked = [c for r in runs for c in r["comparisons"] if c["model"] != ALL_MODELS]
     noisy = [c for c in checked
              if c["measured_spread"] is not None and c["measured_spread"] > tolerance]
-    return {"tolerance": tolerance, "profiles": dict(profiles), "runs": runs,
+    return {"tolerance": tolerance, "profiles": dict(profiles),
+            "label_profiles": {k: dict(v) for k, v in label_profiles.items()},
+            "mux_contended_speed": contended_speed, "runs": runs,
             "num_results": len(results),
             "num_within": sum(c["is_within"] for c in checked), "num_checked": len(checked),
             "num_measured_spread_over_tolerance": len(noisy),

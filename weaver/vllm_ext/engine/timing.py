@@ -1,13 +1,13 @@
-"""Time vLLM's own engine and CPU attention kernel on one core (`weaver profile --engine`).
+"""Time vLLM's own engine and CPU attention kernel on given cores (`weaver profile --engine`).
 
 The engine is `vllm.LLM` built as a deployment's engine is (float32, enforce_eager, the
 deployment's block size, the API server's 2048-token step budget), with its engine core
 in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that `LLMEngine.step()` is one
-scheduler + model step, timed from here; the process and vLLM's OpenMP threads are pinned
-to one core, as `cpu_cores` pins a deployment's engine. Decode attention alone is timed
-as the cold side serves offloaded tasks: through a real region, with the executor it runs
-(`attention.cpu_kernels.CpuPagedAttentionExecutor`) and the K/V read from memory
-(`weaver.profiling.task_timing`), i.e. the remote attention of weaving.
+scheduler + model step, timed from here; the process and vLLM's OpenMP threads (one per
+core) are pinned to the cores given, as `cpu_cores` pins a deployment's engine. Decode
+attention alone is timed as the cold side serves offloaded tasks: through a real region,
+with the executor it runs (`attention.cpu_kernels.CpuPagedAttentionExecutor`) and the K/V
+read from memory (`weaver.profiling.task_timing`), i.e. the remote attention of weaving.
 What to time and how timings become a profile is pure Python in
 `weaver.profiling.engine_profile`.
 """
@@ -22,6 +22,7 @@ import statistics
 import time
 from pathlib import Path
 
+from weaver.config.cpu_cores import parse_cpu_cores
 from weaver.profiling.engine_profile import DecodePoint, EngineGrid, EngineTimings, attention_batch
 from weaver.profiling.timer import copy_bandwidth
 from weaver.sim.profile import ModelShape
@@ -32,22 +33,28 @@ KV_CACHE_BYTES = 512 << 20  # holds every decode point of the default grid
 SERVER_MAX_NUM_BATCHED_TOKENS = 2048  # vLLM's CPU default for an API server
 
 
-def pin_to_core(core: int) -> None:
-    """Pin this process and vLLM's OpenMP threads to `core`; set before vLLM is imported."""
-    os.sched_setaffinity(0, {core})
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+def pin_to_cores(cpu_cores: str) -> int:
+    """Pin this process and vLLM's OpenMP threads to `cpu_cores` (a deployment's syntax:
+    '0', '0-1'), as a deployment's engine is; set before vLLM is imported. Returns the
+    number of cores, which is the number of compute threads vLLM starts."""
+    cores = parse_cpu_cores(cpu_cores)
+    if not cores:
+        raise ValueError(f"cpu cores {cpu_cores!r}: name the cores to time on, e.g. '0'")
+    os.sched_setaffinity(0, cores)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return len(cores)
 
 
-def time_engine(model_dir: Path, shape: ModelShape, grid: EngineGrid, core: int,
+def time_engine(model_dir: Path, shape: ModelShape, grid: EngineGrid, cpu_cores: str,
                 progress: bool = True) -> EngineTimings:
-    pin_to_core(core)
+    num_threads = pin_to_cores(cpu_cores)
     import torch
     import vllm
     from tqdm import tqdm
     from vllm import LLM
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(num_threads)
     llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True,
               block_size=grid.block_size, max_model_len=grid.max_seq_len,
               max_num_seqs=max(grid.batch_sizes),
@@ -75,10 +82,11 @@ def time_engine(model_dir: Path, shape: ModelShape, grid: EngineGrid, core: int,
     return EngineTimings(
         prefill_s=prefill_s, decode=decode, attention_s=attention_s,
         link_bandwidth_bps=copy_bandwidth(),
-        source=f"measured on {platform.processor() or platform.machine()} CPU, core {core} "
-               f"only, vLLM {vllm.__version__} engine steps (LLM offline, in-process engine "
-               f"core, enforce_eager, float32, block_size {grid.block_size}, "
-               f"max_num_batched_tokens {SERVER_MAX_NUM_BATCHED_TOKENS}), torch "
+        source=f"measured on {platform.processor() or platform.machine()} CPU, cores "
+               f"{cpu_cores} only ({num_threads} threads), vLLM {vllm.__version__} engine "
+               f"steps (LLM offline, in-process engine core, enforce_eager, float32, "
+               f"block_size {grid.block_size}, max_num_batched_tokens "
+               f"{SERVER_MAX_NUM_BATCHED_TOKENS}), torch "
                f"{torch.__version__}; attention: offloaded tasks through a shared-memory "
                f"region, vLLM CPU_ATTN kernel via weaver.vllm_ext.attention.cpu_kernels "
                f"(ISA {isa}), cache flushed before each task",
@@ -149,12 +157,13 @@ def attention_note(grid: EngineGrid, isa: str) -> str:
             f"min of repeats; sequences of ~{grid.attention_seq_tokens} tokens")
 
 
-def retime_attention(shape: ModelShape, grid: EngineGrid, core: int) -> tuple[list[float], str]:
-    """`time_attention` alone, pinned to `core` as `time_engine` is."""
-    pin_to_core(core)
+def retime_attention(shape: ModelShape, grid: EngineGrid,
+                     cpu_cores: str) -> tuple[list[float], str]:
+    """`time_attention` alone, pinned to `cpu_cores` as `time_engine` is."""
+    num_threads = pin_to_cores(cpu_cores)
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(num_threads)
     return time_attention(shape, grid)
 
 
