@@ -13,33 +13,12 @@ from weaver.results.metrics import summarize
 from weaver.results.records import BenchResult, RequestRecord, RequestStatus, RunResult
 from weaver.sim.deployment import sim_config_from_deployment
 from weaver.sim.metrics import bench_duration_s, bench_record
-from weaver.sim.profile import KNOWN_SHAPES, Profile
 from weaver.sim.runner import simulate
 from weaver.sim.validate import validate_results
 from weaver.sim.workload import replay_run
 from weaver.workloads.types import TraceRequest
 
 DEPLOYMENTS = Path(__file__).resolve().parents[2] / "benchmarks" / "deployments"
-
-
-def smollm2_profile() -> Profile:
-    """Made-up but plausible one-core numbers: 40 ms + 4 ms per sequence per decode step,
-    2 ms per prefill token, attention 1 us per context token (all layers)."""
-    batches, contexts = [1, 64], [0, 8192]
-    return Profile(
-        device="cpu", shape=KNOWN_SHAPES["smollm2-135m"], source="hand-made test profile",
-        memory_bytes=1 << 30, prefill_tokens=[1, 2048], prefill_s=[0.04, 0.04 + 2e-3 * 2047],
-        decode_batch_sizes=batches, decode_context_tokens=contexts,
-        decode_s=[[0.04 + 4e-3 * b + 1e-6 * c for c in contexts] for b in batches],
-        attention_context_tokens=contexts, attention_s=[1e-4, 1e-4 + 1e-6 * 8192],
-        link_bandwidth_bps=5e9, link_latency_s=1e-6)
-
-
-@pytest.fixture
-def cpu_profile(tmp_path) -> str:
-    path = tmp_path / "smollm2_cpu.json"
-    smollm2_profile().save(path)
-    return str(path)
 
 
 def _requests() -> list[TraceRequest]:
@@ -230,7 +209,8 @@ def test_validate_command_reads_deployments_from_the_results_command(tmp_path, c
     assert cold_tpot["is_within"]
 
 
-def test_validate_command_takes_a_profile_per_deployment_model(tmp_path, cpu_profile, capsys):
+def test_validate_command_takes_a_profile_per_deployment_model(tmp_path, cpu_profile,
+                                                               smollm2_profile, capsys):
     runs = [_measured_by_the_sim(DEPLOYMENTS / f"{n}.yaml", cpu_profile)
             for n in ("dedicated", "muxserve")]
     result = BenchResult(command=["weaver", "bench", "compare",
@@ -239,7 +219,7 @@ def test_validate_command_takes_a_profile_per_deployment_model(tmp_path, cpu_pro
                          created_at="t", machine={}, runs=runs)
     results_file = tmp_path / "measured.json"
     results_file.write_text(result.model_dump_json())
-    slower = smollm2_profile()
+    slower = smollm2_profile
     slower.decode_s = [[2 * t for t in row] for row in slower.decode_s]
     slower_path = tmp_path / "two_threads.json"
     slower.save(slower_path)

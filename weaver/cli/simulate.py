@@ -81,6 +81,12 @@ def _register_plan(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", default="results/sim", help="output folder (default: "
                         "%(default)s)")
     parser.add_argument("--no-plot", action="store_true", help="write JSON only")
+    parser.add_argument("--deployments", metavar="DIR",
+                        help="also write the deployment files `weaver serve` runs: "
+                             "DIR/dedicated.yaml (the baseline), DIR/muxserve.yaml (the best "
+                             "placement without weaving, its shared devices as mux groups) "
+                             "and DIR/weaver.yaml (the best woven one); cpu configs, whose "
+                             "models say what to serve (`serve:`); device i is core i")
     parser.set_defaults(handler=run_plan)
 
 
@@ -196,11 +202,16 @@ def _profiles(values: list[str], deployments: dict) -> tuple[dict[str, str], dic
 
 def run_plan(args: argparse.Namespace) -> int:
     from weaver.sim import plots
+    from weaver.sim.plan_deployment import require_writable, write_plan_deployments
     from weaver.sim.planner import plan_cluster
 
     try:
         config = resolve_config(args.config)
+        if args.deployments:  # refuse before minutes of planning, not after
+            require_writable(config)
         result = plan_cluster(config, progress=True)
+        written = (write_plan_deployments(config, result, Path(args.deployments))
+                   if args.deployments else {})
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
@@ -216,6 +227,8 @@ def run_plan(args: argparse.Namespace) -> int:
           f"throughput x{result['token_throughput_gain']:.2f} vs {result['baseline']['label']}")
     if not args.no_plot:
         print(f"plot: {plots.plot_plan(path, path.with_suffix('.png'))}")
+    for name, deployment in written.items():
+        print(f"deployment ({name}): {deployment}  (serve it: weaver serve {deployment})")
     print(f"results: {path}")
     return 0
 

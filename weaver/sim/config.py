@@ -44,6 +44,9 @@ class ModelSpec(_Strict):
                                    "default: device memory left after the weights")
     block_size: int | None = Field(None, gt=0, description="default: server.block_size")
     max_num_seqs: int | None = Field(None, gt=0, description="default: server.max_num_seqs")
+    serve: str | None = Field(None, description="what a deployment written from a plan "
+                              "serves for this model: a prepared model name or a Hugging "
+                              "Face id (`weaver plan --deployments`)")
 
     @model_validator(mode="after")
     def _known_shape(self) -> ModelSpec:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from weaver.sim.cluster import Cluster
 from weaver.sim.config import ModelSpec, SimConfig
 from weaver.sim.engine import Engine
-from weaver.sim.plan import GpuPlan, Plan, default_plan, hot_cold_pairs
+from weaver.sim.plan import GpuPlan, MuxPlan, Plan, default_plan, hot_cold_pairs
 from weaver.sim.runner import simulate
 from weaver.sim.workload import mean_lengths
 
@@ -94,7 +94,11 @@ def place(cluster: Cluster, capacities: dict[str, float], threshold: float) -> P
     large = [n for n in demand if n not in small]
     if len(bins) + len(large) > config.cluster.num_gpus:
         return None
-    gpus = [GpuPlan(b) for b in bins] + [GpuPlan([n]) for n in large]
+    # On cpu cores a shared device is a deployment's mux group: each engine keeps its own
+    # KV blocks, a prefill may run beside a decode (what `--deployments` writes).
+    shared = MuxPlan(mode="spatial-temporal", own_kv=True) if cluster.device is None else None
+    gpus = [GpuPlan(b, mux=shared if len(b) > 1 else None) for b in bins]
+    gpus += [GpuPlan([n]) for n in large]
     # Greedy: each spare GPU becomes one more dedicated replica of the model with the
     # highest demand per GPU it holds (a packed model holds a share of its GPU).
     held = {n: 0.0 for n in demand}
@@ -111,6 +115,8 @@ def place(cluster: Cluster, capacities: dict[str, float], threshold: float) -> P
 def _fits(cluster: Cluster, models: list[str]) -> bool:
     """Whether one more model may join a shared GPU: the weights of all of them must
     leave at least MIN_KV_SHARE of the device for KV (MuxServe packs by memory too)."""
+    if cluster.device is None:  # cpu cores: each engine brings its own KV blocks
+        return True
     try:
         kv = cluster.kv_capacity_bytes(models)
     except ValueError:

@@ -1,0 +1,117 @@
+"""Plans become deployment files (`weaver plan --deployments`), and read back the same."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from weaver.cli.main import build_parser
+from weaver.config.deployment import load_deployment, parse_deployment
+from weaver.sim.config import SimConfig
+from weaver.sim.deployment import sim_config_from_deployment
+from weaver.sim.plan import GpuPlan, Plan, WeavePair
+from weaver.sim.plan_deployment import deployment_from_plan
+from weaver.workloads.types import TraceRequest
+
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture
+def cpu_config(cpu_profile):
+    """Three models on two cores, as a cpu config names them (measured profile, blocks)."""
+    profile = cpu_profile
+
+    def make(**overrides) -> SimConfig:
+        models = [{"name": n, "rate": r, "profile": str(profile), "num_blocks": b,
+                   "block_size": 32, "serve": MODEL}
+                  for n, r, b in (("chat", 2.0, 64), ("code", 0.5, 44), ("docs", 0.2, 44))]
+        data = {"name": "three", "duration_s": 10.0, "cluster": {"device": "cpu",
+                                                                  "num_gpus": 2},
+                "workload": {"trace": "azure-conv", "length_scale": 0.1},
+                "models": models, "slo": {"tpot_ms": 500}}
+        data.update(overrides)
+        return SimConfig.model_validate(data)
+
+    return make
+
+
+def test_shared_device_becomes_a_mux_group_and_reads_back_the_same(cpu_config, tmp_path):
+    config = cpu_config()
+    plan = Plan([GpuPlan(["chat"]), GpuPlan(["code", "docs"])])
+    data = deployment_from_plan(config, plan)
+    chat, code, docs = data["models"]
+    assert (chat["role"], chat["cpu_cores"], chat["model"]) == ("dedicated", "0", MODEL)
+    assert "cpu_cores" not in code  # the group binds its models
+    assert data["mux"] == [{"name": "core1", "models": ["code", "docs"],
+                            "mode": "spatial-temporal", "cpu_cores": "1",
+                            "rates": {"code": 0.5, "docs": 0.2}}]
+    deployment = parse_deployment(data)
+    assert deployment.model("docs").cpu_cores == "1"
+    # The simulator's copy of the written file is the plan it came from.
+    profiles = {m.name: m.profile for m in config.models}
+    back = sim_config_from_deployment(deployment, profiles,
+                                      [TraceRequest(0.0, 10, 5, "chat", 0)])
+    assert [m.num_blocks for m in back.models] == [64, 44, 44]
+    assert [g.models for g in back.placement.gpus] == [["chat"], ["code", "docs"]]
+    assert back.placement.gpus[1].mux.weights == {"code": 0.5, "docs": 0.2}
+
+
+def test_weaving_pair_lends_the_planned_blocks(cpu_config):
+    plan = Plan([GpuPlan(["chat"]), GpuPlan(["code"]), GpuPlan(["docs"])],
+                [WeavePair(0, 1, 0.5, remote_blocks=32)])
+    config = cpu_config(cluster={"device": "cpu", "num_gpus": 3})
+    data = deployment_from_plan(config, plan)
+    roles = {m["name"]: m["role"] for m in data["models"]}
+    assert roles == {"chat": "hot", "code": "cold", "docs": "dedicated"}
+    assert data["weaving"] == [{"hot": "chat", "cold": ["code"], "offload_ratio": 0.5}]
+    deployment = parse_deployment(data)
+    back = sim_config_from_deployment(deployment, {m.name: m.profile for m in config.models},
+                                      [TraceRequest(0.0, 10, 5, "chat", 0)])
+    assert back.placement.pairs[0].remote_blocks == 32
+
+
+def test_what_a_deployment_cannot_hold_is_refused(cpu_config):
+    config = cpu_config()
+    with pytest.raises(ValueError, match="one engine per model"):
+        deployment_from_plan(config, Plan([GpuPlan(["chat", "code"]),
+                                           GpuPlan(["chat", "docs"])]))
+    with pytest.raises(ValueError, match="to itself"):
+        deployment_from_plan(config, Plan([GpuPlan(["chat", "docs"]), GpuPlan(["code"])],
+                                          [WeavePair(0, 1, 0.5, 32)]))
+    unserved = cpu_config()
+    unserved.models[0].serve = None
+    with pytest.raises(ValueError, match="serve"):
+        deployment_from_plan(unserved, Plan([GpuPlan(["chat", "code", "docs"])]))
+
+
+def test_plan_command_writes_servable_files(cpu_config, tmp_path, capsys):
+    config_path = tmp_path / "three.yaml"
+    config_path.write_text(yaml.safe_dump(cpu_config().model_dump(exclude_none=True)))
+    out = tmp_path / "deployments"
+    args = build_parser().parse_args(["plan", str(config_path), "--out", str(tmp_path),
+                                      "--no-plot", "--deployments", str(out)])
+    assert args.handler(args) == 0
+    printed = capsys.readouterr().out
+    written = sorted(p.name for p in out.iterdir())
+    assert written[:2] == ["dedicated.yaml", "muxserve.yaml"]
+    for path in out.iterdir():
+        deployment = load_deployment(path)  # what `weaver serve` loads
+        assert {m.name for m in deployment.models} == {"chat", "code", "docs"}
+        assert f"weaver serve {path}" in printed
+    # Three models on two cores: the baseline and the plain plan share a core.
+    assert load_deployment(out / "dedicated.yaml").mux[0].mode == "temporal"
+    (group,) = load_deployment(out / "muxserve.yaml").mux
+    assert group.mode == "spatial-temporal" and len(group.models) == 2
+    # The planner simulated that group as the file has it: each engine its own blocks.
+    plan = json.loads((tmp_path / "three" / "plan.json").read_text())
+    plain = [c for c in plan["candidates"] if c["policy"] == "muxserve"]
+    assert all(g["mux"]["own_kv"] for c in plain for g in c["plan"]["gpus"] if g["mux"])
+
+
+def test_plan_command_refuses_a_gpu_config_before_planning(tmp_path, capsys):
+    args = build_parser().parse_args(["plan", "tiny", "--out", str(tmp_path), "--no-plot",
+                                      "--deployments", str(tmp_path / "d")])
+    assert args.handler(args) == 2
+    assert not (tmp_path / "d").exists()
