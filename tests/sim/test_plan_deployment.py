@@ -70,6 +70,18 @@ def test_weaving_pair_lends_the_planned_blocks(cpu_config):
     back = sim_config_from_deployment(deployment, {m.name: m.profile for m in config.models},
                                       [TraceRequest(0.0, 10, 5, "chat", 0)])
     assert back.placement.pairs[0].remote_blocks == 32
+    # The planner's own pairs lend weaving.region_fraction (0.5) of the cold model's KV:
+    # the file keeps the rest as the cold engine's, and lends the share apart.
+    plan.pairs = [WeavePair(0, 1, 0.5)]
+    data = deployment_from_plan(config, plan)
+    cold = next(m for m in data["models"] if m["name"] == "code")
+    assert cold["num_gpu_blocks_override"] == 22 + 1  # 44 blocks, half kept
+    hot = next(m for m in data["models"] if m["name"] == "chat")
+    assert hot["max_model_len"] == 22 * 32  # a whole sequence fits in what is lent
+    back = sim_config_from_deployment(parse_deployment(data),
+                                      {m.name: m.profile for m in config.models},
+                                      [TraceRequest(0.0, 10, 5, "chat", 0)])
+    assert back.placement.pairs[0].remote_blocks == 22  # same block bytes: half lent
 
 
 def test_what_a_deployment_cannot_hold_is_refused(cpu_config):

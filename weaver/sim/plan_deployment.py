@@ -84,6 +84,10 @@ def deployment_from_plan(config: SimConfig, plan: Plan, mode: str = "spatial-tem
             cold_spec.update(_kv_fields(max(kept, 1), cluster.block_bytes(cold),
                                         cold_spec["block_size"]))
         cold_spec["lend_kv_gib"] = float(lend_kv_gib_for(blocks, cluster.block_bytes(hot)))
+        # The server wants one whole hot sequence to fit in the lent blocks.
+        hot_spec = next(m for m in models if m["name"] == hot)
+        hot_spec["max_model_len"] = min(hot_spec["max_model_len"],
+                                        blocks * hot_spec["block_size"])
         weaving.append({"hot": hot, "cold": [cold], "offload_ratio": pair.offload_ratio})
     data = {"models": models, "weaving": weaving}
     if groups:
