@@ -61,15 +61,17 @@ class Patch:
     remove_when: str
 
 
+# The worker's two step methods: patches/worker_step_lock.py and worker_step_turns.py wrap
+# both (the same check and rebinding, worker_step_lock.step_methods).
+WORKER_STEP_TARGETS = (
+    Target("vllm.v1.worker.gpu_worker:Worker.execute_model", ("self", "scheduler_output")),
+    Target("vllm.v1.worker.gpu_worker:Worker.sample_tokens", ("self", "grammar_output")),
+)
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="worker_step_lock",
-        targets=(
-            Target("vllm.v1.worker.gpu_worker:Worker.execute_model",
-                   ("self", "scheduler_output")),
-            Target("vllm.v1.worker.gpu_worker:Worker.sample_tokens",
-                   ("self", "grammar_output")),
-        ),
+        targets=WORKER_STEP_TARGETS,
         why="A cold worker serves offloaded attention from an idle thread between its own "
             "steps; the two must never run at once (vLLM's CPU kernels share scratch "
             "buffers across threads).",
@@ -79,13 +81,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         name="worker_step_turns",
-        targets=(
-            Target("vllm.v1.worker.gpu_worker:Worker.execute_model",
-                   ("self", "scheduler_output")),
-            Target("vllm.v1.worker.gpu_worker:Worker.sample_tokens",
-                   ("self", "grammar_output")),
-            Target("vllm.v1.core.sched.output:SchedulerOutput"),
-        ),
+        targets=(*WORKER_STEP_TARGETS, Target("vllm.v1.core.sched.output:SchedulerOutput")),
         why="The engines of a colocated group (MuxServe, Mux-Temporal) take turns step by "
             "step on one set of devices; each step must wait for its turn and say whether it "
             "holds prefill tokens.",

@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from weaver.config.deployment import Role, load_deployment, parse_deployment
+from weaver.mux.turns import DEFAULT_SKIP_LIMIT
 
 
 def model(name: str, **extra) -> dict:
@@ -107,6 +108,8 @@ def test_a_mux_group_binds_its_engines_to_its_cores():
     assert [deployment.model(m).cpu_cores for m in "abc"] == ["0-1", "0-1", None]
     assert (group.weight("a"), group.weight("b")) == (4.0, 1.0)
     assert deployment.mux_group_of("c") is None
+    # The file's default is the turn rule's (weaver/config cannot import weaver/mux).
+    assert group.skip_limit == DEFAULT_SKIP_LIMIT
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from weaver.mux.turns import Kind, Member, Mode, next_turn
+from weaver.mux.turns import DEFAULT_SKIP_LIMIT, Kind, Member, Mode, next_turn
 from weaver.processes import is_process_alive
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class GroupLayout:
     members: tuple[str, ...]
     weights: tuple[float, ...]
     mode: Mode
-    skip_limit: int = 4
+    skip_limit: int = DEFAULT_SKIP_LIMIT
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.members) <= MAX_MEMBERS:

@@ -25,6 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+# Rule 2's bound unless a group sets its own (the deployment file's default is the same;
+# weaver/config sits below this layer, tests/config/test_deployment.py pins the two equal).
+DEFAULT_SKIP_LIMIT = 4
+
 
 class Mode(str, Enum):
     TEMPORAL = "temporal"  # one step of one model at a time (Mux-Temporal)

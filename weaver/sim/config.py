@@ -9,6 +9,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from weaver.mux.turns import DEFAULT_SKIP_LIMIT
 from weaver.sim.profile import CPU_DEVICE, KNOWN_DEVICES, KNOWN_SHAPES
 from weaver.workloads.popularity import power_law_rates
 
@@ -137,7 +138,8 @@ class MuxSpec(_Strict):
         "may run beside another model's decode (muxserve.overlap_speed)")
     weights: dict[str, float] = Field(default_factory=dict, description="decode share of "
                                       "each model; unset: its rate per replica")
-    skip_limit: int = Field(4, ge=1, description="most times a waiting step is passed over")
+    skip_limit: int = Field(DEFAULT_SKIP_LIMIT, ge=1,
+                            description="most times a waiting step is passed over")
     own_kv: bool = Field(False, description="each model keeps its own num_blocks (a "
                          "deployment's engines); false: one pool with ADBS quotas")
 

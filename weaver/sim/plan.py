@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from weaver.mux.turns import DEFAULT_SKIP_LIMIT
 from weaver.sim.config import PlacementSpec, SimConfig
 
 
@@ -15,7 +16,7 @@ class MuxPlan:
 
     mode: str = "temporal"  # or "spatial-temporal"
     weights: dict[str, float] = field(default_factory=dict)  # unset: rate per replica
-    skip_limit: int = 4
+    skip_limit: int = DEFAULT_SKIP_LIMIT
     own_kv: bool = False  # each model its own num_blocks, no ADBS quotas
 
 

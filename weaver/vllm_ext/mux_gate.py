@@ -9,8 +9,9 @@ An engine belongs to a group when its ``--additional-config`` has a ``weaver.mux
 ``members`` names every engine of the group in one order (the same in each engine's block)
 with its weight, the model's request rate (MuxServe weighs its decode round-robin by it);
 ``mode`` is ``temporal`` or ``spatial-temporal`` (weaver/mux/turns.py); ``skip_limit``
-(default 4) bounds how often a waiting step is passed over. The gateway writes this block
-for a deployment's ``mux`` group; under plain ``vllm serve`` a user writes it.
+(default ``DEFAULT_SKIP_LIMIT``, 4) bounds how often a waiting step is passed over. The
+gateway writes this block for a deployment's ``mux`` group; under plain ``vllm serve`` a
+user writes it.
 
 Once the EngineCore is up (patches/engine_core_hook.py), its worker opens the group's turn
 table (weaver/mux/table.py) and its steps ask for a turn (patches/worker_step_turns.py).
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from weaver.mux.table import GroupLayout, TurnTable
-from weaver.mux.turns import Kind, Mode
+from weaver.mux.turns import DEFAULT_SKIP_LIMIT, Kind, Mode
 from weaver.patches import worker_step_turns
 from weaver.vllm_ext.additional_config import KEY
 
@@ -74,7 +75,7 @@ def mux_membership(additional_config: Any) -> MuxMembership | None:
                          f"{[m.value for m in Mode]}") from None
     layout = GroupLayout(str(block["group"]), tuple(members),
                          tuple(float(w) for w in members.values()), mode,
-                         int(block.get("skip_limit", 4)))
+                         int(block.get("skip_limit", DEFAULT_SKIP_LIMIT)))
     layout.index(str(block["member"]))  # ValueError names the group's members
     return MuxMembership(layout, str(block["member"]), block.get("runtime_dir"))
 
