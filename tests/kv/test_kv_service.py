@@ -102,7 +102,34 @@ def test_client_in_another_process_talks_to_the_owning_process() -> None:
     child.join(timeout=30)
     assert child.exitcode == 0, "the client process failed an assertion"
     assert num_requests == 7
-    assert [b.block_id for b in locked._allocator.live_blocks("hot")] == [1]
+    # The client closed holding block 1: nobody else can free it, so the service did.
+    assert locked._allocator.live_blocks("hot") == []
+    locked.check_invariants()
+
+
+def crashing_scheduler_process(conn) -> None:
+    """Leases three blocks, gives one back, then dies without closing the connection."""
+    import os
+
+    client = KVAllocatorClient(conn)
+    client.call("sync_lease", tenant="hot", release=[], want=3, report={})
+    client.call("sync_lease", tenant="hot", release=[2], want=0, report={})
+    client.allocate_blocks("hot2", 1)
+    os._exit(0)
+
+
+def test_blocks_of_a_client_that_died_are_freed_and_no_one_elses() -> None:
+    context = multiprocessing.get_context("fork")
+    parent_conn, child_conn = context.Pipe()
+    locked = make_locked()
+    kept = locked.allocate_blocks("hot", 1)  # another connection's block (id 0)
+    child = context.Process(target=crashing_scheduler_process, args=(child_conn,))
+    child.start()
+    child_conn.close()
+    assert serve_connection(KVAllocatorService(locked), parent_conn) == 3
+    child.join(timeout=30)
+    assert [b.block_id for b in locked._allocator.live_blocks("hot")] == [kept[0].block_id]
+    assert locked._allocator.live_blocks("hot2") == []
     locked.check_invariants()
 
 

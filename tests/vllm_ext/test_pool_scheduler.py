@@ -13,6 +13,7 @@ from multiprocessing.connection import Client
 import pytest
 
 from weaver.kv.lease import LeasedTenantAllocator
+from weaver.kv.owner import HostedPool, PoolClient
 from weaver.kv.pages import TenantShape
 from weaver.kv.pool_plan import PoolPlan, PoolTenantPlan
 from weaver.kv.service import KVAllocatorClient, LockedKVAllocator
@@ -279,3 +280,90 @@ def test_the_owner_rebalances_and_publishes_its_stats():
     finally:
         owner.close()
     assert not os.path.exists(plan.stats_path)
+
+
+def make_group_plan(num_pages: int = 40) -> PoolPlan:
+    """A colocated group's pool: two equal tenants, no owner, hosted by the gateway."""
+    name = f"wtest{uuid.uuid4().hex[:8]}"
+    half = num_pages // 2
+    return PoolPlan(pool_name=f"{name}_pool", table_name=f"{name}_table", page_bytes=PAGE,
+                    num_pages=num_pages,
+                    tenants=(PoolTenantPlan("a", SHAPE, half, min_quota_pages=8),
+                             PoolTenantPlan("b", SHAPE, half, min_quota_pages=8)),
+                    service_address=f"\0{name}", authkey_hex=uuid.uuid4().hex,
+                    rebalance_interval_s=0.0)
+
+
+def leasing_block_pool(plan: PoolPlan, tenant: str) -> tuple[LeasedTenantAllocator, BlockPool]:
+    """A colocated engine's block pool as WeaverScheduler makes it: every block leased."""
+    lease = LeasedTenantAllocator(PoolClient(plan), tenant, plan.max_blocks(tenant), 2)
+    lease.STARVED_SYNC_INTERVAL_S = 0.0  # the test drives every sync itself
+    pool = BlockPool(plan.max_blocks(tenant) + 1, enable_caching=False, hash_block_size=32)
+    return lease, AllocatorBlockPool.adopt(pool, lease, tenant, 1)
+
+
+@pytest.fixture
+def hosted():
+    plan = make_group_plan()  # 40 pages of 4-page blocks: quota 5 blocks each
+    host = HostedPool(plan)
+    members = {name: leasing_block_pool(plan, name) for name in ("a", "b")}
+    yield host, members
+    for lease, _ in members.values():
+        lease.client.close()
+    host.close()
+
+
+def test_a_hosted_pool_is_mapped_by_its_engines_and_removed_with_its_host():
+    plan = make_group_plan()
+    host = HostedPool(plan)
+    assert os.path.exists(f"/dev/shm/{plan.pool_name}")
+    assert os.path.getsize(f"/dev/shm/{plan.pool_name}") >= plan.pool_bytes
+    host.close()
+    assert not os.path.exists(f"/dev/shm/{plan.pool_name}")
+    assert not os.path.exists(f"/dev/shm/{plan.table_name}")
+
+
+def test_a_pool_with_an_owner_is_not_hosted():
+    with pytest.raises(ValueError, match="owner tenant"):
+        HostedPool(make_plan(quota_blocks=3, service=True))
+
+
+def test_adbs_moves_an_idle_engines_quota_to_the_starved_one_but_not_below_its_floor(hosted):
+    host, members = hosted
+    (lease_a, pool_a), (lease_b, _) = members["a"], members["b"]
+    lease_b.sync(0)  # b is idle: it holds nothing
+    lease_a.sync(8)  # a wants 8 blocks; its quota covers 5
+    assert lease_a.num_held_blocks == 5
+    held = pool_a.get_new_blocks(5)
+    assert lease_a.is_starved and pool_a.get_num_free_blocks() == 0
+    host.rebalance()
+    # b was idle: it gave half its unused quota (10 of 20 pages), a took it (2 blocks).
+    quotas = {t.name: t.quota_pages for t in host.allocator.stats().tenants}
+    assert quotas == {"a": 28, "b": 10}
+    lease_a.sync(3)
+    assert lease_a.num_held_blocks == 7
+    for _ in range(5):
+        lease_a.sync(3)
+        host.rebalance()
+    # b keeps its floor (min_quota_pages 8 = 2 blocks: one longest sequence) however long
+    # it idles, so its next request is never starved outright.
+    quotas = {t.name: t.quota_pages for t in host.allocator.stats().tenants}
+    assert quotas["b"] == 8 and quotas["a"] == 32
+    pool_a.free_blocks(held)
+
+
+def test_a_dead_engines_blocks_return_to_the_pool_and_its_successor_leases_anew(hosted):
+    host, members = hosted
+    lease_a, pool_a = members["a"]
+    lease_a.sync(4)
+    pool_a.get_new_blocks(3)
+    assert host.allocator.tenant_stats("a").num_blocks == 4
+    lease_a.client.close()  # the engine's process is gone: its connection closes
+    deadline = time.monotonic() + 10
+    while host.allocator.tenant_stats("a").num_blocks:
+        assert time.monotonic() < deadline, "the closed connection's blocks stayed held"
+        time.sleep(0.02)
+    successor, pool = leasing_block_pool(host.plan, "a")
+    successor.sync(5)
+    assert [b.block_id for b in pool.get_new_blocks(5)] == [1, 2, 3, 4, 5]
+    successor.client.close()

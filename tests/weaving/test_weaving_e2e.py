@@ -4,9 +4,11 @@ One server hosts six engines: `ref` (SmolLM2, dedicated: weaving off), `hot` (th
 model weaving half its sequences into `cold`), `hot-all` (every sequence remote), `cold` (a
 random-weight Llama of another shape: 3 layers, 6 q / 1 kv heads, head 64, against
 SmolLM2's 30 layers, 9 q / 3 kv heads), and `mux-a`, `mux-b` (SmolLM2 twice, colocated in a
-spatial-temporal mux group, taking turns step by step: weaver/mux/). The five SmolLM2
-engines have the same capped local KV (16 usable blocks of 32 tokens) and a small prefill
-chunk (64 tokens), so long prompts span several chunks and the batch is KV-bound. Tests run
+spatial-temporal mux group, taking turns step by step: weaver/mux/, their KV in one pool
+the gateway hosts, quotas moved by ADBS: weaver/server/mux_pool.py). The SmolLM2 engines
+have the same capped local KV (16 usable blocks of 32 tokens; `mux-b` brings 32 to the
+pool) and a small prefill chunk (64 tokens), so long prompts span several chunks and the
+batch is KV-bound. Tests run
 in file order; the last ones kill the cold engine and stop the server. Engine restarts are
 off here, so a killed cold engine stays down and its pairs stay degraded; restarts and
 re-attachment are pinned in tests/server/test_serve_e2e.py.
@@ -52,7 +54,7 @@ models:
   - name: mux-a
     role: dedicated{engine}
   - name: mux-b
-    role: dedicated{engine}
+    role: dedicated{mux_b_engine}
   - name: cold
     model: {tiny}
     role: cold
@@ -62,7 +64,8 @@ models:
 serving:
   restart: {{enabled: false}}
 mux:
-  - {{name: pair, models: [mux-a, mux-b], mode: spatial-temporal, rates: {{mux-a: 3, mux-b: 1}}}}
+  - {{name: pair, models: [mux-a, mux-b], mode: spatial-temporal, rates: {{mux-a: 3, mux-b: 1}},
+     unified_kv: true}}
 weaving:
   - {{hot: hot, cold: [cold], offload_ratio: 0.5, timeout_s: 3.0}}
   - {{hot: hot-all, cold: [cold], offload_ratio: 1.0, timeout_s: 3.0}}
@@ -78,7 +81,8 @@ def server(tmp_path_factory, smollm2_dir):
     root = tmp_path_factory.mktemp("weaving")
     config = root / "deployment.yaml"
     engine = SMOLLM2_ENGINE.format(smollm2=smollm2_dir, local_blocks=LOCAL_BLOCKS)
-    config.write_text(DEPLOYMENT.format(engine=engine, tiny=tiny))
+    mux_b_engine = SMOLLM2_ENGINE.format(smollm2=smollm2_dir, local_blocks=2 * LOCAL_BLOCKS - 1)
+    config.write_text(DEPLOYMENT.format(engine=engine, mux_b_engine=mux_b_engine, tiny=tiny))
     with weaver_server(config, root / "serve.log") as running:
         yield running
 
@@ -118,6 +122,19 @@ def test_all_remote_is_token_exact(server, client, reference):
     assert outputs == reference["outputs"]
     assert metric(server, 'weaver_offload_sequences_total{model="hot-all"}') >= NUM_PROMPTS
     assert metric(server, 'weaver_offload_fallbacks_total{model="hot-all"}') == 0
+
+
+def test_an_idle_colocated_model_lends_its_pool_quota(server, client, reference):
+    outputs = complete_all(client, "mux-a", reference["prompts"])
+    assert outputs == reference["outputs"]
+    # mux-b idles, so ADBS moves its unused quota (down to one 512-token sequence) to
+    # mux-a, which then runs larger batches than its own 16 blocks allow (ref's).
+    assert metric(server, 'weaver_mux_kv_quota_moved_pages_total{group="pair"}') > 0
+    quota = metric(server, 'weaver_mux_kv_quota_pages{group="pair",model="mux-a"}')
+    assert quota > metric(server, 'weaver_mux_kv_quota_pages{group="pair",model="mux-b"}')
+    peak = metric(server, 'weaver_peak_running{model="mux-a"}')
+    print(f"peak running: ref {reference['peak_running']}, mux-a {peak}")
+    assert peak >= 1.5 * reference["peak_running"]
 
 
 def test_colocated_models_take_turns_and_stay_token_exact(server, client, reference):

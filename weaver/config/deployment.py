@@ -212,6 +212,13 @@ class MuxGroupSpec(BaseModel):
         "of the decode round-robin, so a popular model gets its share; unset: equal")
     skip_limit: int = Field(4, ge=1, description="most times a waiting step may be passed "
                             "over before it goes first (no model starves)")
+    unified_kv: bool = Field(
+        False, description="keep the group's KV in one pool (MuxServe's unified KV cache): "
+        "each model starts with its own KV budget as its quota and ADBS moves quota to the "
+        "model that is short (weaver/kv/adbs.py), never below one max_model_len sequence. "
+        "Pages are one head-block of the first model; every model needs the same dtype and "
+        "a block_size that fills them; the engines run without prefix caching; "
+        "false: each engine keeps its own KV")
 
     @field_validator("name")
     @classmethod
@@ -241,6 +248,11 @@ class MuxGroupSpec(BaseModel):
     def weight(self, model: str) -> float:
         """The model's weight in the decode round-robin: its rate, else 1."""
         return self.rates.get(model, 1.0)
+
+
+def _asks_for_prefix_caching(spec: ModelSpec) -> bool:
+    return (spec.extra_engine_args.get("enable_prefix_caching") is True
+            or "--enable-prefix-caching" in spec.vllm_flags)
 
 
 class Deployment(BaseModel):
@@ -288,6 +300,11 @@ class Deployment(BaseModel):
                 if spec.device != "cpu":
                     raise ValueError(f"mux group {group.name!r}: {name!r} is on {spec.device}; "
                                      "colocated groups run on cpu engines only so far")
+                if group.unified_kv and _asks_for_prefix_caching(spec):
+                    raise ValueError(
+                        f"mux group {group.name!r} keeps its KV in one pool, whose engines "
+                        f"run without prefix caching, but {name!r} turns it on; remove "
+                        "enable_prefix_caching from its extra_engine_args / vllm_flags")
                 if group.cpu_cores is not None:
                     if spec.cpu_cores not in (None, group.cpu_cores):
                         raise ValueError(

@@ -1,10 +1,12 @@
-"""The owner of a cold device's unified KV pool and a remote tenant's connection to it.
+"""Who hosts a unified KV pool's allocator, and a leasing tenant's connection to it.
 
-The cold engine's scheduler process owns the pool (``PoolOwner``): the allocator, the shared
-page table its workers map, the ADBS rebalancing thread, and a local-socket service from
-which a hot engine's scheduler leases its remote blocks (``PoolClient``, used by
-``weaver.kv.lease``). The engine's own block pool (vLLM's, adopted by
-weaver/vllm_ext/block_pool.py) is handed in: this module imports no vLLM.
+A weaving cold device's pool is owned by the cold engine's scheduler process
+(``PoolOwner``): the allocator, the shared page table its workers map, the ADBS rebalancing
+thread, and a local-socket service from which a hot engine's scheduler leases its remote
+blocks (``PoolClient``, used by ``weaver.kv.lease``). A colocated group's pool is hosted by
+the gateway (``HostedPool``), and every engine of the group leases. The owner engine's
+own block pool (vLLM's, adopted by weaver/vllm_ext/block_pool.py) is handed in: this
+module imports no vLLM.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from multiprocessing import shared_memory
 from multiprocessing.connection import Client, Listener
 from typing import Protocol
 
@@ -44,55 +47,41 @@ class EvictableBlockPool(Protocol):
     def evict_cached(self, num_blocks: int) -> int: ...
 
 
-class PoolOwner:
-    """The allocator of one cold device's pool, its shared page table, the engine block
-    pool that allocates through it (in the cold engine's scheduler process), and, when the
-    plan names a service address, the listener that serves the other tenants' leases.
+class PoolService:
+    """The allocator of one unified pool, the shared page table its readers map, the
+    listener that serves the tenants' leases (when the plan names an address) and the ADBS
+    thread that re-balances quotas and publishes the stats. Subclasses say who else
+    allocates in this process: `PoolOwner` (a cold engine's own block pool) or
+    `HostedPool` (nobody: the gateway hosts a colocated group's pool)."""
 
-    adopt_block_pool: makes the engine's block pool allocate through the allocator (the
-    vLLM side: weaver/vllm_ext/block_pool.py) and returns it."""
-
-    def __init__(self, plan: PoolPlan, tenant: str,
-                 adopt_block_pool: Callable[[LockedKVAllocator], EvictableBlockPool]) -> None:
+    def __init__(self, plan: PoolPlan) -> None:
         self.plan = plan
-        self.tenant = tenant
         allocator = plan.build_allocator()
         self.page_table = SharedPageTable.create(plan.table_name, allocator)
         self.allocator = LockedKVAllocator(allocator, self.page_table)
-        # Held by the scheduler while it allocates, frees or looks up cached blocks (vLLM's
-        # BlockPool is single-threaded) and by the ADBS thread while it evicts cached ones.
+        # Held by whoever touches a local block pool while the ADBS thread may evict from it.
         self.lock = threading.RLock()
         self._listener: Listener | None = None
-        try:
-            self.block_pool = adopt_block_pool(self.allocator)
-            if plan.service_address:
-                self._listener = Listener(plan.service_address, family="AF_UNIX",
-                                          authkey=bytes.fromhex(plan.authkey_hex))
-                threading.Thread(target=self._accept, name="weaver-kv-pool-service",
-                                 daemon=True).start()
-        except Exception:
-            self.page_table.close()
-            raise
-        self.num_cache_evictions = 0  # cached blocks dropped to lend their pages
-        self.num_reclaims = 0  # times the owner took quota back for its own requests
-        self.num_reclaimed_blocks = 0
         self._stop = threading.Event()
         self._rebalancer: threading.Thread | None = None
-        if plan.rebalance_interval_s > 0:
+
+    def _start_threads(self) -> None:
+        if self.plan.service_address:
+            self._listener = Listener(self.plan.service_address, family="AF_UNIX",
+                                      authkey=bytes.fromhex(self.plan.authkey_hex))
+            threading.Thread(target=self._accept, name="weaver-kv-pool-service",
+                             daemon=True).start()
+        if self.plan.rebalance_interval_s > 0:
             self._rebalancer = threading.Thread(target=self._rebalance_loop,
                                                 name="weaver-kv-pool-adbs", daemon=True)
             self._rebalancer.start()
-        logger.info(
-            "unified KV pool %s: %d pages of %d bytes; tenant %s allocates through it "
-            "(quota %d pages = %d blocks)", plan.pool_name, plan.num_pages, plan.page_bytes,
-            tenant, plan.tenant(tenant).quota_pages,
-            plan.tenant(tenant).quota_pages // allocator.pages_per_block(tenant))
 
     def _accept(self) -> None:
         service = KVAllocatorService(self.allocator)
+        listener = self._listener  # close() clears the attribute, then closes this one
         while True:
             try:
-                conn = self._listener.accept()
+                conn = listener.accept()
             except (OSError, EOFError):  # closed, or a peer that failed authentication
                 if self._listener is None:
                     return
@@ -101,6 +90,71 @@ class PoolOwner:
                 continue
             threading.Thread(target=serve_connection, args=(service, conn),
                              name="weaver-kv-pool-client", daemon=True).start()
+
+    def _rebalance_loop(self) -> None:
+        while not self._stop.wait(self.plan.rebalance_interval_s):
+            try:
+                self.rebalance()
+                if not self._stop.is_set():
+                    self._publish_stats()
+            except Exception:  # a bookkeeping bug must show, not stop the engine
+                logger.exception("unified KV pool %s: rebalance failed", self.plan.pool_name)
+
+    def rebalance(self) -> dict[str, int]:
+        """One ADBS round (weaver.kv.adbs) over every tenant's held pages."""
+        with self.lock:
+            return self.allocator.rebalance()
+
+    def _publish_stats(self) -> None:
+        path = self.plan.stats_path
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as out:
+            json.dump(self.stats(), out)
+        os.replace(tmp, path)
+
+    def stats(self) -> dict:
+        return {"pool": self.plan.pool_name,
+                "tenant_reports": dict(self.allocator.tenant_reports),
+                **asdict(self.allocator.stats())}
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._rebalancer is not None:
+            self._rebalancer.join(timeout=5)
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
+        self.page_table.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.plan.stats_path)
+
+
+class PoolOwner(PoolService):
+    """The pool of a weaving cold device, owned by the cold engine's scheduler process:
+    the engine's block pool allocates through the allocator as the owner tenant, and the
+    hot engines lease their remote blocks from the listener.
+
+    adopt_block_pool: makes the engine's block pool allocate through the allocator (the
+    vLLM side: weaver/vllm_ext/block_pool.py) and returns it."""
+
+    def __init__(self, plan: PoolPlan, tenant: str,
+                 adopt_block_pool: Callable[[LockedKVAllocator], EvictableBlockPool]) -> None:
+        super().__init__(plan)
+        self.tenant = tenant
+        self.num_cache_evictions = 0  # cached blocks dropped to lend their pages
+        self.num_reclaims = 0  # times the owner took quota back for its own requests
+        self.num_reclaimed_blocks = 0
+        try:
+            self.block_pool = adopt_block_pool(self.allocator)
+            self._start_threads()
+        except Exception:
+            self.close()
+            raise
+        logger.info(
+            "unified KV pool %s: %d pages of %d bytes; tenant %s allocates through it "
+            "(quota %d pages = %d blocks)", plan.pool_name, plan.num_pages, plan.page_bytes,
+            tenant, plan.tenant(tenant).quota_pages,
+            plan.tenant(tenant).quota_pages // self.allocator.pages_per_block(tenant))
 
     def ensure_owner_blocks(self, num_blocks: int) -> int:
         """Make room for ``num_blocks`` more blocks of the owner (the cold model's next step):
@@ -129,15 +183,6 @@ class PoolOwner:
                     self.plan.pool_name, self.tenant, pages, len(tickets))
         return pages // pages_per_block
 
-    def _rebalance_loop(self) -> None:
-        while not self._stop.wait(self.plan.rebalance_interval_s):
-            try:
-                self.rebalance()
-                if not self._stop.is_set():
-                    self._publish_stats()
-            except Exception:  # a bookkeeping bug must show, not stop the engine
-                logger.exception("unified KV pool %s: rebalance failed", self.plan.pool_name)
-
     def rebalance(self) -> dict[str, int]:
         """One ADBS round. The owner's prefix-cached free blocks count as unused (an idle
         cold model lends its memory even with a warm cache); those its new quota no longer
@@ -151,32 +196,47 @@ class PoolOwner:
                     -(-owner.num_pages_over_quota // owner.pages_per_block))
         return deltas
 
-    def _publish_stats(self) -> None:
-        path = self.plan.stats_path
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as out:
-            json.dump(self.stats(), out)
-        os.replace(tmp, path)
-
     def stats(self) -> dict:
-        return {"pool": self.plan.pool_name, "owner": self.tenant,
+        return {**super().stats(), "owner": self.tenant,
                 "num_reclaims": self.num_reclaims,
                 "num_reclaimed_blocks": self.num_reclaimed_blocks,
                 "num_cache_evictions": self.num_cache_evictions,
-                "num_cached_blocks": len(self.block_pool.weaver_cached),
-                "tenant_reports": dict(self.allocator.tenant_reports),
-                **asdict(self.allocator.stats())}
+                "num_cached_blocks": len(self.block_pool.weaver_cached)}
+
+
+class HostedPool(PoolService):
+    """A colocated group's pool, hosted by the gateway process: it creates the pool's bytes
+    (the engines' workers map them) before any engine starts, and every engine of the group
+    leases its blocks (weaver.kv.lease), so an engine that dies and restarts finds the pool
+    as it was, less the blocks its dead process held (freed when its connection closed)."""
+
+    def __init__(self, plan: PoolPlan) -> None:
+        if plan.owner is not None:
+            raise ValueError(f"pool {plan.pool_name!r} has an owner tenant "
+                             f"({plan.owner.name!r}), whose engine hosts it; a hosted pool "
+                             "has none")
+        if not plan.service_address:
+            raise ValueError(f"hosted pool {plan.pool_name!r} needs a service_address: its "
+                             "tenants lease every block")
+        super().__init__(plan)
+        self._bytes: shared_memory.SharedMemory | None = None
+        try:
+            self._bytes = shared_memory.SharedMemory(name=plan.pool_name, create=True,
+                                                     size=plan.pool_bytes)
+            self._start_threads()
+        except Exception:
+            self.close()
+            raise
+        logger.info("unified KV pool %s hosted: %d pages of %d bytes for %s", plan.pool_name,
+                    plan.num_pages, plan.page_bytes, [t.name for t in plan.tenants])
 
     def close(self) -> None:
-        self._stop.set()
-        if self._rebalancer is not None:
-            self._rebalancer.join(timeout=5)
-        listener, self._listener = self._listener, None
-        if listener is not None:
-            listener.close()
-        self.page_table.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.plan.stats_path)
+        super().close()
+        pool_bytes, self._bytes = self._bytes, None
+        if pool_bytes is not None:
+            pool_bytes.close()
+            with contextlib.suppress(FileNotFoundError):
+                pool_bytes.unlink()
 
 
 class PoolClient:

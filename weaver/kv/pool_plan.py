@@ -1,10 +1,12 @@
-"""What every process of a cold device needs to agree on about its unified KV pool.
+"""What every process of a unified KV pool needs to agree on.
 
 The pool's bytes and its page table are shared-memory segments; the allocator lives in
-one process (the cold engine's scheduler), and its readers (the cold worker's attention,
-later the hot workers) map the segments. They must agree on the page size, the pool's
-size, the tenants, their shapes and where each tenant's block ids start in its
-scheduler's numbering. A `PoolPlan` says all of it; it travels as JSON in the engines'
+one process and its readers map the segments. For a weaving cold device that process is
+the cold engine's scheduler (the pool's owner tenant), read by the cold worker's attention
+and the hot workers; for a colocated group it is the gateway (no owner tenant), and each
+engine of the group leases its blocks and maps the pool. They must agree on the page
+size, the pool's size, the tenants, their shapes and where each tenant's block ids start
+in its scheduler's numbering. A `PoolPlan` says all of it; it travels as JSON in the engines'
 ``additional_config`` (``weaver/vllm_ext/additional_config.py``), like the weaving plan.
 
 Pure Python: no torch, no vLLM.
@@ -30,6 +32,9 @@ class PoolTenantPlan:
     # The scheduler's id of the tenant's block 0: vLLM keeps id 0 as its null block, so a
     # cold engine whose whole cache is the tenant sees its blocks at ids 1, 2, ...
     first_block_id: int = 1
+    # ADBS never takes the quota below this (weaver.kv.adbs): a colocated model keeps room
+    # for one longest sequence however long it idled, so it is never starved outright.
+    min_quota_pages: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,12 @@ class PoolPlan:
     def pool_bytes(self) -> int:
         return self.num_pages * self.page_bytes
 
+    @property
+    def owner(self) -> PoolTenantPlan | None:
+        """The tenant whose engine creates and owns the pool (a weaving cold model); None
+        when the gateway hosts it and every engine leases (a colocated group)."""
+        return next((t for t in self.tenants if t.is_owner), None)
+
     def tenant(self, name: str) -> PoolTenantPlan:
         for tenant in self.tenants:
             if tenant.name == name:
@@ -106,7 +117,8 @@ class PoolPlan:
         allocator = UnifiedKVAllocator(self.num_pages, self.page_bytes)
         for tenant in self.tenants:
             allocator.add_tenant(tenant.name, tenant.shape, tenant.quota_pages,
-                                 is_owner=tenant.is_owner)
+                                 is_owner=tenant.is_owner,
+                                 min_quota_pages=tenant.min_quota_pages)
         return allocator
 
     def to_dict(self) -> dict[str, Any]:

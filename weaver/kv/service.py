@@ -214,18 +214,70 @@ class KVAllocatorService:
                 "to_release": self.allocator.num_blocks_to_release(tenant)}
 
 
+class ConnectionLedger:
+    """The blocks one connection holds: those it was granted and has not freed. A peer is
+    one engine's scheduler; when its connection ends (the engine stopped, or its process
+    died and the kernel closed the socket), nobody can free its blocks any more, so the
+    service frees them, and the engine's successor starts from an empty lease."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, set[int]] = {}
+
+    def record(self, request: dict[str, Any], response: dict[str, Any]) -> None:
+        if not response.get("ok"):
+            return
+        op, tenant, result = request.get("op"), request.get("tenant"), response["result"]
+        held = self.held.setdefault(tenant, set()) if tenant is not None else None
+        if op == "allocate_blocks" and result:
+            held.update(block_id for block_id, _ in result)
+        elif op == "free_blocks":
+            held.difference_update(request["block_ids"])
+        elif op == "sync_lease":
+            held.difference_update(request["release"])
+            held.update(block_id for block_id, _ in result["blocks"])
+
+    def release_all(self, allocator: LockedKVAllocator) -> int:
+        """Free every block still held; returns how many."""
+        num_freed = 0
+        for tenant, block_ids in self.held.items():
+            if not block_ids:
+                continue
+            try:
+                allocator.free_blocks(tenant, sorted(block_ids))
+                allocator.complete_shrink_if_released(tenant)
+            except ValueError:  # the allocator disagrees: report it, keep serving the rest
+                logger.exception("could not free the %d blocks a closed connection of %r "
+                                 "held", len(block_ids), tenant)
+                continue
+            except KeyError:  # the pool closed its page table: it is shutting down
+                logger.debug("pool closed before the blocks of %r were freed", tenant)
+                return num_freed
+            num_freed += len(block_ids)
+            logger.info("freed %d KV blocks of %r held by a closed connection",
+                        len(block_ids), tenant)
+        self.held.clear()
+        return num_freed
+
+
 def serve_connection(service: KVAllocatorService, conn: Connection) -> int:
-    """Answer requests on ``conn`` until the peer sends None or hangs up; returns how many."""
+    """Answer requests on ``conn`` until the peer sends None or hangs up, then free the
+    blocks it still holds (``ConnectionLedger``); returns how many requests it answered."""
     num_requests = 0
-    while True:
-        try:
-            request = conn.recv()
-        except EOFError:
-            break
-        if request is None:
-            break
-        conn.send(service.handle(request))
-        num_requests += 1
+    ledger = ConnectionLedger()
+    try:
+        while True:
+            try:
+                request = conn.recv()
+            except (EOFError, OSError):
+                break
+            if request is None:
+                break
+            response = service.handle(request)
+            ledger.record(request, response)
+            conn.send(response)
+            num_requests += 1
+    finally:
+        ledger.release_all(service.allocator)
     logger.debug("KV allocator connection closed after %d requests", num_requests)
     return num_requests
 

@@ -24,10 +24,12 @@ import uvicorn
 
 from weaver.config.deployment import Deployment, ModelSpec
 from weaver.config.devices import EnginePlacement, place_engines
+from weaver.kv.owner import HostedPool
 from weaver.server.gateway import Gateway, GatewayConfig, ModelLimits
 from weaver.server.inflight import Aborted
 from weaver.server.metrics import GatewayMetrics
 from weaver.server.mux import MuxTurnsCollector, remove_turn_tables
+from weaver.server.mux_pool import MuxPoolCollector, plan_mux_pools, pool_sections
 from weaver.server.supervisor import SupervisedEngine
 from weaver.server.weaving import (
     WeavingMetrics,
@@ -91,6 +93,7 @@ def check_engines(settings: ServeSettings) -> CheckedEngines:
     paths = {spec.name: resolve(spec.model, settings.models_dir) for spec in deployment.models}
     checked = CheckedEngines(paths, place_engines(deployment, paths))
     check_engine_flags(deployment, checked)
+    plan_mux_pools(deployment, paths)  # a group whose models cannot share pages says why
     return checked
 
 
@@ -112,7 +115,8 @@ async def start_engines(settings: ServeSettings, checked: CheckedEngines,
     deployment = settings.deployment
     paths, placements = checked.paths, checked.placements
     plans = weaving_plans(deployment, paths)
-    configs = additional_configs(deployment, plans)
+    mux_pools = plan_mux_pools(deployment, paths)
+    configs = additional_configs(deployment, plans, pool_sections(deployment, mux_pools))
     # Registered first so it runs last: regions whose owner died are unlinked after
     # every engine has stopped.
     stack.callback(remove_leftover_regions, plans)
@@ -121,6 +125,13 @@ async def start_engines(settings: ServeSettings, checked: CheckedEngines,
         settings.metrics.registry.register(collector)
         stack.callback(remove_turn_tables, deployment)
         stack.callback(collector.close)
+    if mux_pools:
+        # Hosted here, before the engines that map it, and closed after they stopped.
+        hosted = {}
+        for group, plan in mux_pools.items():
+            hosted[group] = HostedPool(plan)
+            stack.callback(hosted[group].close)
+        settings.metrics.registry.register(MuxPoolCollector(hosted))
     # One engine starts at a time: vLLM builds an engine synchronously anyway, and each
     # engine's processes inherit the environment set for it alone (cpu_cores, visible
     # GPUs), also when one restarts while another does.

@@ -20,6 +20,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from weaver.config.deployment import Deployment, Role
+from weaver.kv.pool_plan import PoolPlan
 from weaver.offload.naming import region_paths
 from weaver.weaving import series
 from weaver.weaving.plan import PairPlan, default_shm_prefix, plan_pairs
@@ -97,7 +98,11 @@ def weaving_plans(deployment: Deployment, model_dirs: Mapping[str, Path]) -> lis
     return plan_pairs(deployment, dict(model_dirs), default_shm_prefix())
 
 
-def additional_configs(deployment: Deployment, plans: list[PairPlan]) -> dict[str, dict]:
+def additional_configs(deployment: Deployment, plans: list[PairPlan],
+                       mux_pools: Mapping[str, tuple[PoolPlan, str]] | None = None,
+                       ) -> dict[str, dict]:
+    """Each engine's `weaver` block: its pairs, split plan, unified pool (a cold model's,
+    or its colocated group's from `mux_pools`: weaver/server/mux_pool.py) and mux group."""
     from weaver.server.mux import mux_block
     from weaver.splitting.deploy import split_chunks_for
     from weaver.vllm_ext.additional_config import make_additional_config
@@ -109,7 +114,8 @@ def additional_configs(deployment: Deployment, plans: list[PairPlan]) -> dict[st
         if spec.role is Role.HOT and hot is None:
             raise ValueError(f"hot model {spec.name!r} is in no weaving entry; add one or "
                              "make it dedicated")
-        pool = next(((p.pool, spec.name) for p in colds if p.pool is not None), None)
+        pool = next(((p.pool, spec.name) for p in colds if p.pool is not None),
+                    (mux_pools or {}).get(spec.name))
         configs[spec.name] = make_additional_config(hot, colds, split_chunks_for(spec), pool,
                                                     mux_block(deployment, spec.name))
     return configs

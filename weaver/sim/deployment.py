@@ -86,8 +86,11 @@ def _instances(deployment: Deployment) -> list[dict]:
         if group is None:
             gpus.append({"models": [spec.name]})
         elif group.models[0] == spec.name:
+            # A unified group's pool is its models' budgets together, as the gateway plans
+            # it (weaver/server/mux_pool.py); the simulator divides it by its own ADBS rule.
             gpus.append({"models": list(group.models), "mux": {
-                "mode": group.mode, "skip_limit": group.skip_limit, "own_kv": True,
+                "mode": group.mode, "skip_limit": group.skip_limit,
+                "own_kv": not group.unified_kv,
                 "weights": {m: group.weight(m) for m in group.models}}})
     return gpus
 

@@ -13,6 +13,8 @@ Composed, not copied (docs/vllm-hooks.md, "Scheduler"):
   are leased from its allocator a step at a time (``weaver.kv.lease``).
 - a pool engine (a cold engine with ``unified_kv``): its block pool allocates through the
   pool's allocator, which this process owns (``weaver.kv.owner.PoolOwner``).
+- an engine of a colocated group with ``unified_kv``: its block pool takes every block from
+  a lease on the pool the gateway hosts (``weaver.kv.owner.HostedPool``), synced each step.
 Any other engine runs vLLM's scheduler unchanged.
 """
 
@@ -30,6 +32,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from weaver.kv.lease import LeasedTenantAllocator
 from weaver.kv.owner import PoolClient, PoolOwner
+from weaver.kv.pool_plan import PoolPlan
 from weaver.patches import routing_kv_cache_manager
 from weaver.vllm_ext.additional_config import hot_plan, pool_section
 from weaver.vllm_ext.block_pool import AllocatorBlockPool, open_pool_owner
@@ -207,7 +210,10 @@ class WeaverScheduler(Scheduler):
     engines with unified_kv); exactly vLLM's scheduler otherwise."""
 
     weaver_pool: PoolOwner | None = None  # an engine whose KV lives in a unified pool
-    weaver_lease: LeasedTenantAllocator | None = None  # a hot engine's lease in such a pool
+    # A lease in such a pool: a hot engine's remote blocks, or (weaver_lease_is_local) every
+    # block of a colocated engine whose group keeps its KV in one pool.
+    weaver_lease: LeasedTenantAllocator | None = None
+    weaver_lease_is_local = False
     weaver_num_reclaim_preemptions = 0  # remote requests preempted to give memory back
     # Under plain `vllm serve`, the pair's HotLink (weaver/weaving/pair_link.py), set once
     # the EngineCore is up (weaver/vllm_ext/plugin_pairs.py); None under weaver serve.
@@ -217,7 +223,10 @@ class WeaverScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         pool = pool_section(self.vllm_config)
         if pool is not None:
-            self.weaver_pool = open_pool_owner(*pool, self.kv_cache_manager.block_pool)
+            if pool[0].tenant(pool[1]).is_owner:
+                self.weaver_pool = open_pool_owner(*pool, self.kv_cache_manager.block_pool)
+            else:
+                self._lease_every_block(*pool)
         plan = hot_plan(self.vllm_config)
         if plan is None:
             return
@@ -256,6 +265,25 @@ class WeaverScheduler(Scheduler):
             plan.hot, plan.cold, num_local, plan.num_remote_blocks, plan.offload_ratio,
         )
 
+    def _lease_every_block(self, plan: PoolPlan, tenant: str) -> None:
+        """A colocated engine's KV lives in its group's pool: vLLM's block pool takes blocks
+        from a lease on it. A cached free block would keep its pages in the lease, out of
+        ADBS's reach while this engine idles (an idle engine never syncs), so the engine
+        runs without prefix caching (weaver serve sets it; a user's flag is refused)."""
+        if self.cache_config.enable_prefix_caching:
+            raise ValueError(
+                f"{tenant!r} keeps its KV in the colocated group's pool {plan.pool_name!r}, "
+                "which needs prefix caching off; remove enable_prefix_caching from its "
+                "engine arguments")
+        self.weaver_lease = LeasedTenantAllocator(
+            PoolClient(plan), tenant, plan.max_blocks(tenant),
+            lease_blocks=-(-self.max_model_len // self.block_size))
+        self.weaver_lease_is_local = True
+        AllocatorBlockPool.adopt(self.kv_cache_manager.block_pool, self.weaver_lease, tenant,
+                                 plan.tenant(tenant).first_block_id)
+        logger.info("%s leases every KV block from pool %s (up to %d blocks)", tenant,
+                    plan.pool_name, plan.max_blocks(tenant))
+
     def _weaver_remote_available(self) -> bool:
         if self.weaver_lease is not None:
             return self.weaver_lease.broken_reason is None
@@ -288,10 +316,11 @@ class WeaverScheduler(Scheduler):
                 return super().schedule(*args, **kwargs)
         if self.weaver_lease is not None:
             # Spares for what the next step may take (+ slack), no more: idle spares are
-            # pages the cold model and ADBS cannot use.
-            target = self._blocks_for_next_step(remote_only=True) + LEASE_SLACK_BLOCKS
+            # pages the pool's other tenants and ADBS cannot use.
+            target = self._blocks_for_next_step(
+                remote_only=not self.weaver_lease_is_local) + LEASE_SLACK_BLOCKS
             if self.weaver_lease.sync(target):
-                self._give_back_remote_blocks(self.weaver_lease.num_to_release)
+                self._give_back_leased_blocks(self.weaver_lease.num_to_release)
             elif self.weaver_lease.is_starved and not self.running and self.waiting:
                 # Nothing can run until the pool has blocks again, and vLLM's engine loop
                 # calls schedule() back to back: nap instead of spinning on a shared core.
@@ -314,16 +343,18 @@ class WeaverScheduler(Scheduler):
             need += -(-request.num_tokens // block_size)
         return need
 
-    def _give_back_remote_blocks(self, num_blocks: int) -> None:
-        """The cold model reclaims memory: preempt remote requests, newest first, until their
-        blocks cover what its allocator asks back. They return to the waiting queue and are
+    def _give_back_leased_blocks(self, num_blocks: int) -> None:
+        """The pool's owner reclaims memory: preempt requests whose blocks are leased (a hot
+        engine's remote ones; any of a colocated engine's), newest first, until their blocks
+        cover what its allocator asks back. They return to the waiting queue and are
         recomputed later (vLLM's own preemption), placed where the memory then is."""
         manager = self.kv_cache_manager
         victims, freed = [], 0
         for request in reversed(self.running):
             if freed >= num_blocks:
                 break
-            if manager.placed.get(request.request_id) is Placement.REMOTE:
+            if (self.weaver_lease_is_local
+                    or manager.placed.get(request.request_id) is Placement.REMOTE):
                 victims.append(request)
                 freed += len(manager.get_block_ids(request.request_id)[0])
         now = time.monotonic()
@@ -332,8 +363,8 @@ class WeaverScheduler(Scheduler):
             self._preempt_request(request, now)
         self.weaver_num_reclaim_preemptions += len(victims)
         self.weaver_lease.report["reclaim_preemptions"] = self.weaver_num_reclaim_preemptions
-        logger.info("gave %d remote blocks back to the cold model: %d remote requests "
-                    "preempted", freed, len(victims))
+        logger.info("gave %d leased blocks back to the pool: %d requests preempted",
+                    freed, len(victims))
         self.weaver_lease.sync(0)  # hand the freed blocks over now, take none
 
     def shutdown(self) -> None:

@@ -1,11 +1,12 @@
-"""The unified KV pool on the worker side: a cold engine's own KV in the pool's pages, and a
-hot engine's remote blocks there.
+"""The unified KV pool on the worker side: an engine's own KV in the pool's pages (a cold
+engine's, or each engine's of a colocated group), and a hot engine's remote blocks there.
 
 At KV-cache initialisation an engine whose ``additional_config`` carries a pool plan
 (patches/kv_cache_allocation.py calls ``initialize_with_pool``):
 
-- creates the pool: one shared-memory segment of ``num_pages * page_bytes`` bytes, named by
-  the plan, unlinked when the worker closes or exits;
+- creates the pool when its tenant is the owner: one shared-memory segment of
+  ``num_pages * page_bytes`` bytes, named by the plan, unlinked when the worker closes or
+  exits; any other tenant maps the pool its host created (``attach_pool``);
 - lets vLLM build its usual per-layer cache views over a buffer that is never touched, so it
   costs address space but no memory;
 - hands every attention layer a `PoolAttentionRuntime`, which writes new K/V into the
@@ -56,8 +57,15 @@ class PoolAttentionRuntime:
         self.geometry = geometry
         self.num_layers = num_layers
         self.first_block_id = plan.tenant(tenant).first_block_id
-        self._shm = shared_memory.SharedMemory(name=plan.pool_name, create=True,
-                                               size=plan.pool_bytes)
+        # The owner tenant's engine (a weaving cold model) creates the pool and unlinks it;
+        # an engine of a colocated group maps the pool its gateway created (weaver.kv.owner
+        # HostedPool) and leaves it there for the group's other engines.
+        self.creates_pool = plan.tenant(tenant).is_owner
+        if self.creates_pool:
+            self._shm = shared_memory.SharedMemory(name=plan.pool_name, create=True,
+                                                   size=plan.pool_bytes)
+        else:
+            self._shm = attach_pool(plan)
         self.pages = page_view(torch.frombuffer(self._shm.buf, dtype=torch.uint8), geometry)
         self._table: SharedPageTable | None = None
         self._page_table: torch.Tensor | None = None
@@ -71,8 +79,9 @@ class PoolAttentionRuntime:
         self.vllm_buffer_rss_bytes: int | None = None
         self._threads_checked = False
         atexit.register(self.close)
-        logger.info("unified KV pool %s created: %d pages of %d bytes for tenant %s",
-                    plan.pool_name, plan.num_pages, plan.page_bytes, tenant)
+        logger.info("unified KV pool %s %s: %d pages of %d bytes for tenant %s",
+                    plan.pool_name, "created" if self.creates_pool else "mapped",
+                    plan.num_pages, plan.page_bytes, tenant)
 
     def page_table(self) -> torch.Tensor:
         """The tenant's live page table (mapped once; the scheduler's allocator owns it and
@@ -142,7 +151,8 @@ class PoolAttentionRuntime:
                 "vllm_buffer_rss_bytes": self.vllm_buffer_rss_bytes}
 
     def close(self) -> None:
-        """Unlink the pool (once); the mapping goes with the process."""
+        """Unlink the pool (once) when this engine created it; the mapping goes with the
+        process."""
         if self._shm is None:
             return
         shm, self._shm = self._shm, None
@@ -150,14 +160,31 @@ class PoolAttentionRuntime:
         if self._table is not None:
             self._page_table = None
             self._table.close()
-        with contextlib.suppress(FileNotFoundError):
-            shm.unlink()
-        logger.info("unified KV pool %s removed", self.plan.pool_name)
+        if self.creates_pool:
+            with contextlib.suppress(FileNotFoundError):
+                shm.unlink()
+            logger.info("unified KV pool %s removed", self.plan.pool_name)
 
 
 def _resident_bytes() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def attach_pool(plan: PoolPlan) -> shared_memory.SharedMemory:
+    """Map a pool another process created (its bytes), without ever unlinking it here."""
+    try:
+        shm = shared_memory.SharedMemory(name=plan.pool_name)
+    except FileNotFoundError:
+        raise ValueError(
+            f"unified KV pool {plan.pool_name!r} does not exist: the process that hosts it "
+            "(the gateway, for a colocated group) creates it before the engines start; "
+            "start the engines through weaver serve") from None
+    _unregister_from_resource_tracker(shm)
+    if shm.size < plan.pool_bytes:
+        raise ValueError(f"unified KV pool {plan.pool_name!r} has {shm.size} bytes, the plan "
+                         f"{plan.pool_bytes}: it was created for another plan")
+    return shm
 
 
 def attach_page_table(plan: PoolPlan, tenant: str) -> tuple[SharedPageTable, torch.Tensor]:
@@ -187,8 +214,7 @@ class RemotePoolKV:
         self.tenant = plan.hot
         self.geometry = hot_geometry(plan.shape)
         self.num_layers = plan.shape.num_layers
-        self._shm = shared_memory.SharedMemory(name=pool.pool_name)
-        _unregister_from_resource_tracker(self._shm)
+        self._shm = attach_pool(pool)
         self.pages = page_view(torch.frombuffer(self._shm.buf, dtype=torch.uint8),
                                self.geometry)
         self._table, self.page_table = attach_page_table(pool, plan.hot)

@@ -112,17 +112,22 @@ def engine_cli_args(
                  "--block-size", str(block_size_of(spec))]
     pool = pool_of(additional_config or {})
     if pool is not None:
-        # A cold engine whose KV lives in the unified pool: its scheduler allocates through
-        # the pool's allocator (the quota, not the KV budget, bounds it) and needs an id for
-        # every block it may ever hold. Prefix caching stays as vLLM sets it: cached free
-        # blocks keep their pages until the pool lends them (weaver/vllm_ext/block_pool.py).
+        # An engine whose KV lives in a unified pool: its scheduler allocates through the
+        # pool's allocator (the quota, not the KV budget, bounds it) and needs an id for
+        # every block it may ever hold, so a block-count override (a colocated model's own
+        # budget, now its starting quota) does not reach vLLM. The owner (a cold engine)
+        # keeps vLLM's prefix caching: its cached free blocks keep their pages until the
+        # pool lends them (weaver/vllm_ext/block_pool.py). A colocated engine leases every
+        # block, and a lease cannot lend cached pages back, so it runs without.
         plan, tenant = pool
         args = _replace_arg(args, "--kv-cache-memory-bytes", str(plan.engine_kv_bytes(tenant)))
         args += ["--scheduler-cls", SCHEDULER,
                  "--block-size", str(plan.tenant(tenant).shape.block_size)]
+        if not plan.tenant(tenant).is_owner:
+            args += ["--no-enable-prefix-caching"]
     if additional_config:
         args += ["--additional-config", json.dumps(additional_config)]
-    if spec.num_gpu_blocks_override is not None:
+    if spec.num_gpu_blocks_override is not None and pool is None:
         args += ["--num-gpu-blocks-override", str(spec.num_gpu_blocks_override)]
     # The user's own come last: vLLM's parser keeps the last value of a repeated flag.
     args += flags_for(spec.extra_engine_args, f"model {spec.name!r}: extra_engine_args")
