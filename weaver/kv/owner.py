@@ -50,7 +50,7 @@ class EvictableBlockPool(Protocol):
 class PoolService:
     """The allocator of one unified pool, the shared page table its readers map, the
     listener that serves the tenants' leases (when the plan names an address) and the ADBS
-    thread that re-balances quotas and publishes the stats. Subclasses say who else
+    thread that re-balances quotas. Subclasses say who else
     allocates in this process: `PoolOwner` (a cold engine's own block pool) or
     `HostedPool` (nobody: the gateway hosts a colocated group's pool)."""
 
@@ -96,7 +96,7 @@ class PoolService:
             try:
                 self.rebalance()
                 if not self._stop.is_set():
-                    self._publish_stats()
+                    self._after_rebalance()
             except Exception:  # a bookkeeping bug must show, not stop the engine
                 logger.exception("unified KV pool %s: rebalance failed", self.plan.pool_name)
 
@@ -105,12 +105,9 @@ class PoolService:
         with self.lock:
             return self.allocator.rebalance()
 
-    def _publish_stats(self) -> None:
-        path = self.plan.stats_path
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as out:
-            json.dump(self.stats(), out)
-        os.replace(tmp, path)
+    def _after_rebalance(self) -> None:
+        """After each round of the ADBS thread: nothing here (the gateway that hosts a pool
+        reads its allocator directly)."""
 
     def stats(self) -> dict:
         return {"pool": self.plan.pool_name,
@@ -125,8 +122,6 @@ class PoolService:
         if listener is not None:
             listener.close()
         self.page_table.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.plan.stats_path)
 
 
 class PoolOwner(PoolService):
@@ -195,6 +190,19 @@ class PoolOwner(PoolService):
                 self.num_cache_evictions += self.block_pool.evict_cached(
                     -(-owner.num_pages_over_quota // owner.pages_per_block))
         return deltas
+
+    def _after_rebalance(self) -> None:
+        """Publish the stats for the gateway, in another process (weaver/server/weaving.py)."""
+        path = self.plan.stats_path
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as out:
+            json.dump(self.stats(), out)
+        os.replace(tmp, path)
+
+    def close(self) -> None:
+        super().close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.plan.stats_path)
 
     def stats(self) -> dict:
         return {**super().stats(), "owner": self.tenant,

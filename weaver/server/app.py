@@ -25,6 +25,7 @@ import uvicorn
 from weaver.config.deployment import Deployment, ModelSpec
 from weaver.config.devices import EnginePlacement, place_engines
 from weaver.kv.owner import HostedPool
+from weaver.kv.pool_plan import PoolPlan
 from weaver.server.gateway import Gateway, GatewayConfig, ModelLimits
 from weaver.server.inflight import Aborted
 from weaver.server.metrics import GatewayMetrics
@@ -79,10 +80,12 @@ class Engines:
 
 @dataclass(frozen=True)
 class CheckedEngines:
-    """What check_engines found: each model's directory and where its engine goes."""
+    """What check_engines found: each model's directory, where its engine goes, and the
+    unified KV pool of each colocated group that keeps one (group -> plan)."""
 
     paths: dict[str, Path]
     placements: dict[str, EnginePlacement]
+    mux_pools: dict[str, PoolPlan] = field(default_factory=dict)
 
 
 def check_engines(settings: ServeSettings) -> CheckedEngines:
@@ -91,9 +94,10 @@ def check_engines(settings: ServeSettings) -> CheckedEngines:
     deployment = settings.deployment
     resolve = settings.resolve_model or _default_resolver
     paths = {spec.name: resolve(spec.model, settings.models_dir) for spec in deployment.models}
-    checked = CheckedEngines(paths, place_engines(deployment, paths))
+    # A group whose models cannot share pages says why here, before any engine starts.
+    checked = CheckedEngines(paths, place_engines(deployment, paths),
+                             plan_mux_pools(deployment, paths))
     check_engine_flags(deployment, checked)
-    plan_mux_pools(deployment, paths)  # a group whose models cannot share pages says why
     return checked
 
 
@@ -115,7 +119,7 @@ async def start_engines(settings: ServeSettings, checked: CheckedEngines,
     deployment = settings.deployment
     paths, placements = checked.paths, checked.placements
     plans = weaving_plans(deployment, paths)
-    mux_pools = plan_mux_pools(deployment, paths)
+    mux_pools = checked.mux_pools
     configs = additional_configs(deployment, plans, pool_sections(deployment, mux_pools))
     # Registered first so it runs last: regions whose owner died are unlinked after
     # every engine has stopped.

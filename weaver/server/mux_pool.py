@@ -26,10 +26,10 @@ from prometheus_client.registry import Collector
 
 from weaver.config.deployment import Deployment, ModelSpec, MuxGroupSpec
 from weaver.kv.owner import HostedPool
-from weaver.kv.pages import TenantShape, headwise_block_size
+from weaver.kv.pages import TenantShape
 from weaver.kv.pool_plan import PoolPlan, PoolTenantPlan
 from weaver.offload.naming import region_name
-from weaver.weaving.plan import GiB, default_shm_prefix, tenant_shape
+from weaver.weaving.plan import GiB, check_fills_pages, default_shm_prefix, tenant_shape
 
 
 def own_kv_blocks(spec: ModelSpec, shape: TenantShape) -> int:
@@ -56,13 +56,8 @@ def plan_mux_pool(deployment: Deployment, group: MuxGroupSpec,
             # can decode as NaN, which masked attention keeps (weaver/weaving/plan.py).
             raise ValueError(f"mux group {group.name!r} keeps one KV pool: {spec.name!r} "
                              f"must use {first.name!r}'s dtype {first.dtype}, not {spec.dtype}")
-        if shape.head_block_bytes != page_bytes:
-            wanted = headwise_block_size(page_bytes, shape.head_size, shape.dtype_bytes)
-            raise ValueError(
-                f"mux group {group.name!r} keeps one KV pool of {page_bytes}-byte pages (a "
-                f"head-block of {first.name!r} at block_size {shapes[first.name].block_size});"
-                f" {spec.name!r} needs block_size: {wanted} to fill them (it has "
-                f"{shape.block_size})")
+        check_fills_pages(f"mux group {group.name!r} keeps one KV pool", first.name,
+                          shapes[first.name], spec.name, shape)
         pages_per_block = shape.pages_per_block(page_bytes)
         blocks = own_kv_blocks(spec, shape)
         sequence_blocks = math.ceil(spec.max_model_len / shape.block_size)

@@ -204,6 +204,19 @@ def tenant_shape(model_dir: Path, spec: ModelSpec) -> TenantShape:
                        shape.block_size, shape.itemsize)
 
 
+def check_fills_pages(pool: str, page_model: str, page_shape: TenantShape, model: str,
+                      shape: TenantShape) -> None:
+    """ValueError saying the block_size to use unless `model`'s head-blocks (at `shape`)
+    fill the pages of `pool`, which are one head-block of `page_model` (at `page_shape`)."""
+    page_bytes = page_shape.head_block_bytes
+    if shape.head_block_bytes != page_bytes:
+        wanted = headwise_block_size(page_bytes, shape.head_size, shape.dtype_bytes)
+        raise ValueError(
+            f"{pool} of {page_bytes}-byte pages (one head-block of {page_model!r} at "
+            f"block_size {page_shape.block_size}); {model!r} needs block_size: {wanted} to "
+            f"fill them (it has {shape.block_size})")
+
+
 def plan_pool(deployment: Deployment, cold: ModelSpec, model_dirs: dict[str, Path],
               shm_prefix: str) -> PoolPlan:
     """The unified KV pool of a cold model with `unified_kv` (weaver/kv/pool_plan.py): its
@@ -227,14 +240,8 @@ def plan_pool(deployment: Deployment, cold: ModelSpec, model_dirs: dict[str, Pat
                 f"cold model {cold.name!r} ({cold.dtype}) keeps a unified KV pool; its hot "
                 f"model {hot.name!r} must use the same dtype, not {hot.dtype}")
         shape = tenant_shape(model_dirs[hot.name], hot)
-        if shape.head_block_bytes != page_bytes:
-            wanted = headwise_block_size(page_bytes, shape.head_size, shape.dtype_bytes)
-            raise ValueError(
-                f"cold model {cold.name!r} keeps a unified KV pool of {page_bytes}-byte pages "
-                f"(one head-block at its block_size {cold_shape.block_size}); hot model "
-                f"{hot.name!r} needs block_size: {wanted} to fill them (it has "
-                f"{shape.block_size})"
-            )
+        check_fills_pages(f"cold model {cold.name!r} keeps a unified KV pool", cold.name,
+                          cold_shape, hot.name, shape)
         tenants.append(PoolTenantPlan(hot.name, shape, hot_quota, first_block_id=0))
     name = region_name(shm_prefix, cold.name, "kvpool")
     return PoolPlan(pool_name=name, table_name=f"{name}.table", page_bytes=page_bytes,
