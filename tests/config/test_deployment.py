@@ -136,3 +136,41 @@ def test_mux_group_errors_say_the_fix(data, expected):
     with pytest.raises(ValueError) as info:
         parse_deployment(data)
     assert expected in str(info.value)
+
+
+def split_deployment(**split) -> dict:
+    return {"models": [model("p"), model("d"), model("e"), model("x")],
+            "phase_split": [{"model": "m", "prefill": ["p"], "decode": ["d", "e"], **split}]}
+
+
+def test_a_phase_split_names_its_engines_and_their_phase():
+    deployment = parse_deployment(split_deployment())
+    split = deployment.phase_split[0]
+    assert split.engines == ["p", "d", "e"]
+    assert deployment.phase_split_of("p") == (split, "prefill")
+    assert deployment.phase_split_of("e") == (split, "decode")
+    assert deployment.phase_split_of("x") is None
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        (split_deployment(model="x"), "the name is taken by a model"),
+        (split_deployment(prefill=["q"]), "names 'q', which is not in models"),
+        (split_deployment(prefill=["d"]), "model 'd' is twice in phase_split 'm'"),
+        (split_deployment(decode=[]), "at least 1 item"),
+        ({"models": [model("p", role="cold", lend_kv_gib=0.1), model("d")],
+          "phase_split": [{"model": "m", "prefill": ["p"], "decode": ["d"]}]},
+         "must be a dedicated model in no mux group"),
+        ({"models": [model("p", device="cuda:0"), model("d")],
+          "phase_split": [{"model": "m", "prefill": ["p"], "decode": ["d"]}]},
+         "vLLM's NixlConnector"),
+        ({"models": [model("p", block_size=32), model("d")],
+          "phase_split": [{"model": "m", "prefill": ["p"], "decode": ["d"]}]},
+         "'d' has block_size None but 'p' has 32"),
+    ],
+)
+def test_phase_split_errors_say_the_fix(data, expected):
+    with pytest.raises(ValueError) as info:
+        parse_deployment(data)
+    assert expected in str(info.value)

@@ -293,3 +293,34 @@ def test_block_pool_surface():  # weaver/vllm_ext/block_pool.py
     from vllm.v1.core.sched.request_queue import RequestQueue
 
     assert callable(RequestQueue.peek_request)
+
+
+def test_kv_connector_api():  # weaver/vllm_ext/kv_connector.py
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData
+    from vllm.v1.request import Request
+
+    from weaver.vllm_ext.kv_connector import WeaverStagingConnector
+
+    base = KVConnectorBase_V1
+    assert params(base.__init__) == ["self", "vllm_config", "role", "kv_cache_config"]
+    assert params(base.get_num_new_matched_tokens) == ["self", "request", "num_computed_tokens"]
+    assert params(base.update_state_after_alloc) == ["self", "request", "blocks",
+                                                     "num_external_tokens"]
+    assert params(base.build_connector_meta) == ["self", "scheduler_output"]
+    assert params(base.request_finished) == ["self", "request", "block_ids"]
+    assert params(base.start_load_kv)[:2] == ["self", "forward_context"]
+    assert params(base.save_kv_layer)[:4] == ["self", "layer_name", "kv_layer", "attn_metadata"]
+    assert params(base.get_finished) == ["self", "finished_req_ids"]
+    assert not WeaverStagingConnector.__abstractmethods__
+    # What the scheduler side reads of requests and of the scheduler's output.
+    fields = set(inspect.signature(NewRequestData).parameters)
+    assert {"req_id", "prompt_token_ids", "block_ids", "num_computed_tokens"} <= fields
+    fields = set(inspect.signature(CachedRequestData).parameters)
+    assert {"req_ids", "resumed_req_ids", "new_block_ids", "num_computed_tokens"} <= fields
+    assert "self.kv_transfer_params" in inspect.getsource(Request.__init__)
+    # The gateway passes the staging segment in the request body's kv_transfer_params.
+    for protocol in (CompletionRequest, ChatCompletionRequest):
+        assert "kv_transfer_params" in protocol.model_fields

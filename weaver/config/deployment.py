@@ -26,6 +26,16 @@ _MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}(/[A-Za-z0-9][A-Za
 _DEVICE_RE = re.compile(r"^(cpu|cuda:\d+)$")
 
 
+def _check_model_name(value: str) -> str:
+    if not _MODEL_NAME_RE.match(value):
+        raise ValueError(
+            f"model name {value!r} must be 1-64 characters of letters, digits, '.', '_' "
+            "or '-', starting with a letter or digit, optionally followed by one "
+            "'/name' part of the same kind (a Hugging Face id, org/name)"
+        )
+    return value
+
+
 class Role(str, Enum):
     DEDICATED = "dedicated"  # serves only itself
     HOT = "hot"  # popular: may place some sequences on cold models' devices
@@ -101,13 +111,7 @@ class ModelSpec(BaseModel):
     @field_validator("name")
     @classmethod
     def _check_name(cls, value: str) -> str:
-        if not _MODEL_NAME_RE.match(value):
-            raise ValueError(
-                f"model name {value!r} must be 1-64 characters of letters, digits, '.', '_' "
-                "or '-', starting with a letter or digit, optionally followed by one "
-                "'/name' part of the same kind (a Hugging Face id, org/name)"
-            )
-        return value
+        return _check_model_name(value)
 
     @field_validator("device")
     @classmethod
@@ -250,6 +254,31 @@ class MuxGroupSpec(BaseModel):
         return self.rates.get(model, 1.0)
 
 
+class PhaseSplitSpec(BaseModel):
+    """One model served Splitwise-style: prompt engines run each request's prefill, token
+    engines its decode, and the prompt's KV moves between them (weaver/server/
+    phase_split.py, docs/architecture.md part 9)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="the API model name clients send; its engines are "
+                       "the models named in prefill and decode, which clients do not see")
+    prefill: list[str] = Field(min_length=1, description="names of dedicated models that "
+                               "run prompts (Splitwise's prompt instances)")
+    decode: list[str] = Field(min_length=1, description="names of dedicated models that "
+                              "generate the tokens (token instances); each request goes to "
+                              "the one with the least KV in use")
+
+    @field_validator("model")
+    @classmethod
+    def _check_model_name(cls, value: str) -> str:
+        return _check_model_name(value)
+
+    @property
+    def engines(self) -> list[str]:
+        return [*self.prefill, *self.decode]
+
+
 def _asks_for_prefix_caching(spec: ModelSpec) -> bool:
     return (spec.extra_engine_args.get("enable_prefix_caching") is True
             or "--enable-prefix-caching" in spec.vllm_flags)
@@ -261,6 +290,9 @@ class Deployment(BaseModel):
     models: list[ModelSpec] = Field(min_length=1)
     weaving: list[WeavingSpec] = Field(default_factory=list)
     mux: list[MuxGroupSpec] = Field(default_factory=list, description="colocated groups")
+    phase_split: list[PhaseSplitSpec] = Field(
+        default_factory=list, description="models whose prefill and decode run on separate "
+        "engines (Splitwise)")
     serving: ServingSpec = Field(default_factory=ServingSpec)
 
     @model_validator(mode="after")
@@ -276,7 +308,56 @@ class Deployment(BaseModel):
         if len(hots) != len(set(hots)):
             raise ValueError("each hot model may appear in only one weaving entry")
         self._check_mux_groups(by_name)
+        self._check_phase_splits(by_name)
         return self
+
+    def _check_phase_splits(self, by_name: dict[str, ModelSpec]) -> None:
+        owner: dict[str, str] = {}
+        for split in self.phase_split:
+            where = f"phase_split {split.model!r}"
+            if split.model in by_name or split.model in owner.values():
+                raise ValueError(f"{where}: the name is taken by a model or another phase "
+                                 "split; clients send it, so give it a name of its own")
+            for name in split.engines:
+                spec = by_name.get(name)
+                if spec is None:
+                    raise ValueError(f"{where} names {name!r}, which is not in models: "
+                                     f"{sorted(by_name)}")
+                if name in owner:
+                    twice = (f"twice in phase_split {split.model!r}"
+                             if owner[name] == split.model else
+                             f"in phase_splits {owner[name]!r} and {split.model!r}")
+                    raise ValueError(f"model {name!r} is {twice}; an engine serves one "
+                                     "phase of one model")
+                owner[name] = split.model
+                if spec.role is not Role.DEDICATED or self.mux_group_of(name) is not None:
+                    raise ValueError(f"{where}: {name!r} must be a dedicated model in no mux "
+                                     "group (phase splitting is compared with weaving and "
+                                     "muxing, not combined with them)")
+                if spec.device != "cpu":
+                    raise ValueError(
+                        f"{where}: {name!r} is on {spec.device}; a phase split moves KV "
+                        "through shared memory between cpu engines so far (on GPUs, vLLM's "
+                        "NixlConnector is the way: see README, 'Prefill and decode apart')")
+            first = by_name[split.prefill[0]]
+            for name in split.engines[1:]:
+                spec = by_name[name]
+                for field_name in ("model", "dtype", "block_size", "max_model_len"):
+                    if getattr(spec, field_name) != getattr(first, field_name):
+                        raise ValueError(
+                            f"{where}: {name!r} has {field_name} "
+                            f"{getattr(spec, field_name)!r} but {first.name!r} has "
+                            f"{getattr(first, field_name)!r}; a prompt's KV moves between "
+                            "these engines block by block, so they must agree")
+
+    def phase_split_of(self, engine: str) -> tuple[PhaseSplitSpec, str] | None:
+        """(the phase split an engine serves, "prefill" or "decode"), or None."""
+        for split in self.phase_split:
+            if engine in split.prefill:
+                return split, "prefill"
+            if engine in split.decode:
+                return split, "decode"
+        return None
 
     def _check_mux_groups(self, by_name: dict[str, ModelSpec]) -> None:
         seen: dict[str, str] = {}

@@ -31,6 +31,7 @@ from weaver.server.inflight import Aborted
 from weaver.server.metrics import GatewayMetrics
 from weaver.server.mux import MuxTurnsCollector, remove_turn_tables
 from weaver.server.mux_pool import MuxPoolCollector, plan_mux_pools, pool_sections
+from weaver.server.phase_split import phase_split_backends, remove_left_segments
 from weaver.server.supervisor import SupervisedEngine
 from weaver.server.weaving import (
     WeavingMetrics,
@@ -124,6 +125,8 @@ async def start_engines(settings: ServeSettings, checked: CheckedEngines,
     # Registered first so it runs last: regions whose owner died are unlinked after
     # every engine has stopped.
     stack.callback(remove_leftover_regions, plans)
+    if deployment.phase_split:
+        stack.callback(remove_left_segments)
     if deployment.mux:
         collector = MuxTurnsCollector(deployment)
         settings.metrics.registry.register(collector)
@@ -183,9 +186,17 @@ async def _stop_watching(engines: dict[str, SupervisedEngine]) -> None:
 def gateway_config(settings: ServeSettings) -> GatewayConfig:
     """The gateway's bounds, from the deployment's serving block and each model's limits."""
     serving = settings.deployment.serving
+    deployment = settings.deployment
     limits = {spec.name: ModelLimits(spec.max_num_seqs + spec.max_waiting_requests,
                                      spec.timeout_s)
-              for spec in settings.deployment.models}
+              for spec in deployment.models}
+    for split in deployment.phase_split:
+        # A request spends most of its life in a token engine's batch.
+        tokens = [deployment.model(name) for name in split.decode]
+        timeouts = [spec.timeout_s for spec in tokens]
+        limits[split.model] = ModelLimits(
+            sum(spec.max_num_seqs + spec.max_waiting_requests for spec in tokens),
+            None if None in timeouts else max(t for t in timeouts if t is not None))
     return GatewayConfig(api_keys=settings.api_keys, created_at=int(time.time()),
                          limits=limits, max_body_bytes=serving.max_body_bytes,
                          retry_after_s=serving.retry_after_s,
@@ -199,7 +210,7 @@ async def run_server(settings: ServeSettings, checked: CheckedEngines) -> None:
         _hand_signals_to_uvicorn()
         weaving = engines.weaving
         gateway = Gateway(
-            backends,
+            gateway_backends(settings, backends),
             gateway_config(settings),
             settings.metrics,
             extra_health=weaving.health if weaving else None,
@@ -218,12 +229,22 @@ async def run_server(settings: ServeSettings, checked: CheckedEngines) -> None:
         stats_task = asyncio.create_task(_log_stats_periodically(backends))
         stack.callback(stats_task.cancel)
         print(
-            f"Weaver serves {len(backends)} model(s) {sorted(backends)} on "
+            f"Weaver serves {len(gateway.backends)} model(s) {sorted(gateway.backends)} on "
             f"http://{settings.host}:{settings.port}/v1",
             flush=True,
         )
         await server.serve()
         logger.info("HTTP server stopped; shutting down %d engines", len(backends))
+
+
+def gateway_backends(settings: ServeSettings, engines: dict) -> dict:
+    """What the gateway routes to, by API model name: each engine, but a phase split's
+    engines only through the model they serve together (weaver/server/phase_split.py)."""
+    deployment = settings.deployment
+    splits = phase_split_backends(deployment.phase_split, engines, settings.metrics.registry,
+                                  deployment.serving.retry_after_s)
+    members = {name for split in deployment.phase_split for name in split.engines}
+    return {**{n: e for n, e in engines.items() if n not in members}, **splits}
 
 
 async def _log_stats_periodically(backends: dict, interval_s: float = STATS_LOG_INTERVAL_S):

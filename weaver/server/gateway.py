@@ -108,10 +108,10 @@ class Gateway:
         is_keyed = path not in ("/health", "/metrics") or not self.config.open_status_routes
         if is_keyed and not self._is_authorized(scope):
             self.metrics.rejected.labels(reason="unauthorized").inc()
-            await _send_json(send, 401, error_body(401, "invalid or missing API key"))
+            await send_json(send, 401, error_body(401, "invalid or missing API key"))
             return
         if path == "/v1/models" and method == "GET":
-            await _send_json(send, 200, self._models_body())
+            await send_json(send, 200, self._models_body())
         elif path.startswith(MODEL_CARD_PREFIX) and method == "GET":
             await self._model_card(path.removeprefix(MODEL_CARD_PREFIX), send)
         elif path.startswith(RESPONSES_PREFIX) and method in ("GET", "POST", "DELETE"):
@@ -127,7 +127,7 @@ class Gateway:
         elif method == "POST":
             await self._forward(scope, receive, send)
         else:
-            await _send_json(send, 404, error_body(404, f"no route {method} {path}"))
+            await send_json(send, 404, error_body(404, f"no route {method} {path}"))
 
     async def drain(self, grace_s: float) -> None:
         """Take no new requests (503 with Retry-After), give those in flight up to grace_s
@@ -169,9 +169,9 @@ class Gateway:
         '/' (a Hugging Face id)."""
         if name not in self.backends:
             message = f"model {name!r} does not exist; served models: {sorted(self.backends)}"
-            await _send_json(send, 404, error_body(404, message, "model"))
+            await send_json(send, 404, error_body(404, message, "model"))
             return
-        await _send_json(send, 200, json.dumps(self._card(name)).encode())
+        await send_json(send, 200, json.dumps(self._card(name)).encode())
 
     async def _take_body(self, scope: dict, receive: Callable, send: Callable) -> bytes | None:
         """A new request's body; None once it has been answered 503 (draining) or 413."""
@@ -200,11 +200,11 @@ class Gateway:
             return
         for index, (name, backend) in enumerate(live):
             if index == len(live) - 1:
-                await self._call_backend(name, backend, scope, _replay(body, receive), send,
+                await self._call_backend(name, backend, scope, replay_body(body, receive), send,
                                          None)
                 return
             answer = _HeldUntilFound(send)
-            await backend.app(scope, _replay(body, receive), answer.send)
+            await backend.app(scope, replay_body(body, receive), answer.send)
             if answer.is_found:
                 self.metrics.requests.labels(model=name, endpoint=RESPONSES_PREFIX + "{id}",
                                              status=str(answer.status)).inc()
@@ -221,7 +221,7 @@ class Gateway:
             await self.before_metrics()
         if self.extra_health is not None:
             body.update(self.extra_health())
-        await _send_json(send, 200 if is_ok else 503, json.dumps(body).encode())
+        await send_json(send, 200 if is_ok else 503, json.dumps(body).encode())
 
     async def _model_health(self, name: str) -> dict[str, Any]:
         backend = self.backends[name]
@@ -241,7 +241,7 @@ class Gateway:
                       param: str | None = None, retry: bool = False) -> None:
         self.metrics.rejected.labels(reason=reason).inc()
         headers = [(b"retry-after", str(self.config.retry_after_s).encode())] if retry else []
-        await _send_json(send, status, error_body(status, message, param), headers)
+        await send_json(send, status, error_body(status, message, param), headers)
 
     async def _forward(self, scope: dict, receive: Callable, send: Callable) -> None:
         body = await self._take_body(scope, receive, send)
@@ -288,7 +288,7 @@ class Gateway:
                                f"{self.in_flight.count(model)} requests in flight, its bound "
                                "(max_num_seqs + max_waiting_requests); retry later", retry=True)
             return
-        await self._call_backend(model, backend, scope, _replay(body, receive), send, timeout_s)
+        await self._call_backend(model, backend, scope, replay_body(body, receive), send, timeout_s)
 
     async def _call_backend(self, model: str, backend: ModelBackend, scope: dict,
                             receive: Callable, send: Callable, timeout_s: float | None) -> None:
@@ -370,7 +370,7 @@ async def _finish_aborted(send: Callable, response: _ResponseState, aborted: Abo
         return
     body = error_body(aborted.status, aborted.message)
     if response.status is None:
-        await _send_json(send, aborted.status, body)
+        await send_json(send, aborted.status, body)
     elif response.is_event_stream:
         # The status went out with the first event; vLLM's own mid-stream errors are an
         # event with an "error" object, and the stream then ends.
@@ -427,7 +427,7 @@ async def _read_body(receive: Callable, max_bytes: int, content_length: int | No
     return b"".join(chunks)
 
 
-def _replay(body: bytes, receive: Callable) -> Callable[[], Awaitable[dict]]:
+def replay_body(body: bytes, receive: Callable) -> Callable[[], Awaitable[dict]]:
     """A `receive` that hands the buffered body to the engine's app once, then passes on
     the connection's own messages, so a client that disconnects aborts its generation."""
     sent = False
@@ -450,7 +450,7 @@ async def _send(send: Callable, status: int, body: bytes, content_type: bytes,
     await send({"type": "http.response.body", "body": body})
 
 
-async def _send_json(send: Callable, status: int, body: bytes,
+async def send_json(send: Callable, status: int, body: bytes,
                      extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
     await _send(send, status, body, b"application/json", extra_headers)
 

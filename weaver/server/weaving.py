@@ -102,7 +102,8 @@ def additional_configs(deployment: Deployment, plans: list[PairPlan],
                        mux_pools: Mapping[str, tuple[PoolPlan, str]] | None = None,
                        ) -> dict[str, dict]:
     """Each engine's `weaver` block: its pairs, split plan, unified pool (a cold model's,
-    or its colocated group's from `mux_pools`: weaver/server/mux_pool.py) and mux group."""
+    or its colocated group's from `mux_pools`: weaver/server/mux_pool.py), mux group and
+    the phase it runs of a phase-split model."""
     from weaver.server.mux import mux_block
     from weaver.splitting.deploy import split_chunks_for
     from weaver.vllm_ext.additional_config import make_additional_config
@@ -116,8 +117,11 @@ def additional_configs(deployment: Deployment, plans: list[PairPlan],
                              "make it dedicated")
         pool = next(((p.pool, spec.name) for p in colds if p.pool is not None),
                     (mux_pools or {}).get(spec.name))
+        phase_split = deployment.phase_split_of(spec.name)
         configs[spec.name] = make_additional_config(hot, colds, split_chunks_for(spec), pool,
-                                                    mux_block(deployment, spec.name))
+                                                    mux_block(deployment, spec.name),
+                                                    (phase_split[0].model, phase_split[1])
+                                                    if phase_split else None)
     return configs
 
 

@@ -55,11 +55,20 @@ def pool_of(additional_config: dict) -> tuple[PoolPlan, str] | None:
     return (PoolPlan.from_dict(data["plan"]), data["tenant"]) if data else None
 
 
+def phase_split_of(additional_config: dict) -> tuple[str, str] | None:
+    """(the phase-split model's API name, "prefill" or "decode") for an engine of a phase
+    split, else None."""
+    data = (additional_config.get(KEY) or {}).get("phase_split")
+    return (data["model"], data["phase"]) if data else None
+
+
 def make_additional_config(hot: PairPlan | None, cold: list[PairPlan],
                            split_chunks: dict[str, int] | None = None,
                            pool: tuple[PoolPlan, str] | None = None,
-                           mux: dict | None = None) -> dict:
-    """`mux`: a colocated engine's group block (weaver/vllm_ext/mux_gate.py)."""
+                           mux: dict | None = None,
+                           phase_split: tuple[str, str] | None = None) -> dict:
+    """`mux`: a colocated engine's group block (weaver/vllm_ext/mux_gate.py);
+    `phase_split`: the model a phase-split engine serves and its phase there."""
     section: dict[str, Any] = {}
     if hot is not None:
         section["hot"] = hot.to_dict()
@@ -73,4 +82,9 @@ def make_additional_config(hot: PairPlan | None, cold: list[PairPlan],
         section["pool"] = {"plan": plan.to_dict(), "tenant": tenant}
     if mux is not None:
         section["mux"] = dict(mux)
+    if phase_split is not None:
+        model, phase = phase_split
+        if phase not in ("prefill", "decode"):
+            raise ValueError(f"phase {phase!r} is not 'prefill' or 'decode'")
+        section["phase_split"] = {"model": model, "phase": phase}
     return {KEY: section} if section else {}

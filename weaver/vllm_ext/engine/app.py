@@ -24,7 +24,7 @@ from weaver.config.cpu_cores import pin_engine_processes, usable_cpu_cores
 from weaver.config.deployment import ModelSpec, Role
 from weaver.config.devices import EnginePlacement
 from weaver.models.registry import vllm_model_arg
-from weaver.vllm_ext.additional_config import SCHEDULER, WORKER_EXTENSION, pool_of
+from weaver.vllm_ext.additional_config import SCHEDULER, WORKER_EXTENSION, phase_split_of, pool_of
 from weaver.vllm_ext.engine.flags import EngineFlagError, flags_for, parse_serve_args
 from weaver.vllm_ext.engine.stats import EngineStatsRecorder, attach_stats_recorder
 from weaver.weaving.plan import block_size_of
@@ -125,6 +125,17 @@ def engine_cli_args(
                  "--block-size", str(plan.tenant(tenant).shape.block_size)]
         if not plan.tenant(tenant).is_owner:
             args += ["--no-enable-prefix-caching"]
+    phase_split = phase_split_of(additional_config or {})
+    if phase_split is not None:
+        # A phase-split engine: the gateway's requests tell its KV connector to stage the
+        # prompt's KV (prompt engine) or to take it (token engine). The requests name the
+        # model the split serves, which the engine answers to (and names its answers by).
+        from weaver.vllm_ext.kv_connector import kv_transfer_config
+
+        model, phase = phase_split
+        role = "kv_producer" if phase == "prefill" else "kv_consumer"
+        args = _replace_arg(args, "--served-model-name", model)
+        args += ["--kv-transfer-config", json.dumps(kv_transfer_config(role))]
     if additional_config:
         args += ["--additional-config", json.dumps(additional_config)]
     if spec.num_gpu_blocks_override is not None and pool is None:
