@@ -248,3 +248,24 @@ def test_validate_without_profile_exits_2(tmp_path):
     path.write_text(result.model_dump_json())
     args = build_parser().parse_args(["simulate", "--validate", str(path)])
     assert args.handler(args) == 2
+
+
+def test_a_phase_split_becomes_splitwise_prompt_and_token_instances(cpu_profile):
+    deployment = load_deployment(DEPLOYMENTS / "splitwise.yaml")
+    requests = [TraceRequest(0.2 * i, 120, 30, "chat", i) for i in range(8)]
+    config = sim_config_from_deployment(deployment, {"chat": cpu_profile}, requests)
+    assert config.policy == "splitwise" and config.splitwise.first_token == "token"
+    assert [m.name for m in config.models] == ["chat"]
+    assert [(g.models, g.role) for g in config.placement.gpus] == [(["chat"], "prompt"),
+                                                                   (["chat"], "token")]
+    split = simulate(config, requests=requests, keep_requests=True)["requests"]
+    # The first token comes from the token instance, after the prefill and the transfer.
+    paper = simulate(config.model_copy(update={"splitwise": config.splitwise.model_copy(
+        update={"first_token": "prompt"})}), requests=requests, keep_requests=True)["requests"]
+    assert all(r["e2e_s"] is not None for r in split)
+    assert all(s["ttft_s"] > p["ttft_s"] for s, p in zip(split, paper, strict=True))
+    # ... which computes the prompt's last token: one more token of work per request.
+    assert all(s["e2e_s"] >= p["e2e_s"] for s, p in zip(split, paper, strict=True))
+    single = sim_config_from_deployment(load_deployment(DEPLOYMENTS / "single_dedicated.yaml"),
+                                        {"chat": cpu_profile}, requests)
+    assert single.policy == "dedicated" and single.cluster.num_gpus == 1

@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.core.sched.output import CachedRequestData
 
 from weaver.kv.staging import (
+    W_CACHED_TOKENS,
     W_PROMPT_TOKENS,
     W_SAVED_TOKENS,
     StagingSegment,
@@ -128,6 +129,7 @@ def test_the_token_engine_loads_all_but_the_last_prompt_token(segment_name):
     staged.write(W_SAVED_TOKENS, 10)
     req = request("r", prompt, {LOAD_KEY: segment_name})
     assert consumer.get_num_new_matched_tokens(req, 4) == (5, False)  # 4 cached locally
+    assert staged.read(W_CACHED_TOKENS) == 4
     blocks = SimpleNamespace(get_block_ids=lambda: ([20, 21, 22],))
     consumer.update_state_after_alloc(req, blocks, 5)
     meta = consumer.build_connector_meta(output())
@@ -157,6 +159,19 @@ def test_the_report_says_what_moved(segment_name):
     report = read_report(segment_name)
     assert report is not None and report.prompt_tokens == 40
     assert report.bytes_staged == 2 * 30 * 1000 and report.num_loads == 0
+    assert report.is_recomputed  # neither loaded nor cached by the token engine
     assert StagingSegment.open(segment_name).read(W_PROMPT_TOKENS) == 40
     assert read_report("wvkvtest_none") is None
     assert isinstance(StagingMetadata(), StagingMetadata)
+
+
+def test_a_prompt_the_token_engine_had_cached_is_not_counted_as_recomputed(segment_name):
+    consumer = connector("kv_consumer")
+    prompt = list(range(9))  # all but the last token: two whole blocks, cached locally
+    staged = StagingSegment.create(segment_name, 1, 3, 64, BLOCK, 9, prompt_hash(prompt))
+    staged.write(W_SAVED_TOKENS, 9)
+    staged.close()
+    req = request("r", prompt, {LOAD_KEY: segment_name})
+    assert consumer.get_num_new_matched_tokens(req, 8) == (0, False)
+    report = read_report(segment_name)
+    assert report.cached_tokens == 8 and not report.is_recomputed

@@ -65,6 +65,10 @@ def _register_simulate(subparsers: argparse._SubParsersAction) -> None:
                        help="mux groups: a step's speed while the group's other engine "
                             "has work, relative to it idle, as measured by "
                             "benchmarks/mux_contention.py (default: %(default)s, no cost)")
+    group.add_argument("--metric", action="append", dest="metrics", metavar="NAME",
+                       choices=["mean_ttft_s", "mean_tpot_s", "output_tokens_per_s"],
+                       help="a per-model number to compare, repeatable: mean_ttft_s, "
+                            "mean_tpot_s, output_tokens_per_s (default: the last two)")
     group.add_argument("--tolerance", type=float, default=0.15,
                        help="largest |sim/measured - 1| counted as a match (default: "
                             "%(default)s)")
@@ -141,7 +145,12 @@ def run_simulate(args: argparse.Namespace) -> int:
 def run_validate(args: argparse.Namespace) -> int:
     from weaver.config.deployment import load_deployment
     from weaver.results.records import load_result
-    from weaver.sim.validate import deployment_paths_from_command, format_table, validate_results
+    from weaver.sim.validate import (
+        METRICS,
+        deployment_paths_from_command,
+        format_table,
+        validate_results,
+    )
 
     try:
         results = [load_result(path) for path in args.validate]
@@ -161,7 +170,8 @@ def run_validate(args: argparse.Namespace) -> int:
             raise ValueError(f"--mux-contended-speed {args.mux_contended_speed}: give a "
                              "speed in (0, 1]")
         report = validate_results(results, deployments, profiles, args.tolerance,
-                                  label_profiles, args.mux_contended_speed)
+                                  label_profiles, args.mux_contended_speed,
+                                  args.metrics or METRICS)
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
@@ -184,15 +194,14 @@ def _profiles(values: list[str], deployments: dict) -> tuple[dict[str, str], dic
     shared = [v for v in values if "=" not in v]
     if len(shared) > 1:
         raise ValueError(f"more than one --profile without MODEL=: {shared}")
-    names = {m.name for d in deployments.values() for m in d.models}
+    names = {name for d in deployments.values() for name in d.served_names}
     profiles = dict.fromkeys(names, shared[0]) if shared else {}
     label_profiles: dict[str, dict[str, str]] = {}
     for key, path in parse_pairs([v for v in values if "=" in v], "--profile").items():
         label, sep, model = key.partition(":")
         if not sep:
             profiles[key] = path
-        elif label not in deployments or model not in {m.name for m in
-                                                       deployments[label].models}:
+        elif label not in deployments or model not in deployments[label].served_names:
             raise ValueError(f"--profile {key}={path}: no deployment {label!r} with a model "
                              f"{model!r} (deployments: {sorted(deployments)})")
         else:

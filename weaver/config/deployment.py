@@ -257,7 +257,7 @@ class MuxGroupSpec(BaseModel):
 class PhaseSplitSpec(BaseModel):
     """One model served Splitwise-style: prompt engines run each request's prefill, token
     engines its decode, and the prompt's KV moves between them (weaver/server/
-    phase_split.py, docs/architecture.md part 9)."""
+    phase_split.py, docs/architecture.md part 12)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -349,6 +349,14 @@ class Deployment(BaseModel):
                             f"{getattr(spec, field_name)!r} but {first.name!r} has "
                             f"{getattr(first, field_name)!r}; a prompt's KV moves between "
                             "these engines block by block, so they must agree")
+
+    @property
+    def served_names(self) -> list[str]:
+        """The model names clients send: every model but a phase split's engines, then each
+        phase split's own name."""
+        members = {name for split in self.phase_split for name in split.engines}
+        return ([m.name for m in self.models if m.name not in members]
+                + [split.model for split in self.phase_split])
 
     def phase_split_of(self, engine: str) -> tuple[PhaseSplitSpec, str] | None:
         """(the phase split an engine serves, "prefill" or "decode"), or None."""

@@ -1,5 +1,5 @@
 """KV staging segments: one request's prompt KV on its way from a prompt engine to a token
-engine (Splitwise's phase split, docs/architecture.md part 9).
+engine (Splitwise's phase split, docs/architecture.md part 12).
 
 A segment is one file under /dev/shm, named by the gateway for one request. The prompt
 engine's worker creates it and writes the request's KV blocks into it layer by layer, as
@@ -54,7 +54,8 @@ W_SAVE_NS = 8  # time the prompt engine spent copying blocks in, summed over lay
 W_LOADED_TOKENS = 9  # tokens the token engine took from the segment (its last load)
 W_LOAD_NS = 10  # time of the token engine's last load
 W_NUM_LOADS = 11  # loads (more than one: the request was preempted or re-run)
-NUM_WORDS = 12
+W_CACHED_TOKENS = 12  # prompt tokens the token engine found in its own prefix cache
+NUM_WORDS = 13
 
 
 def prompt_hash(token_ids: Sequence[int]) -> int:
@@ -82,6 +83,13 @@ class StagingReport:
     loaded_tokens: int
     load_s: float
     num_loads: int
+    cached_tokens: int  # the token engine's own prefix-cache hit
+
+    @property
+    def is_recomputed(self) -> bool:
+        """The token engine computed the prompt instead of taking it (neither loaded nor
+        found all but its last token in its own prefix cache)."""
+        return self.num_loads == 0 and self.cached_tokens < self.prompt_tokens - 1
 
 
 class StagingSegment:
@@ -165,7 +173,8 @@ class StagingSegment:
             save_s=self.read(W_SAVE_NS) / 1e9,
             loaded_tokens=self.read(W_LOADED_TOKENS),
             load_s=self.read(W_LOAD_NS) / 1e9,
-            num_loads=self.read(W_NUM_LOADS))
+            num_loads=self.read(W_NUM_LOADS),
+            cached_tokens=self.read(W_CACHED_TOKENS))
 
     # --- blocks -----------------------------------------------------------------------
     def blocks(self, layer: int) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """A phase-split model behind the gateway: Splitwise's prompt and token instances as vLLM
-engines, and the router between them (docs/architecture.md part 9).
+engines, and the router between them (docs/architecture.md part 12).
 
 To the gateway a phase split is one more model backend. A completion or chat request goes:
 1. to a prompt engine, the one with the fewest prompt tokens queued (join the shortest
@@ -90,6 +90,9 @@ class PhaseSplitMetrics:
             "weaver_phase_split_kv_recomputed", "Decodes that took no staged KV and computed "
             "the prompt themselves (a one-token prompt, or a segment that was not usable: "
             "the token engine's log says why)", ["model"], registry=registry)
+        self.cache_hits = Counter(
+            "weaver_phase_split_kv_cache_hits", "Decodes that took no staged KV because the "
+            "token engine's own prefix cache held the prompt", ["model"], registry=registry)
         buckets = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
         self.save_seconds = Histogram(
             "weaver_phase_split_kv_save_seconds", "Time a prompt engine spent copying a "
@@ -304,7 +307,10 @@ class PhaseSplitModel:
         self.metrics.staged_bytes.labels(model=model).inc(report.bytes_staged)
         self.metrics.save_seconds.labels(model=model).observe(report.save_s)
         if report.num_loads == 0:
-            self.metrics.recomputed.labels(model=model).inc()
+            if report.is_recomputed:
+                self.metrics.recomputed.labels(model=model).inc()
+            else:
+                self.metrics.cache_hits.labels(model=model).inc()
             return
         self.metrics.transfers.labels(model=model).inc()
         self.metrics.transferred_tokens.labels(model=model).inc(report.loaded_tokens)

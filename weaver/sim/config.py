@@ -107,6 +107,11 @@ class WeavingSpec(_Strict):
 class SplitwiseSpec(_Strict):
     prompt_fraction: float = Field(0.5, gt=0, lt=1, description="share of a model's GPUs "
                                    "in the prompt pool")
+    first_token: Literal["prompt", "token"] = Field(
+        "prompt", description="where the client's first token comes from: the prompt "
+        "instance at the end of the prefill (the paper's Splitwise), or the token instance's "
+        "first step with the moved KV (Weaver's phase split: the token engine computes the "
+        "prompt's last token itself, weaver/vllm_ext/kv_connector.py)")
 
 
 class MuxServeSpec(_Strict):

@@ -5,7 +5,10 @@ the KV blocks its engine gets; a weaving entry becomes a hot/cold pair whose rem
 holds the blocks the cold model lends (`lend_kv_gib`, sized as `weaver.weaving.plan`
 sizes the shared region) and places sequences by the hot scheduler's own `RatioPlacement`.
 A mux group becomes one instance of all its models taking turns by the group's own rule,
-mode and weights (`weaver.mux.turns`, policy muxserve), each engine keeping its own KV.
+mode and weights (`weaver.mux.turns`, policy muxserve), each engine keeping its own KV. A
+phase split becomes Splitwise's prompt and token instances (policy splitwise), one per
+engine, the prompt's KV crossing the profile's link, the first token from the token
+instance as the gateway streams it.
 Step times come from measured profiles (`weaver profile --engine`), one per model, timed
 on as many cores as the model's engine runs on.
 """
@@ -52,19 +55,20 @@ def sim_config_from_deployment(
     placement) that serves `requests` as `deployment` would. `profiles` maps each model
     name to a profile JSON; `contended_speed` is a mux group's step speed while its other
     engine has work (benchmarks/mux_contention.py measures it)."""
-    missing = [m.name for m in deployment.models if m.name not in profiles]
+    served = _served_models(deployment)
+    missing = [name for name in served if name not in profiles]
     if missing:
         raise ValueError(f"no profile for model(s) {missing}; pass --profile PATH (all models) "
                          "or --profile MODEL=PATH")
-    shapes = {m.name: Profile.load(profiles[m.name]).shape for m in deployment.models}
+    shapes = {name: Profile.load(profiles[name]).shape for name in served}
     span = max((r.arrival_s for r in requests), default=0.0)
-    models = [_model(spec, profiles[spec.name], shapes[spec.name].kv_bytes_per_token,
-                     sum(r.model == spec.name for r in requests) / max(span, 1.0))
-              for spec in deployment.models]
+    models = [_model(name, spec, profiles[name], shapes[name].kv_bytes_per_token,
+                     sum(r.model == name for r in requests) / max(span, 1.0))
+              for name, spec in served.items()]
     gpus = _instances(deployment)
     index = {model: i for i, gpu in enumerate(gpus) for model in gpu["models"]}
     pairs = [_pair(deployment, entry, index, shapes) for entry in deployment.weaving]
-    policy = "weaver" if pairs else "muxserve" if deployment.mux else "dedicated"
+    policy = _policy(deployment)
     return SimConfig.model_validate({
         "name": name, "duration_s": max(span, 1e-3), "drain_s": REPLAY_DRAIN_S,
         "policy": policy,
@@ -73,17 +77,44 @@ def sim_config_from_deployment(
         "server": {"max_num_batched_tokens": CPU_SERVER_MAX_NUM_BATCHED_TOKENS},
         "weaving": {"offload_policy": "ratio"},
         "muxserve": {"overlap_speed": overlap_speed, "contended_speed": contended_speed},
+        # The client's first token comes from the token engine (weaver/server/phase_split.py).
+        "splitwise": {"first_token": "token"},
         "placement": {"gpus": gpus, "pairs": pairs},
     })
 
 
+def _served_models(deployment: Deployment) -> dict[str, ModelSpec]:
+    """Each model clients send requests to, with the spec of the engine that serves it: a
+    phase split's first token engine (its engines agree on shape, block size and length:
+    weaver/config/deployment.py)."""
+    splits = {split.model: split for split in deployment.phase_split}
+    return {name: deployment.model(splits[name].decode[0] if name in splits else name)
+            for name in deployment.served_names}
+
+
+def _policy(deployment: Deployment) -> str:
+    kinds = [kind for kind, present in (("weaver", deployment.weaving),
+                                        ("muxserve", deployment.mux),
+                                        ("splitwise", deployment.phase_split)) if present]
+    if len(kinds) > 1:
+        raise ValueError(f"the simulator runs one policy per deployment; this one has "
+                         f"{' and '.join(kinds)} (simulate them as separate deployments)")
+    return kinds[0] if kinds else "dedicated"
+
+
 def _instances(deployment: Deployment) -> list[dict]:
-    """One simulated instance per mux group (its models in the file's order) and one per
-    other model, in the order the file first names them."""
+    """One simulated instance per mux group (its models in the file's order), one per engine
+    of a phase split (its model, in the engine's role) and one per other model, in the order
+    the file first names them."""
     gpus: list[dict] = []
     for spec in deployment.models:
         group = deployment.mux_group_of(spec.name)
-        if group is None:
+        phase_split = deployment.phase_split_of(spec.name)
+        if phase_split is not None:
+            split, phase = phase_split
+            gpus.append({"models": [split.model],
+                         "role": "prompt" if phase == "prefill" else "token"})
+        elif group is None:
             gpus.append({"models": [spec.name]})
         elif group.models[0] == spec.name:
             # A unified group's pool is its models' budgets together, as the gateway plans
@@ -95,8 +126,9 @@ def _instances(deployment: Deployment) -> list[dict]:
     return gpus
 
 
-def _model(spec: ModelSpec, profile: str, kv_bytes_per_token: int, rate: float) -> dict:
-    return {"name": spec.name, "profile": profile, "rate": rate,
+def _model(name: str, spec: ModelSpec, profile: str, kv_bytes_per_token: int,
+           rate: float) -> dict:
+    return {"name": name, "profile": profile, "rate": rate,
             "num_blocks": num_usable_blocks(spec, kv_bytes_per_token),
             "block_size": block_size_of(spec), "max_num_seqs": spec.max_num_seqs}
 

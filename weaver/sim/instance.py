@@ -150,7 +150,7 @@ class Prefill:
     req: SimRequest
     target: SeqSet
     num_blocks: int
-    num_compute: int  # tokens to run through the model (0 when the KV was transferred)
+    num_compute: int  # tokens to run through the model (0 or 1 when the KV was transferred)
     num_done: int = 0
 
     @property
@@ -198,6 +198,9 @@ class ModelServer:
         self.on_finished: Callable[[SimRequest], None] = lambda req: None
         self.on_prefilled: Callable[[SimRequest, float], list[Event]] = lambda req, t: []
         self.num_in_flight = 0  # requests on their way here (Splitwise KV transfer)
+        # A token instance whose first step with a moved KV gives the client its first
+        # token (SplitwiseSpec.first_token "token").
+        self.first_token_here = False
         self.prefilling: list[Prefill] = []
 
     # --- capacity -------------------------------------------------------------------
@@ -298,7 +301,9 @@ class ModelServer:
         while self.waiting and self.num_running + len(self.prefilling) < self.cfg.max_num_seqs:
             req = self.waiting[0]
             context = self._context_to_build(req)
-            compute = 0 if req.has_kv else context
+            # A moved KV is taken as is; Weaver's token engine still computes the prompt's
+            # last token (its KV and the first output come from that step).
+            compute = int(self.first_token_here) if req.has_kv else context
             if compute and budget <= 0:
                 break
             num_blocks = blocks_for(context, self.cfg.block_size)
@@ -344,6 +349,8 @@ class ModelServer:
         context = self._context_to_build(req)
         if req.has_kv:
             req.has_kv = False
+            if self.first_token_here:
+                req.first_token_s = now
         else:
             req.num_done += 1
             if req.first_token_s is None:

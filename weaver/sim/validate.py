@@ -3,8 +3,9 @@
 For every run of a saved `BenchResult` (one deployment at one rate), the measured requests
 are replayed in a simulated copy of that deployment (`weaver.sim.deployment`), and the
 simulated requests are summarised by the benchmark's own `weaver.results.metrics.summarize`.
-Mean TPOT and output-token throughput per model are compared as sim / measured; a number
-is within tolerance when |ratio - 1| <= tolerance (15 % by default).
+Mean TPOT and output-token throughput per model (and, when asked, mean TTFT) are compared
+as sim / measured; a number is within tolerance when |ratio - 1| <= tolerance (15 % by
+default).
 
 Several results files of the same workload (repeats of one `weaver bench compare`) are
 validated together: each measured run is replayed on its own, and for every deployment and
@@ -29,7 +30,8 @@ from weaver.sim.runner import simulate
 from weaver.sim.workload import replay_run
 
 DEFAULT_TOLERANCE = 0.15
-METRICS = ("mean_tpot_s", "output_tokens_per_s")
+METRICS = ("mean_tpot_s", "output_tokens_per_s")  # compared by default
+ALL_METRICS = ("mean_ttft_s", *METRICS)
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,8 @@ class Comparison:
 
 
 def metric_values(summary: ModelSummary) -> dict[str, float | None]:
-    return {"mean_tpot_s": summary.tpot.mean if summary.tpot else None,
+    return {"mean_ttft_s": summary.ttft.mean if summary.ttft else None,
+            "mean_tpot_s": summary.tpot.mean if summary.tpot else None,
             "output_tokens_per_s": summary.output_token_throughput}
 
 
@@ -98,7 +101,7 @@ def simulate_run(run: RunResult, deployment: Deployment,
 
 def validate_runs(runs: Sequence[RunResult], deployment: Deployment,
                   profiles: Mapping[str, str], tolerance: float = DEFAULT_TOLERANCE,
-                  contended_speed: float = 1.0) -> dict:
+                  contended_speed: float = 1.0, metrics: Sequence[str] = METRICS) -> dict:
     """Replay repeats of one deployment at one rate; compare the means of their summaries."""
     first = runs[0]
     for run in runs[1:]:
@@ -111,7 +114,7 @@ def validate_runs(runs: Sequence[RunResult], deployment: Deployment,
         if not all(model in run.summary and model in rep["summary"]
                    for run, rep in zip(runs, replays, strict=True)):
             continue
-        for metric in METRICS:
+        for metric in metrics:
             measured = [metric_values(run.summary[model])[metric] for run in runs]
             simulated = [metric_values(rep["summary"][model])[metric] for rep in replays]
             comparisons.append(Comparison(
@@ -130,12 +133,16 @@ def validate_results(results: Sequence[BenchResult], deployments: Mapping[str, D
                      profiles: Mapping[str, str],
                      tolerance: float = DEFAULT_TOLERANCE,
                      label_profiles: Mapping[str, Mapping[str, str]] | None = None,
-                     contended_speed: float = 1.0) -> dict:
+                     contended_speed: float = 1.0, metrics: Sequence[str] = METRICS) -> dict:
     """Validate every (deployment, rate) of one or more results files of the same workload;
     repeats of a (deployment, rate) are compared by their means. `profiles` maps a model to
     its profile; `label_profiles[label]` overrides that for one deployment's models (its
     engines may run on other cores: a mux group's on all of the group's).
-    `contended_speed`: a mux group's step speed while its other engine has work."""
+    `contended_speed`: a mux group's step speed while its other engine has work;
+    `metrics`: which of ALL_METRICS to compare."""
+    unknown = sorted(set(metrics) - set(ALL_METRICS))
+    if unknown:
+        raise ValueError(f"unknown metric(s) {unknown}; choose from {list(ALL_METRICS)}")
     groups: dict[tuple[str, float | None], list[RunResult]] = {}
     for result in results:
         for run in result.runs:
@@ -147,7 +154,7 @@ def validate_results(results: Sequence[BenchResult], deployments: Mapping[str, D
     label_profiles = label_profiles or {}
     runs = [validate_runs(group, deployments[label],
                           {**profiles, **label_profiles.get(label, {})}, tolerance,
-                          contended_speed)
+                          contended_speed, metrics)
             for (label, _), group in groups.items()]
     checked = [c for r in runs for c in r["comparisons"] if c["model"] != ALL_MODELS]
     noisy = [c for c in checked
@@ -173,7 +180,7 @@ def format_table(report: dict) -> str:
              + ("  runs  meas. spread" if repeats > 1 else "")]
     for run in report["runs"]:
         for c in run["comparisons"]:
-            scale, unit = (1e3, "ms") if c["metric"] == "mean_tpot_s" else (1.0, "tok/s")
+            scale, unit = (1.0, "tok/s") if c["metric"] == "output_tokens_per_s" else (1e3, "ms")
             line = (f"{c['label']:<12} {_num(c['rate'], 1):>5} "
                     f"{'all' if c['model'] == ALL_MODELS else c['model']:<8} "
                     f"{c['metric'] + ' (' + unit + ')':<28} {_num(c['measured'], scale):>10} "

@@ -39,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from weaver.kv.staging import (
     W_BLOCK_BYTES,
+    W_CACHED_TOKENS,
     W_LOAD_NS,
     W_LOADED_TOKENS,
     W_NUM_LOADS,
@@ -138,16 +139,18 @@ class WeaverStagingConnector(KVConnectorBase_V1):
                 str(params[SAVE_KEY]), len(tokens), prompt_hash(tokens))
         if LOAD_KEY not in params:
             return 0, False
-        loadable = self._loadable_tokens(request, str(params[LOAD_KEY]))
+        loadable = self._loadable_tokens(request, str(params[LOAD_KEY]), num_computed_tokens)
         if loadable <= num_computed_tokens:
             return 0, False
         self._unscheduled_loads[request.request_id] = (
             str(params[LOAD_KEY]), num_computed_tokens // self._block_size, loadable)
         return loadable - num_computed_tokens, False
 
-    def _loadable_tokens(self, request: Request, name: str) -> int:
+    def _loadable_tokens(self, request: Request, name: str, num_cached: int) -> int:
         """The prompt tokens this engine can take from the segment: all but the last
-        (computed here so that the engine samples the first output itself), or 0."""
+        (computed here so that the engine samples the first output itself), or 0. Notes
+        in the segment how many the engine's own prefix cache holds (`num_cached`): a
+        decode that loads nothing because of them recomputed nothing."""
         tokens = list(request.prompt_token_ids or [])
         try:
             segment = StagingSegment.open(name)
@@ -162,6 +165,7 @@ class WeaverStagingConnector(KVConnectorBase_V1):
                                "computing its prompt here", request.request_id, name)
                 return 0
             saved = segment.read(W_SAVED_TOKENS)
+            segment.write(W_CACHED_TOKENS, num_cached)
         finally:
             segment.close()
         if saved < len(tokens) - 1:

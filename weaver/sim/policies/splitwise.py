@@ -32,6 +32,8 @@ class SplitwisePolicy(Policy):
                 inst.servers[model].on_prefilled = self._hand_off
             if role == "token":
                 self.token_pools.setdefault(model, []).append(inst)
+                first_token = self.cluster.config.splitwise.first_token
+                inst.servers[model].first_token_here = first_token == "token"
 
     def _roles(self) -> list[str]:
         """Explicit roles from the plan, or split each model's GPUs by prompt_fraction."""
