@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import httpx
 import pytest
@@ -34,6 +35,7 @@ from weaver.server.phase_split import (
     SAVE_KEY,
     PhaseSplitMetrics,
     PhaseSplitModel,
+    segment_prefix,
 )
 
 PROMPT_TOKENS = 10
@@ -87,12 +89,14 @@ class FakeEngine:
     async def _prefill(self, segment: str, send) -> None:
         if self.hold is not None:
             await self.hold.wait()
-        if self.die_on_prefill:
+        staged = StagingSegment.create(segment, 2, 1, 64, 16, PROMPT_TOKENS, 7)
+        if self.die_on_prefill:  # half-way through staging
+            staged.write(W_SAVED_TOKENS, PROMPT_TOKENS // 2)
+            staged.close()
             self.die_on_prefill -= 1
             self.dead = True
             await _json(send, 500, {"error": {"message": "EngineCore died"}})
             return
-        staged = StagingSegment.create(segment, 2, 1, 64, 16, PROMPT_TOKENS, 7)
         staged.write(W_SAVED_TOKENS, PROMPT_TOKENS)
         staged.write(W_SAVE_NS, 3_000_000)
         staged.close()
@@ -226,6 +230,10 @@ def test_a_prompt_engine_that_dies_sends_the_request_to_another():
         assert response.status_code == 200
         assert [len(engines[n].bodies) for n in ("p0", "p1", "d0")] == [1, 1, 1]
         assert sample(registry, "weaver_phase_split_reruns_total", phase="prefill") == 1
+        # The dead engine's half-staged segment is removed, and counts as no decode at all.
+        assert sample(registry, "weaver_phase_split_kv_transfers_total") == 1
+        assert sample(registry, "weaver_phase_split_kv_recomputed_total") == 0
+        assert not list(Path("/dev/shm").glob(f"{segment_prefix()}*"))
     run(go())
 
 

@@ -29,6 +29,7 @@ from weaver.kv.staging import (
 from weaver.vllm_ext.kv_connector import (
     LOAD_KEY,
     SAVE_KEY,
+    BlockCopy,
     StagingMetadata,
     WeaverStagingConnector,
     kv_transfer_config,
@@ -175,3 +176,14 @@ def test_a_prompt_the_token_engine_had_cached_is_not_counted_as_recomputed(segme
     assert consumer.get_num_new_matched_tokens(req, 8) == (0, False)
     report = read_report(segment_name)
     assert report.cached_tokens == 8 and not report.is_recomputed
+
+
+def test_a_segment_gone_before_the_load_reports_its_blocks_as_failed():
+    worker = connector("kv_consumer")
+    worker.register_kv_caches({"layer.0": torch.zeros(4, 2, BLOCK, 8)})
+    worker.bind_connector_metadata(StagingMetadata(loads=[BlockCopy(
+        "r", "wvkvtest_gone", [1, 2], 0, 7)]))
+    context = SimpleNamespace(no_compile_layers={})
+    worker.start_load_kv(context)  # logs, does not raise into the forward pass
+    assert worker.get_block_ids_with_load_errors() == {1, 2}
+    assert worker.get_block_ids_with_load_errors() == set()

@@ -245,6 +245,7 @@ class PhaseSplitModel:
         """One prefill and one decode; the phase whose engine died (run again), or None
         once the client has its answer."""
         segment = f"{segment_prefix()}{uuid.uuid4().hex[:20]}"
+        is_whole = False  # the client has its answer from a token engine
         try:
             prompt = self._pick_prompt_engine(failed_prompt_engines)
             if prompt is None:
@@ -283,7 +284,7 @@ class PhaseSplitModel:
                 return "decode"
             return None
         finally:
-            self._account(segment)
+            self._account(segment, is_whole)
 
     async def _prefill(self, name: str, scope: dict, request: dict,
                        segment: str) -> _Response:
@@ -298,15 +299,19 @@ class PhaseSplitModel:
         finally:
             self.queued_prompt_tokens[name] -= cost
 
-    def _account(self, segment: str) -> None:
+    def _account(self, segment: str, is_decoded: bool) -> None:
+        """Count what the segment's header says moved, then unlink it. A decode that did
+        not finish (its engine died) counts its load, not what it did not load."""
         report = read_report(segment)
         remove_segment(segment)
         if report is None:
-            return  # no prefill ran (no engine, or the request was refused)
+            return  # no prefill staged anything (no engine, or the request was refused)
         model = self.spec.model
         self.metrics.staged_bytes.labels(model=model).inc(report.bytes_staged)
         self.metrics.save_seconds.labels(model=model).observe(report.save_s)
         if report.num_loads == 0:
+            if not is_decoded:
+                return
             if report.is_recomputed:
                 self.metrics.recomputed.labels(model=model).inc()
             else:

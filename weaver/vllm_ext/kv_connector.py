@@ -21,7 +21,9 @@ request's `kv_transfer_params`:
   the first output from it, so the engine needs no sampled token from elsewhere), and its
   worker copies the blocks in before the forward pass (`start_load_kv`). When the segment
   is missing, holds another prompt or too few tokens, nothing is loaded and the prompt is
-  computed here: logged, and visible to the gateway as a segment with no load.
+  computed here: logged, and visible to the gateway as a segment with no load. A segment
+  that goes away between that check and the load (the request is over) has its blocks
+  reported to vLLM as not loaded (`get_block_ids_with_load_errors`).
 """
 
 from __future__ import annotations
@@ -128,6 +130,7 @@ class WeaverStagingConnector(KVConnectorBase_V1):
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._open: dict[str, StagingSegment] = {}
         self._save_ns: dict[str, int] = {}
+        self._failed_block_ids: set[int] = set()
 
     # ==== scheduler side ================================================================
     def get_num_new_matched_tokens(self, request: Request,
@@ -245,7 +248,19 @@ class WeaverStagingConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, StagingMetadata)
         for load in meta.loads:
-            self._load(load, forward_context)
+            try:
+                self._load(load, forward_context)
+            except (OSError, ValueError) as exc:
+                # The segment went away between the check and the load (the gateway
+                # unlinks it once the request is over: a client gone at that moment). vLLM
+                # is told which blocks hold no KV (its kv_load_failure_policy decides).
+                logger.warning("request %s: could not load its KV from %s (%s)",
+                               load.req_id, load.segment, exc)
+                self._failed_block_ids.update(load.block_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_block_ids = self._failed_block_ids, set()
+        return failed
 
     def _load(self, load: BlockCopy, forward_context: ForwardContext) -> None:
         started = time.perf_counter_ns()
