@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import urllib.request
 from pathlib import Path
 
 from weaver.bench.loadgen import LoadGenConfig, run_load_sync
+from weaver.bench.prom_histogram import read_counter, read_histogram
 from weaver.bench.server_process import weaver_server
 from weaver.config.deployment import load_deployment
 from weaver.results.records import RequestStatus
@@ -34,24 +34,20 @@ from weaver.workloads.types import TraceRequest
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 DEFAULT_DEPLOYMENT = REPOSITORY / "benchmarks" / "deployments" / "splitwise.yaml"
-_COUNTERS = {
-    "save_s": "weaver_phase_split_kv_save_seconds_sum",
-    "load_s": "weaver_phase_split_kv_load_seconds_sum",
-    "staged_bytes": "weaver_phase_split_kv_staged_bytes_total",
-    "loaded_tokens": "weaver_phase_split_kv_transferred_tokens_total",
-    "transfers": "weaver_phase_split_kv_transfers_total",
-}
-_SAMPLE = re.compile(r"^(\w+)\{[^}]*\} (\S+)$")
+_HISTOGRAMS = {"save_s": "weaver_phase_split_kv_save_seconds",
+               "load_s": "weaver_phase_split_kv_load_seconds"}
+_COUNTERS = {"staged_bytes": "weaver_phase_split_kv_staged_bytes",
+             "loaded_tokens": "weaver_phase_split_kv_transferred_tokens",
+             "transfers": "weaver_phase_split_kv_transfers"}
 
 
 def counters(base_url: str) -> dict[str, float]:
+    """The gateway's transfer counters and the sums of its transfer-time histograms."""
     text = urllib.request.urlopen(f"{base_url}/metrics", timeout=30).read().decode()
-    names = {v: k for k, v in _COUNTERS.items()}
-    out = dict.fromkeys(_COUNTERS, 0.0)
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match and match.group(1) in names:
-            out[names[match.group(1)]] += float(match.group(2))
+    out = {key: read_counter(text, name) or 0.0 for key, name in _COUNTERS.items()}
+    for key, name in _HISTOGRAMS.items():
+        reading = read_histogram(text, name)
+        out[key] = reading.sum if reading is not None else 0.0
     return out
 
 
@@ -65,7 +61,7 @@ def one_request(base_url: str, model: str, prompt_tokens: int, output_tokens: in
     if record.status is not RequestStatus.OK:
         raise RuntimeError(f"request of {prompt_tokens} tokens failed: {record.error}")
     after = counters(base_url)
-    delta = {key: after[key] - before[key] for key in _COUNTERS}
+    delta = {key: after[key] - before[key] for key in after}
     if delta["transfers"] != 1:
         raise RuntimeError(f"expected one KV transfer, the counters say {delta['transfers']}")
     return {"prompt_tokens": record.num_prompt_tokens or prompt_tokens,

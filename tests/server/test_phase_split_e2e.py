@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 
+from weaver.bench.prom_histogram import read_counter, read_histogram
 from weaver.bench.server_process import weaver_server
 
 pytestmark = pytest.mark.engine
@@ -83,12 +84,11 @@ def complete_all(client: openai.OpenAI, model: str, prompts: list[str]) -> list[
                 for r in pool.map(lambda p: complete(client, model, p), prompts)]
 
 
-def metric(server, name: str) -> float:
-    total = 0.0
-    for line in httpx.get(f"{server.base_url}/metrics", timeout=30).text.splitlines():
-        if line.startswith(name):
-            total += float(line.split()[-1])
-    return total
+def counter(server, name: str, **labels: str) -> float:
+    """The gateway's counter `name` (no `_total`) over the series with these labels; 0
+    before any was counted."""
+    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    return read_counter(text, name, labels) or 0.0
 
 
 @pytest.fixture(scope="module")
@@ -109,17 +109,19 @@ def test_clients_see_the_model_not_its_engines(client):
 
 def test_completions_are_token_exact_and_the_prompt_kv_is_moved_not_recomputed(
         server, client, reference):
-    transfers = metric(server, "weaver_phase_split_kv_transfers_total")
-    tokens = metric(server, "weaver_phase_split_kv_transferred_tokens_total")
+    transfers = counter(server, "weaver_phase_split_kv_transfers")
+    tokens = counter(server, "weaver_phase_split_kv_transferred_tokens")
     replies = [complete(client, "chat", prompt) for prompt in PROMPTS]
     assert [r.choices[0].text for r in replies] == reference["texts"]
     assert [r.model for r in replies] == ["chat"] * len(PROMPTS)
     # Every prompt's KV but its last token's came from a prompt engine.
-    assert metric(server, "weaver_phase_split_kv_transfers_total") - transfers == len(PROMPTS)
-    moved = metric(server, "weaver_phase_split_kv_transferred_tokens_total") - tokens
+    assert counter(server, "weaver_phase_split_kv_transfers") - transfers == len(PROMPTS)
+    moved = counter(server, "weaver_phase_split_kv_transferred_tokens") - tokens
     assert moved == sum(n - 1 for n in reference["prompt_tokens"])
-    assert metric(server, "weaver_phase_split_kv_recomputed_total") == 0
-    assert metric(server, "weaver_phase_split_kv_load_seconds_count") >= len(PROMPTS)
+    assert counter(server, "weaver_phase_split_kv_recomputed") == 0
+    loads = read_histogram(httpx.get(f"{server.base_url}/metrics", timeout=30).text,
+                           "weaver_phase_split_kv_load_seconds")
+    assert loads is not None and loads.count >= len(PROMPTS)
 
 
 def test_streamed_and_chat_answers_are_token_exact(client, reference):
@@ -138,7 +140,7 @@ def test_streamed_and_chat_answers_are_token_exact(client, reference):
 def test_concurrent_requests_spread_over_both_prompt_engines(server, client, reference):
     assert complete_all(client, "chat", PROMPTS) == reference["texts"]
     for engine in ("p0", "p1"):
-        routed = metric(server, f'weaver_phase_split_routed_total{{engine="{engine}"')
+        routed = counter(server, "weaver_phase_split_routed", engine=engine)
         assert routed >= 2, f"{engine} got {routed} prefills"
 
 
@@ -162,17 +164,17 @@ def test_a_prompt_engine_killed_mid_prefill_hands_its_requests_to_the_other(
     long_prompts = make_prompts(40)[33:]  # ~230-280 tokens each: several prefill steps
     expected = complete_all(client, "ref", long_prompts)
     victim = engine_pid(server, "prefill", "p0")
-    routed = 'weaver_phase_split_routed_total{engine="p0"'
-    before = metric(server, routed)
+    before = counter(server, "weaver_phase_split_routed", engine="p0")
     with cf.ThreadPoolExecutor(1) as pool:
         answers = pool.submit(complete_all, client, "chat", long_prompts)
         deadline = time.monotonic() + 30
-        while metric(server, routed) < before + 2:  # p0 is prefilling two of them
+        # Until p0 is prefilling two of them.
+        while counter(server, "weaver_phase_split_routed", engine="p0") < before + 2:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         os.kill(victim, signal.SIGKILL)
         assert answers.result(timeout=300) == expected
-    assert metric(server, 'weaver_phase_split_reruns_total{model="chat",phase="prefill"}') >= 1
+    assert counter(server, "weaver_phase_split_reruns", model="chat", phase="prefill") >= 1
     # p0 comes back while the next test runs (on p1 meanwhile).
 
 
@@ -188,7 +190,7 @@ def test_a_token_engine_killed_mid_stream_reruns_and_the_stream_is_exact(server,
         if len(pieces) == 10:
             os.kill(victim, signal.SIGKILL)
     assert "".join(pieces) == expected
-    assert metric(server, 'weaver_phase_split_reruns_total{model="chat",phase="decode"}') == 1
+    assert counter(server, "weaver_phase_split_reruns", model="chat", phase="decode") == 1
     wait_back(server, "decode", "d0", restarts=1)
 
 

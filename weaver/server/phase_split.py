@@ -127,11 +127,12 @@ class _Response:
     headers: list = field(default_factory=list)
     body: bytes = b""
 
-    def json(self) -> Any:
-        try:
-            return json.loads(self.body)
-        except ValueError:
-            return None
+    async def record(self, message: dict) -> None:
+        """An ASGI `send` that keeps the answer instead of sending it."""
+        if message["type"] == "http.response.start":
+            self.status, self.headers = message["status"], message.get("headers", [])
+        elif message["type"] == "http.response.body":
+            self.body += message.get("body", b"")
 
 
 class PhaseSplitModel:
@@ -384,14 +385,8 @@ class _ClientStream:
         if self.is_stream:
             return await self._run_streamed(engine, scope, body, receive)
         response = _Response()
-
-        async def hold(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                response.status, response.headers = message["status"], message.get("headers", [])
-            elif message["type"] == "http.response.body":
-                response.body += message.get("body", b"")
-
-        await _app_of(engine)(_with_length(scope, body), replay_body(body, receive), hold)
+        await _app_of(engine)(_with_length(scope, body), replay_body(body, receive),
+                              response.record)
         if (response.status is None or response.status >= 500) and engine.is_dead:
             return False
         await self.answer(response)
@@ -445,23 +440,14 @@ async def _call_buffered(engine: Any, scope: dict, body: bytes) -> _Response:
     """An engine's whole answer to `body` (the client's connection is not involved: a
     client that goes away is noticed by the decode that follows)."""
     response = _Response()
-
-    async def receive() -> dict:
-        if not sent[0]:
-            sent[0] = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await asyncio.Event().wait()  # never disconnects
-        raise AssertionError("unreachable")
-
-    async def send(message: dict) -> None:
-        if message["type"] == "http.response.start":
-            response.status, response.headers = message["status"], message.get("headers", [])
-        elif message["type"] == "http.response.body":
-            response.body += message.get("body", b"")
-
-    sent = [False]
-    await _app_of(engine)(_with_length(scope, body), receive, send)
+    await _app_of(engine)(_with_length(scope, body), replay_body(body, _never_disconnects),
+                          response.record)
     return response
+
+
+async def _never_disconnects() -> dict:
+    await asyncio.Event().wait()
+    raise AssertionError("unreachable")
 
 
 def _with_length(scope: dict, body: bytes) -> dict:
