@@ -2,9 +2,10 @@
 //
 // Launched on the cold engine's stream after each of its operators. With nothing pending
 // (task_seq == done_seq) every block returns after one acquire load. Otherwise the blocks
-// run the pending paged decode attention over the remote pool, claiming (sequence, query
-// head) items from a counter in cold-local scratch memory, and the block that finishes
-// the last item release-stores done_seq. With max_spin_ns > 0 the blocks keep polling
+// run the pending paged decode attention over the remote pool, claiming work items
+// (sequence, KV head, chunk of its query heads: paged_attention.cuh) from a counter in
+// cold-local scratch memory, and the block that finishes the last item release-stores
+// done_seq. With max_spin_ns > 0 the blocks keep polling
 // until *stop_flag != 0 or max_spin_ns passes: a persistent "spin-wait" server (on a
 // high-priority stream) or the idle poller of an idle cold engine.
 //
@@ -57,7 +58,7 @@ __device__ u32 finish_item(u64* word, u32 tag) {
   }
 }
 
-template <class Dt, int kElems>
+template <class Dt, int kVecs>
 __device__ void poll_and_attend(unsigned char* region, const i64* desc, u64* scratch,
                                 const int* stop_flag, u64 max_spin_ns) {
   __shared__ AttnShared shared;
@@ -115,7 +116,7 @@ __device__ void poll_and_attend(unsigned char* region, const i64* desc, u64* scr
     p.softcap = static_cast<float>(meta_floats[kMetaSoftcap]);
     p.kv_format = static_cast<int>(desc[kDescKvFormat]);
     // An invalid task is one item of no work that completes with kResultFailed.
-    const int num_items = is_valid ? p.num_seqs * p.num_q_heads : 1;
+    const int num_items = is_valid ? num_attention_items(p) : 1;
     const u32 tag = static_cast<u32>(seq);
     while (true) {
       if (threadIdx.x == 0) claimed = claim_item(&scratch[kScratchClaim], tag, num_items);
@@ -124,7 +125,7 @@ __device__ void poll_and_attend(unsigned char* region, const i64* desc, u64* scr
       __syncthreads();
       if (item < 0) break;
       bool is_ok = is_valid;
-      if (is_valid) is_ok = attend_item<Dt, kElems>(p, item, shared);  // ends with __syncthreads
+      if (is_valid) is_ok = attend_item<Dt, kVecs>(p, item, shared);  // ends with __syncthreads
       if (threadIdx.x == 0) {
         if (!is_ok) atomicExch(&scratch[kScratchFailedSeq], static_cast<u64>(seq));
         // Our output stores (made visible to thread 0 by the barrier in attend_item) must
@@ -148,16 +149,16 @@ __device__ void poll_and_attend(unsigned char* region, const i64* desc, u64* scr
 
 }  // namespace weaver
 
-#define WEAVER_POLL_KERNEL(NAME, DT, ELEMS)                                                      \
+#define WEAVER_POLL_KERNEL(NAME, DT, VECS)                                                      \
   extern "C" __global__ void __launch_bounds__(weaver::kThreads)                          \
       NAME(unsigned char* region, const long long* desc, unsigned long long* scratch,     \
            const int* stop_flag, unsigned long long max_spin_ns) {                        \
-    weaver::poll_and_attend<DT, ELEMS>(region, desc, scratch, stop_flag, max_spin_ns);           \
+    weaver::poll_and_attend<DT, VECS>(region, desc, scratch, stop_flag, max_spin_ns);           \
   }
 
-WEAVER_POLL_KERNEL(weaver_poll_and_attend_f32_h128, weaver::F32, 4)
-WEAVER_POLL_KERNEL(weaver_poll_and_attend_f16_h128, weaver::F16, 4)
-WEAVER_POLL_KERNEL(weaver_poll_and_attend_bf16_h128, weaver::BF16, 4)
-WEAVER_POLL_KERNEL(weaver_poll_and_attend_f32_h256, weaver::F32, 8)
-WEAVER_POLL_KERNEL(weaver_poll_and_attend_f16_h256, weaver::F16, 8)
-WEAVER_POLL_KERNEL(weaver_poll_and_attend_bf16_h256, weaver::BF16, 8)
+WEAVER_POLL_KERNEL(weaver_poll_and_attend_f32_h128, weaver::F32, 1)
+WEAVER_POLL_KERNEL(weaver_poll_and_attend_f16_h128, weaver::F16, 1)
+WEAVER_POLL_KERNEL(weaver_poll_and_attend_bf16_h128, weaver::BF16, 1)
+WEAVER_POLL_KERNEL(weaver_poll_and_attend_f32_h256, weaver::F32, 2)
+WEAVER_POLL_KERNEL(weaver_poll_and_attend_f16_h256, weaver::F16, 1)
+WEAVER_POLL_KERNEL(weaver_poll_and_attend_bf16_h256, weaver::BF16, 1)

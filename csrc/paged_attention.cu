@@ -1,6 +1,7 @@
 // Standalone paged decode attention (same math as the polling kernel's): one thread block
-// of weaver::kThreads threads per (sequence, query head); grid-stride over items so any
-// grid size is correct. Launched by weaver/offload/cuda/kernels.py.
+// of weaver::kThreads threads per work item (sequence, KV head, chunk of its query heads:
+// paged_attention.cuh); grid-stride over items so any grid size is correct. Launched by
+// weaver/offload/cuda/kernels.py.
 //
 // The _if_failed variants are the hot side's fallback without a host synchronisation:
 // enqueued on the hot stream right after a device wait (offload_hot.cu weaver_wait_done),
@@ -12,12 +13,12 @@
 
 namespace weaver {
 
-template <class Dt, int kElems>
+template <class Dt, int kVecs>
 __device__ void paged_decode_attention(const AttnParams& p, int* error_flag) {
   __shared__ AttnShared shared;
-  const int num_items = p.num_seqs * p.num_q_heads;
+  const int num_items = num_attention_items(p);
   for (int item = blockIdx.x; item < num_items; item += gridDim.x) {
-    const bool is_ok = attend_item<Dt, kElems>(p, item, shared);
+    const bool is_ok = attend_item<Dt, kVecs>(p, item, shared);
     if (!is_ok && threadIdx.x == 0 && error_flag != nullptr) atomicExch(error_flag, 1);
   }
 }
@@ -37,32 +38,33 @@ __device__ void paged_decode_attention(const AttnParams& p, int* error_flag) {
         block_size, block_table_stride, num_blocks, sliding_window, scale, softcap, kv_format  \
   }
 
-#define WEAVER_ATTENTION_KERNEL(NAME, DT, ELEMS)                                               \
+#define WEAVER_ATTENTION_KERNEL(NAME, DT, VECS)                                               \
   extern "C" __global__ void __launch_bounds__(weaver::kThreads) NAME(WEAVER_ATTENTION_PARAMS) { \
-    weaver::paged_decode_attention<DT, ELEMS>(WEAVER_ATTENTION_STRUCT, error_flag);            \
+    weaver::paged_decode_attention<DT, VECS>(WEAVER_ATTENTION_STRUCT, error_flag);            \
   }
 
-#define WEAVER_FALLBACK_KERNEL(NAME, DT, ELEMS)                                                \
+#define WEAVER_FALLBACK_KERNEL(NAME, DT, VECS)                                                \
   extern "C" __global__ void __launch_bounds__(weaver::kThreads)                               \
       NAME(WEAVER_ATTENTION_PARAMS, const int *wait_status, unsigned long long *num_fallbacks) { \
     if (wait_status[0] == weaver::kWaitOk) return;                                             \
     if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(num_fallbacks, 1ULL);                   \
-    weaver::paged_decode_attention<DT, ELEMS>(WEAVER_ATTENTION_STRUCT, error_flag);            \
+    weaver::paged_decode_attention<DT, VECS>(WEAVER_ATTENTION_STRUCT, error_flag);            \
   }
 
 // One kernel per dtype and head-size bound: _h128 for head_size <= 128, _h256 for <= 256
-// (kernels.py picks by head size). Names are spelled out: tests/gpu/test_region_desc.py
-// finds every kernel the wrappers launch in this file.
-WEAVER_ATTENTION_KERNEL(weaver_paged_attention_f32_h128, weaver::F32, 4)
-WEAVER_ATTENTION_KERNEL(weaver_paged_attention_f16_h128, weaver::F16, 4)
-WEAVER_ATTENTION_KERNEL(weaver_paged_attention_bf16_h128, weaver::BF16, 4)
-WEAVER_ATTENTION_KERNEL(weaver_paged_attention_f32_h256, weaver::F32, 8)
-WEAVER_ATTENTION_KERNEL(weaver_paged_attention_f16_h256, weaver::F16, 8)
-WEAVER_ATTENTION_KERNEL(weaver_paged_attention_bf16_h256, weaver::BF16, 8)
+// (kernels.py picks by head size). The last argument is the 16-byte vectors per lane of a
+// row: a 256-element fp16/bf16 row is 32 vectors, one per lane, an fp32 one 64. Names are
+// spelled out: tests/gpu/test_region_desc.py finds every kernel the wrappers launch here.
+WEAVER_ATTENTION_KERNEL(weaver_paged_attention_f32_h128, weaver::F32, 1)
+WEAVER_ATTENTION_KERNEL(weaver_paged_attention_f16_h128, weaver::F16, 1)
+WEAVER_ATTENTION_KERNEL(weaver_paged_attention_bf16_h128, weaver::BF16, 1)
+WEAVER_ATTENTION_KERNEL(weaver_paged_attention_f32_h256, weaver::F32, 2)
+WEAVER_ATTENTION_KERNEL(weaver_paged_attention_f16_h256, weaver::F16, 1)
+WEAVER_ATTENTION_KERNEL(weaver_paged_attention_bf16_h256, weaver::BF16, 1)
 
-WEAVER_FALLBACK_KERNEL(weaver_paged_attention_if_failed_f32_h128, weaver::F32, 4)
-WEAVER_FALLBACK_KERNEL(weaver_paged_attention_if_failed_f16_h128, weaver::F16, 4)
-WEAVER_FALLBACK_KERNEL(weaver_paged_attention_if_failed_bf16_h128, weaver::BF16, 4)
-WEAVER_FALLBACK_KERNEL(weaver_paged_attention_if_failed_f32_h256, weaver::F32, 8)
-WEAVER_FALLBACK_KERNEL(weaver_paged_attention_if_failed_f16_h256, weaver::F16, 8)
-WEAVER_FALLBACK_KERNEL(weaver_paged_attention_if_failed_bf16_h256, weaver::BF16, 8)
+WEAVER_FALLBACK_KERNEL(weaver_paged_attention_if_failed_f32_h128, weaver::F32, 1)
+WEAVER_FALLBACK_KERNEL(weaver_paged_attention_if_failed_f16_h128, weaver::F16, 1)
+WEAVER_FALLBACK_KERNEL(weaver_paged_attention_if_failed_bf16_h128, weaver::BF16, 1)
+WEAVER_FALLBACK_KERNEL(weaver_paged_attention_if_failed_f32_h256, weaver::F32, 2)
+WEAVER_FALLBACK_KERNEL(weaver_paged_attention_if_failed_f16_h256, weaver::F16, 1)
+WEAVER_FALLBACK_KERNEL(weaver_paged_attention_if_failed_bf16_h256, weaver::BF16, 1)

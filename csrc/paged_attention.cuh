@@ -10,21 +10,34 @@
 // row holds K then V. The page of a (block, kv head) is the same 2 * block_size *
 // head_size elements in both; only the row stride and V's offset in it differ.
 //
-// Work split: one thread block per (sequence, query head) work item; the block's warps
-// take groups of kTokensPerIter tokens round-robin, each warp keeps an online-softmax state (running max, running
-// sum, accumulator; Milakov & Gimelshein 2018, as in FlashAttention), and the warps'
-// states are merged through shared memory at the end. GQA: query head h reads KV head
-// h / (num_q_heads / num_kv_heads), as vLLM does.
+// Work split: one thread block per (sequence, KV head, chunk of up to kMaxGroup of its
+// query heads) work item, so a GQA group's K/V are read once for all its query heads
+// (Llama-3-8B: 4 query heads per KV head, one item per (sequence, KV head)). GQA: query
+// head h reads KV head h / (num_q_heads / num_kv_heads), as vLLM does.
+// Inside a block, a token's K (or V) row is read by a "lane group" of lanes_per_token
+// lanes with 16-byte loads (8 fp16/bf16 or 4 fp32 elements per lane), so a warp covers
+// 32 / lanes_per_token tokens per load and each lane group keeps kTokensPerIter tokens'
+// loads in flight before using any (independent loads hide the memory's latency).
+// Each lane group keeps an online-softmax state per query head (running max, running sum,
+// accumulator; Milakov & Gimelshein 2018, as in FlashAttention); the states are merged
+// across the lane groups of a warp with shuffles, then across warps through shared memory.
+// The first GPU run of the earlier one-block-per-(sequence, query head) kernel with scalar
+// loads reached 62 GB/s on the polling kernel's one-block-per-SM grid (H100,
+// benchmarks/results/gpu_h100/): too few loads in flight per SM, and each K/V row read once
+// per query head. This one took 116-149 us for the same task there (326-419 GB/s), still
+// about 7 us per 64-token iteration of a block, one block per SM (~190 registers); not
+// profiled yet.
 #pragma once
 
 #include "weaver_common.cuh"
 
 namespace weaver {
 
-constexpr int kNumWarps = 4;
+constexpr int kNumWarps = 8;
 constexpr int kThreads = kNumWarps * 32;
 constexpr int kMaxHeadSize = 256;
-constexpr int kTokensPerIter = 4;
+constexpr int kMaxGroup = 4;       // query heads one item serves (per-lane state grows with it)
+constexpr int kTokensPerIter = 4;  // tokens per lane group with loads in flight
 // -inf without math.h (NVRTC has no INFINITY macro)
 #define kNegInf __int_as_float(0xff800000)
 
@@ -37,7 +50,7 @@ struct AttnParams {
   int num_seqs;
   int num_q_heads;
   int num_kv_heads;
-  int head_size;
+  int head_size;           // a multiple of 8 (weaver/offload/cuda/region_desc.py checks)
   int block_size;
   int block_table_stride;
   int num_blocks;      // pool size: block ids outside [0, num_blocks) are an error
@@ -48,26 +61,94 @@ struct AttnParams {
 };
 
 struct AttnShared {
-  float max[kNumWarps];
-  float sum[kNumWarps];
-  float acc[kNumWarps][kMaxHeadSize];
+  float max[kNumWarps][kMaxGroup];
+  float sum[kNumWarps][kMaxGroup];
+  float acc[kNumWarps][kMaxGroup][kMaxHeadSize];
 };
 
-// Computes one (seq, q head) item with the whole block. Returns false (and writes zeros)
-// when the item's length does not fit its block table row or it reads a block id outside
-// the pool, so a corrupt task cannot read outside the pool. Every thread of the block
-// must call it (it synchronises).
-// kElems: head elements per lane (head_size <= 32 * kElems); 4 for head sizes up to 128
-// keeps the register arrays half the size of the 256 variant.
-template <class Dt, int kElems>
+// 16 bytes, loaded with one vector instruction (the pool, q and out are 16-byte aligned:
+// head_size is a multiple of 8 and the region's sections are cache-line aligned).
+struct __align__(16) Vec16 {
+  u32 w[4];
+};
+
+// The 16 / sizeof(T) elements of a Vec16 as floats.
+template <class Dt>
+__device__ __forceinline__ void unpack(const Vec16& v, float* out) {
+  if (sizeof(typename Dt::T) == 4) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) out[i] = __uint_as_float(v.w[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      out[2 * i] = Dt::load(static_cast<typename Dt::T>(v.w[i] & 0xffffu));
+      out[2 * i + 1] = Dt::load(static_cast<typename Dt::T>(v.w[i] >> 16));
+    }
+  }
+}
+
+__device__ __forceinline__ int num_group_chunks(const AttnParams& p) {
+  const int group = p.num_q_heads / p.num_kv_heads;
+  return (group + kMaxGroup - 1) / kMaxGroup;
+}
+
+// Work items of one attention call (kernels.py attention_items computes the same).
+__device__ __forceinline__ int num_attention_items(const AttnParams& p) {
+  return p.num_seqs * p.num_kv_heads * num_group_chunks(p);
+}
+
+// Online-softmax merge of (m_b, s_b, acc_b) into (m_a, s_a, acc_a); a side that saw no
+// token has max -inf and contributes nothing.
+__device__ __forceinline__ void merge_factors(float m_a, float m_b, float& f_a, float& f_b,
+                                              float& m_out) {
+  m_out = fmaxf(m_a, m_b);
+  f_a = m_a == kNegInf ? 0.0f : __expf(m_a - m_out);
+  f_b = m_b == kNegInf ? 0.0f : __expf(m_b - m_out);
+}
+
+// The block ids of tokens start .. start + kTokensPerIter - 1 of a sequence of seq_len
+// tokens, read unconditionally: a token past the end reads the last token's entry (the
+// caller masks it), so the loads need no branch.
+__device__ __forceinline__ void load_block_ids(const int* table, int start, int seq_len,
+                                               int block_size, int* blocks) {
+  const int last = seq_len > 0 ? seq_len - 1 : 0;
+#pragma unroll
+  for (int j = 0; j < kTokensPerIter; ++j) blocks[j] = table[min(start + j, last) / block_size];
+}
+
+// Computes one item (see the work split above) with the whole block. Returns false (and
+// writes zeros) when the item's length does not fit its block table row or it reads a
+// block id outside the pool, so a corrupt task cannot read outside the pool. Every
+// thread of the block must call it (it synchronises).
+// kVecs: 16-byte vectors per lane per row: 1, or 2 for fp32 rows longer than 128.
+template <class Dt, int kVecs>
 __device__ bool attend_item(const AttnParams& p, int item, AttnShared& shared) {
   typedef typename Dt::T T;
+  constexpr int kPerVec = 16 / static_cast<int>(sizeof(T));
+  constexpr int kElems = kVecs * kPerVec;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  const int seq = item / p.num_q_heads;
-  const int q_head = item - seq * p.num_q_heads;
-  const int kv_head = q_head / (p.num_q_heads / p.num_kv_heads);
   const int head_size = p.head_size;
+
+  // Lane geometry: a row of head_size / kPerVec vectors is read by lanes_per_token lanes
+  // (a power of two, at most 32), each holding up to kVecs of them.
+  const int vecs_per_row = head_size / kPerVec;
+  int lanes_per_token = 1;
+  while (lanes_per_token < vecs_per_row && lanes_per_token < 32) lanes_per_token <<= 1;
+  const int groups_per_warp = 32 / lanes_per_token;
+  const int sub = lane & (lanes_per_token - 1);
+  const int token_group = warp * groups_per_warp + lane / lanes_per_token;
+  const int tokens_per_iter = kNumWarps * groups_per_warp * kTokensPerIter;
+
+  const int chunks = num_group_chunks(p);
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int seq = item / (p.num_kv_heads * chunks);
+  const int rest = item - seq * p.num_kv_heads * chunks;
+  const int kv_head = rest / chunks;
+  const int chunk = rest - kv_head * chunks;
+  const int head0 = kv_head * group + chunk * kMaxGroup;
+  const int num_heads = min(kMaxGroup, group - chunk * kMaxGroup);
+
   // A length the block table cannot hold would read past the sequence's table row.
   const int claimed_len = p.seq_lens[seq];
   const bool is_len_ok =
@@ -77,17 +158,26 @@ __device__ bool attend_item(const AttnParams& p, int item, AttnShared& shared) {
                         ? seq_len - p.sliding_window
                         : 0;
 
-  const T* q_ptr = static_cast<const T*>(p.q) + (static_cast<i64>(seq) * p.num_q_heads + q_head) * head_size;
-  float q[kElems];
-  float acc[kElems];
+  float q[kMaxGroup][kElems];
+  float acc[kMaxGroup][kElems];
+  float running_max[kMaxGroup];
+  float running_sum[kMaxGroup];
 #pragma unroll
-  for (int i = 0; i < kElems; ++i) {
-    const int d = lane + 32 * i;
-    q[i] = d < head_size ? Dt::load(q_ptr[d]) : 0.0f;
-    acc[i] = 0.0f;
+  for (int g = 0; g < kMaxGroup; ++g) {
+    running_max[g] = kNegInf;
+    running_sum[g] = 0.0f;
+    const T* q_ptr = static_cast<const T*>(p.q) + (static_cast<i64>(seq) * p.num_q_heads + head0 + g) * head_size;
+#pragma unroll
+    for (int n = 0; n < kVecs; ++n) {
+      const int vec = n * lanes_per_token + sub;
+      Vec16 raw = {{0u, 0u, 0u, 0u}};
+      if (g < num_heads && vec < vecs_per_row) raw = reinterpret_cast<const Vec16*>(q_ptr)[vec];
+      unpack<Dt>(raw, &q[g][n * kPerVec]);
+    }
+#pragma unroll
+    for (int e = 0; e < kElems; ++e) acc[g][e] = 0.0f;
   }
-  float running_max = kNegInf;
-  float running_sum = 0.0f;
+
   bool is_ok = is_len_ok;
   const i64 page_elems = 2LL * p.block_size * head_size;
   const bool is_token_rows = p.kv_format == 1;
@@ -95,88 +185,146 @@ __device__ bool attend_item(const AttnParams& p, int item, AttnShared& shared) {
   const i64 v_offset = is_token_rows ? head_size : static_cast<i64>(p.block_size) * head_size;
   const int* table = p.block_table + static_cast<i64>(seq) * p.block_table_stride;
 
-  // Each warp takes kTokensPerIter consecutive tokens per iteration and issues all their
-  // K and V loads before using any: several independent loads in flight per lane hide
-  // memory latency (HOPPER.md "several independent loads in flight before the first use").
-  for (int t0 = first + warp * kTokensPerIter; t0 < seq_len; t0 += kNumWarps * kTokensPerIter) {
-    float k[kTokensPerIter][kElems];
-    float v[kTokensPerIter][kElems];
+  // Block ids of the lane group's tokens are fetched one iteration ahead, so an
+  // iteration's K/V loads wait for one memory round trip, not two (table, then page);
+  // every load is unconditional (an invalid token reads block 0, row 0, and is masked),
+  // so the compiler issues them back to back instead of behind branches. The first
+  // kernel on an H100 paid the table's round trip per token: ~4 us per iteration.
+  int blocks[kTokensPerIter];
+  load_block_ids(table, first + token_group * kTokensPerIter, seq_len, p.block_size, blocks);
+  // The bound is the same for the whole block, so every lane of a warp runs every
+  // iteration (the shuffles below need the full warp).
+  for (int base = first; base < seq_len; base += tokens_per_iter) {
+    Vec16 k_raw[kTokensPerIter][kVecs];
+    Vec16 v_raw[kTokensPerIter][kVecs];
     bool is_valid[kTokensPerIter];
 #pragma unroll
     for (int j = 0; j < kTokensPerIter; ++j) {
-      const int t = t0 + j;
-      const int block = t < seq_len ? table[t / p.block_size] : 0;
-      const bool is_in_pool = block >= 0 && block < p.num_blocks;  // same for every lane
-      is_ok = is_ok && is_in_pool;
+      const int t = base + token_group * kTokensPerIter + j;
+      const int block = blocks[j];
+      const bool is_in_pool = block >= 0 && block < p.num_blocks;  // same for the lane group
+      is_ok = is_ok && (t >= seq_len || is_in_pool);
       is_valid[j] = t < seq_len && is_in_pool;
-      const int offset = t - (t / p.block_size) * p.block_size;
+      const int offset = is_valid[j] ? t - (t / p.block_size) * p.block_size : 0;
       const T* k_ptr = static_cast<const T*>(p.kv) +
-                       (static_cast<i64>(block) * p.num_kv_heads + kv_head) * page_elems +
+                       (static_cast<i64>(is_valid[j] ? block : 0) * p.num_kv_heads + kv_head) * page_elems +
                        static_cast<i64>(offset) * k_row_stride;
       const T* v_ptr = k_ptr + v_offset;
 #pragma unroll
-      for (int i = 0; i < kElems; ++i) {
-        const int d = lane + 32 * i;
-        const bool is_loaded = is_valid[j] && d < head_size;
-        k[j][i] = is_loaded ? Dt::load(k_ptr[d]) : 0.0f;
-        v[j][i] = is_loaded ? Dt::load(v_ptr[d]) : 0.0f;
+      for (int n = 0; n < kVecs; ++n) {
+        const int vec = n * lanes_per_token + sub;
+        const int safe_vec = vec < vecs_per_row ? vec : 0;
+        k_raw[j][n] = reinterpret_cast<const Vec16*>(k_ptr)[safe_vec];
+        v_raw[j][n] = reinterpret_cast<const Vec16*>(v_ptr)[safe_vec];
+        if (!is_valid[j] || vec >= vecs_per_row) {
+          k_raw[j][n] = Vec16{{0u, 0u, 0u, 0u}};
+          v_raw[j][n] = Vec16{{0u, 0u, 0u, 0u}};
+        }
       }
     }
-    float score[kTokensPerIter];
-    float new_max = running_max;
+    load_block_ids(table, base + tokens_per_iter + token_group * kTokensPerIter, seq_len,
+                   p.block_size, blocks);
+    float score[kTokensPerIter][kMaxGroup];
 #pragma unroll
     for (int j = 0; j < kTokensPerIter; ++j) {
-      float partial = 0.0f;
+      float k[kElems];
 #pragma unroll
-      for (int i = 0; i < kElems; ++i) partial += q[i] * k[j][i];
-      score[j] = warp_sum(partial) * p.scale;
-      if (p.softcap > 0.0f) score[j] = tanhf(score[j] / p.softcap) * p.softcap;
-      if (is_valid[j]) new_max = fmaxf(new_max, score[j]);
+      for (int n = 0; n < kVecs; ++n) unpack<Dt>(k_raw[j][n], &k[n * kPerVec]);
+#pragma unroll
+      for (int g = 0; g < kMaxGroup; ++g) {
+        float partial = 0.0f;
+#pragma unroll
+        for (int e = 0; e < kElems; ++e) partial += q[g][e] * k[e];
+        // sum over the lane group: xor partners with a smaller mask stay inside it
+        for (int mask = lanes_per_token >> 1; mask > 0; mask >>= 1)
+          partial += __shfl_xor_sync(0xffffffffu, partial, mask);
+        float s = partial * p.scale;
+        if (p.softcap > 0.0f) s = tanhf(s / p.softcap) * p.softcap;
+        score[j][g] = s;
+      }
     }
-    if (new_max == kNegInf) break;  // only out-of-pool tokens: nothing to add
-    const float correction = __expf(running_max - new_max);  // 0 on the first tokens
-    running_sum *= correction;
 #pragma unroll
-    for (int i = 0; i < kElems; ++i) acc[i] *= correction;
+    for (int g = 0; g < kMaxGroup; ++g) {
+      float new_max = running_max[g];
+#pragma unroll
+      for (int j = 0; j < kTokensPerIter; ++j)
+        if (is_valid[j]) new_max = fmaxf(new_max, score[j][g]);
+      if (new_max == kNegInf) continue;  // no valid token in this lane group yet
+      const float correction = __expf(running_max[g] - new_max);  // 0 on the first tokens
+      running_sum[g] *= correction;
+#pragma unroll
+      for (int e = 0; e < kElems; ++e) acc[g][e] *= correction;
+      running_max[g] = new_max;
+    }
 #pragma unroll
     for (int j = 0; j < kTokensPerIter; ++j) {
-      const float weight = is_valid[j] ? __expf(score[j] - new_max) : 0.0f;
-      running_sum += weight;
+      float v[kElems];
 #pragma unroll
-      for (int i = 0; i < kElems; ++i) acc[i] += weight * v[j][i];
+      for (int n = 0; n < kVecs; ++n) unpack<Dt>(v_raw[j][n], &v[n * kPerVec]);
+#pragma unroll
+      for (int g = 0; g < kMaxGroup; ++g) {
+        const float weight = is_valid[j] ? __expf(score[j][g] - running_max[g]) : 0.0f;
+        running_sum[g] += weight;
+#pragma unroll
+        for (int e = 0; e < kElems; ++e) acc[g][e] += weight * v[e];
+      }
     }
-    running_max = new_max;
-    if (!is_ok) break;
+    if (__any_sync(0xffffffffu, !is_ok)) break;  // warp-uniform: a bad block id ends it
   }
 
-  if (lane == 0) {
-    shared.max[warp] = running_max;
-    shared.sum[warp] = running_sum;
-  }
+  // Merge the lane groups of this warp: partners hold the same head dimensions.
+  for (int mask = lanes_per_token; mask < 32; mask <<= 1) {
 #pragma unroll
-  for (int i = 0; i < kElems; ++i) {
-    const int d = lane + 32 * i;
-    if (d < head_size) shared.acc[warp][d] = acc[i];
+    for (int g = 0; g < kMaxGroup; ++g) {
+      const float other_max = __shfl_xor_sync(0xffffffffu, running_max[g], mask);
+      const float other_sum = __shfl_xor_sync(0xffffffffu, running_sum[g], mask);
+      float f_self, f_other, merged_max;
+      merge_factors(running_max[g], other_max, f_self, f_other, merged_max);
+      running_sum[g] = running_sum[g] * f_self + other_sum * f_other;
+#pragma unroll
+      for (int e = 0; e < kElems; ++e) {
+        const float other_acc = __shfl_xor_sync(0xffffffffu, acc[g][e], mask);
+        acc[g][e] = acc[g][e] * f_self + other_acc * f_other;
+      }
+      running_max[g] = merged_max;
+    }
+  }
+  if (lane < lanes_per_token) {
+#pragma unroll
+    for (int g = 0; g < kMaxGroup; ++g) {
+      if (lane == 0) {
+        shared.max[warp][g] = running_max[g];
+        shared.sum[warp][g] = running_sum[g];
+      }
+#pragma unroll
+      for (int n = 0; n < kVecs; ++n) {
+        const int vec = n * lanes_per_token + sub;
+        if (vec < vecs_per_row) {
+#pragma unroll
+          for (int e = 0; e < kPerVec; ++e) shared.acc[warp][g][vec * kPerVec + e] = acc[g][n * kPerVec + e];
+        }
+      }
+    }
   }
   const bool is_block_ok = __syncthreads_and(is_ok) != 0;
 
-  float block_max = kNegInf;
+  // Merge the warps and write: one thread per (query head of the item, head element).
+  for (int index = threadIdx.x; index < num_heads * head_size; index += blockDim.x) {
+    const int g = index / head_size;
+    const int d = index - g * head_size;
+    float block_max = kNegInf;
 #pragma unroll
-  for (int w = 0; w < kNumWarps; ++w) block_max = fmaxf(block_max, shared.max[w]);
-  float block_sum = 0.0f;
-  float factor[kNumWarps];
-#pragma unroll
-  for (int w = 0; w < kNumWarps; ++w) {
-    // a warp that saw no token has max -inf and contributes nothing
-    factor[w] = shared.max[w] == kNegInf ? 0.0f : __expf(shared.max[w] - block_max);
-    block_sum += shared.sum[w] * factor[w];
-  }
-  const float inv_sum = block_sum > 0.0f && is_block_ok ? 1.0f / block_sum : 0.0f;
-  T* out_ptr = static_cast<T*>(p.out) + (static_cast<i64>(seq) * p.num_q_heads + q_head) * head_size;
-  for (int d = threadIdx.x; d < head_size; d += blockDim.x) {
+    for (int w = 0; w < kNumWarps; ++w) block_max = fmaxf(block_max, shared.max[w][g]);
+    float block_sum = 0.0f;
     float value = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kNumWarps; ++w) value += shared.acc[w][d] * factor[w];
+    for (int w = 0; w < kNumWarps; ++w) {
+      const float factor = shared.max[w][g] == kNegInf ? 0.0f : __expf(shared.max[w][g] - block_max);
+      block_sum += shared.sum[w][g] * factor;
+      value += shared.acc[w][g][d] * factor;
+    }
+    const float inv_sum = block_sum > 0.0f && is_block_ok ? 1.0f / block_sum : 0.0f;
+    T* out_ptr = static_cast<T*>(p.out) + (static_cast<i64>(seq) * p.num_q_heads + head0 + g) * head_size;
     out_ptr[d] = Dt::store(value * inv_sum);
   }
   __syncthreads();  // shared is reused by the next item

@@ -91,8 +91,10 @@ def test_failed_acceptance_is_reported(bench) -> None:
         "c_poll_split": _entry(20.0, 12.0, 10.0, 10.0),
         "d_spin_kernel": _entry(30.0, 8.0, 10.0, 10.0),
     }
-    acceptance = bench.summarize(results, [10.0])["acceptance"]
-    assert not any(check["passed"] for check in acceptance.values())
+    report = bench.summarize(results, [10.0])
+    assert not any(check["passed"] for check in report["acceptance"].values())
+    assert report["verdict"].startswith("FAIL: busy_p99_a_over_b")
+    assert next(iter(report)) == "verdict"  # the saved JSON opens with it
 
 
 def test_percentiles_ignore_missing_stamps(bench) -> None:
@@ -409,3 +411,17 @@ def test_script_imports_and_says_so_without_pydantic(monkeypatch) -> None:
         assert "pydantic is missing" in module.unavailable_reason()
     finally:
         del sys.modules["offload_wait_bench_no_pydantic"]
+
+
+def test_receivers_can_be_chosen_and_the_summary_judges_what_ran(bench) -> None:
+    cfg = bench.run_config(bench.parse_args(["--receivers", "c_poll_split,b_poll_kernel"]))
+    assert cfg.receivers == ("b_poll_kernel", "c_poll_split")  # in the benchmark's order
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--receivers", "b_poll_kernel,z"])
+    results = {"b_poll_kernel": _entry(30.0, 12.0, 10.0, 10.0),
+               "c_poll_split": _entry(20.0, 12.0, 10.0, 10.0)}  # fmt: skip
+    report = bench.summarize(results, [10.0])
+    assert set(report["acceptance"]) == {"idle_round_trip_p99_us_b", "no_traffic_poll_overhead_b"}
+    assert report["verdict"].startswith("PASS")
+    assert bench.summarize({"c_poll_split": results["c_poll_split"]}, [10.0])["verdict"] == (
+        "no verdict: receiver b did not run")

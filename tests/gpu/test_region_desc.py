@@ -89,7 +89,11 @@ def test_descriptor_values_follow_the_layout() -> None:
 
 @pytest.mark.parametrize(
     ("overrides", "message"),
-    [({"head_size": 512}, "head_size 512"), ({"block_size": 24}, "multiple of 16")],
+    [
+        ({"head_size": 512}, "head_size 512"),
+        ({"head_size": 60}, "multiple of 8"),
+        ({"block_size": 24}, "multiple of 16"),
+    ],
 )
 def test_kernel_shape_limits_are_explained(overrides: dict[str, int], message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -237,3 +237,34 @@ def test_cross_process_round_trip_on_one_device(library) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_killed_cold_process_leaves_its_region_to_the_fallback(library) -> None:
+    """A cold engine that dies on a GPU: its region, opened here through CUDA IPC, stays
+    readable after the owner is gone, the device wait times out instead of hanging, and
+    the hot side's fallback attends the task over that memory, counted once. Run in its
+    own process (gpu_owner_death.py): a read of freed memory would poison this one.
+    (`library` only skips it where CUDA is absent.)"""
+    spec = {
+        "name": f"death-{uuid.uuid4().hex[:8]}",
+        "device": "cuda:0",
+        "max_spin_s": 120.0,
+        "layout": {
+            "shape": SHAPE,
+            "num_remote_blocks": NUM_REMOTE_BLOCKS,
+            "max_seqs_per_task": MAX_SEQS,
+            "max_blocks_per_seq": MAX_BLOCKS,
+        },
+    }
+    script = Path(__file__).with_name("gpu_owner_death.py")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, str(script), json.dumps(spec)], capture_output=True,
+                          text=True, env=env, timeout=300)  # fmt: skip
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, f"stdout {done.stdout!r} stderr {done.stderr[-2000:]!r}"
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    assert "error" not in result, result
+    assert result["cold_exit_code"] == -9
+    assert result["pool_readable_after_death"], result
+    assert result["wait_status"] == "TIMEOUT" and result["num_device_fallbacks"] == 1, result
+    assert result["fallback_rel_error"] < 1e-2, result

@@ -38,6 +38,13 @@ def _inputs(device: str = "cpu", **changes: object) -> dict[str, torch.Tensor]:
             },
             "head_size 320",
         ),
+        (
+            {
+                "q": torch.empty(3, 8, 60, dtype=torch.float16),
+                "kv_layer": torch.empty(10, 2, 16, 120, dtype=torch.float16),
+            },
+            "multiple of 8",
+        ),
         ({"seq_lens": torch.empty(3, dtype=torch.int64)}, "seq_lens must be int32"),
         ({"seq_lens": torch.empty(4, dtype=torch.int32)}, "seq_lens must be int32"),
         ({"block_table": torch.empty(2, 4, dtype=torch.int32)}, "block_table must be int32"),
@@ -95,3 +102,15 @@ def test_kernel_variant_follows_dtype_and_head_size() -> None:
     assert kernels.kernel_name("k", torch.float32, 129) == "k_f32_h256"
     with pytest.raises(ValueError, match="head_size 257"):
         kernels.kernel_name("k", torch.float16, 257)
+
+
+@pytest.mark.parametrize(
+    ("num_seqs", "num_q_heads", "num_kv_heads", "expected"),
+    [(16, 32, 8, 128), (1, 8, 8, 8), (3, 14, 2, 12), (2, 8, 1, 4), (5, 4, 4, 20)],
+)
+def test_one_work_item_per_sequence_kv_head_and_chunk_of_four_query_heads(
+    num_seqs: int, num_q_heads: int, num_kv_heads: int, expected: int
+) -> None:
+    """Llama-3-8B's GQA (4 query heads per KV head) is one item per (sequence, KV head), so
+    its K/V are read once; 7 query heads per KV head take two items."""
+    assert kernels.attention_items(num_seqs, num_q_heads, num_kv_heads) == expected

@@ -13,7 +13,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from weaver.offload.cuda.region_desc import BLOCK_SIZE_MULTIPLE, MAX_HEAD_SIZE
+from weaver.offload.cuda.region_desc import (
+    BLOCK_SIZE_MULTIPLE,
+    HEAD_SIZE_MULTIPLE,
+    MAX_HEAD_SIZE,
+)
 from weaver.offload.layout import KV_FORMATS
 
 if TYPE_CHECKING:
@@ -22,7 +26,8 @@ if TYPE_CHECKING:
 ATTENTION_FILE = "paged_attention.cu"
 HOT_FILE = "offload_hot.cu"
 COLD_FILE = "offload_cold.cu"
-NUM_THREADS = 128  # csrc/paged_attention.cuh kThreads
+NUM_THREADS = 256  # csrc/paged_attention.cuh kThreads
+MAX_GROUP = 4  # csrc/paged_attention.cuh kMaxGroup: query heads one work item serves
 
 DTYPE_SUFFIX: dict[torch.dtype, str] = {
     torch.float32: "f32",
@@ -61,6 +66,11 @@ def validate_attention_inputs(
         )
     if head_size > MAX_HEAD_SIZE:
         raise ValueError(f"head_size {head_size} > {MAX_HEAD_SIZE}, the kernel's maximum")
+    if head_size % HEAD_SIZE_MULTIPLE:
+        raise ValueError(
+            f"head_size {head_size} is not a multiple of {HEAD_SIZE_MULTIPLE}: the kernel "
+            "reads K/V rows in 16-byte vectors"
+        )
     if block_size % BLOCK_SIZE_MULTIPLE:
         raise ValueError(f"block_size {block_size} must be a multiple of {BLOCK_SIZE_MULTIPLE}")
     if seq_lens.dtype != torch.int32 or tuple(seq_lens.shape) != (num_seqs,):
@@ -117,11 +127,11 @@ def paged_decode_attention(
     seq_lens must be in [1, block_table columns * block_size] and block ids in range;
     the kernel writes zeros and sets error_flag[0] = 1 for an item that breaks either,
     instead of reading out of bounds (checking here would need a device sync).
-    num_blocks: grid size; default one block per (seq, q head).
+    num_blocks: grid size; default one block per work item (attention_items).
     """
     validate_attention_inputs(q, kv_layer, seq_lens, block_table, out)
     out = torch.empty_like(q) if out is None else out
-    num_items = q.shape[0] * q.shape[1]
+    num_items = attention_items(q.shape[0], q.shape[1], kv_layer.shape[1])
     grid = num_items if num_blocks is None else max(1, min(num_blocks, num_items))
     fn = library.function(
         ATTENTION_FILE, kernel_name("weaver_paged_attention", q.dtype, q.shape[2])
@@ -178,7 +188,15 @@ def paged_decode_attention_if_failed(
     args = (*_attention_args(q, kv_layer, seq_lens, block_table, out, scale, sliding_window,
                              softcap, kv_format, error_flag),
             _ptr(wait_status), _ptr(num_fallbacks))
-    launch(fn, q.shape[0] * q.shape[1], NUM_THREADS, args, device)
+    launch(fn, attention_items(q.shape[0], q.shape[1], kv_layer.shape[1]), NUM_THREADS, args,
+           device)
+
+
+def attention_items(num_seqs: int, num_q_heads: int, num_kv_heads: int) -> int:
+    """Thread blocks of work in one attention call: one per (sequence, KV head, chunk of
+    up to MAX_GROUP of its query heads), as csrc/paged_attention.cuh splits it."""
+    group = num_q_heads // num_kv_heads
+    return num_seqs * num_kv_heads * -(-group // MAX_GROUP)
 
 
 def publish(
@@ -269,8 +287,9 @@ def poll_and_attend(
 
 
 def kernel_name(base: str, dtype: torch.dtype, head_size: int) -> str:
-    """The instantiation for dtype and head size: the _h128 variants keep half the
-    registers of the _h256 ones (csrc/paged_attention.cuh kElems)."""
+    """The instantiation for dtype and head size. An fp32 row longer than 128 elements
+    takes two 16-byte vectors per lane, so _h256 holds twice the registers of _h128 for
+    fp32; fp16/bf16 rows fit one vector per lane at every size (csrc/paged_attention.cu)."""
     if not 1 <= head_size <= MAX_HEAD_SIZE:
         raise ValueError(f"head_size {head_size} outside [1, {MAX_HEAD_SIZE}]")
     return f"{base}_{DTYPE_SUFFIX[dtype]}_{'h128' if head_size <= 128 else 'h256'}"

@@ -44,6 +44,8 @@ DESC_FIELDS: tuple[str, ...] = (
 # Device code indexes head elements with a fixed per-lane register array
 # (csrc/paged_attention.cuh kMaxHeadSize).
 MAX_HEAD_SIZE = 256
+# K/V rows are read in 16-byte vectors (8 fp16/bf16 elements).
+HEAD_SIZE_MULTIPLE = 8
 BLOCK_SIZE_MULTIPLE = 16
 
 
@@ -84,6 +86,11 @@ def check_kernel_shape(layout: RegionLayout) -> None:
         raise ValueError(
             f"head_size {s.head_size} > {MAX_HEAD_SIZE}, the largest the CUDA offload kernels "
             "support; use the CPU transport for this model"
+        )
+    if s.head_size % HEAD_SIZE_MULTIPLE:
+        raise ValueError(
+            f"head_size {s.head_size} is not a multiple of {HEAD_SIZE_MULTIPLE}, which the "
+            "CUDA offload kernels read in 16-byte vectors; use the CPU transport for this model"
         )
     if s.block_size % BLOCK_SIZE_MULTIPLE:
         raise ValueError(
