@@ -32,6 +32,7 @@ times there show the path's cost, not the overlap real kernels would give.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
@@ -39,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -57,7 +59,7 @@ from benchmarks.two_process.paged_batch import (  # noqa: E402
 )
 from benchmarks.two_process.tiny_llama import LlamaShape, TinyLlama  # noqa: E402
 from weaver.offload.layout import HotAttentionShape  # noqa: E402
-from weaver.offload.naming import region_name  # noqa: E402
+from weaver.offload.naming import region_name, region_paths  # noqa: E402
 from weaver.weaving.hot import HotWeaving  # noqa: E402
 from weaver.weaving.plan import PairPlan, default_shm_prefix  # noqa: E402
 
@@ -102,6 +104,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cold-executor", choices=("reference", "noop"), default="reference",
                         help="shm only. noop: the cold side serves each task without "
                         "computing it, a negative control whose run must fail")
+    parser.add_argument("--kill-cold-at-step", type=int, default=-1,
+                        help="SIGKILL the cold process before this step of the offload-ON "
+                        "run (>= 1): the hot side's waits then fail, the pair must turn "
+                        "degraded and the remote rows be computed here from the remote pool "
+                        "(on CUDA read through the dead owner's IPC mapping), with the tokens "
+                        "of offload OFF; waits time out after --timeout-s")
     parser.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = parser.parse_args(argv)
     error = argument_error(args)
@@ -129,6 +137,8 @@ def argument_error(args: argparse.Namespace) -> str | None:
         return f"--transport {args.transport} runs on {wanted} devices, got {devices}"
     if args.cold_executor == "noop" and args.transport != "shm":
         return "--cold-executor noop is a control of the shm transport"
+    if args.kill_cold_at_step != -1 and not 1 <= args.kill_cold_at_step < args.steps:
+        return "--kill-cold-at-step must be in [1, --steps): some tasks are served before"
     return None
 
 
@@ -233,6 +243,15 @@ def reap_cold(proc: subprocess.Popen) -> None:
     proc.stdout.close()  # type: ignore[union-attr]
 
 
+def unlink_shm_region(plan: PairPlan) -> None:
+    """After a killed cold process: unlink the shared-memory files it could not (a CUDA
+    region is device memory, freed with the last mapping)."""
+    if plan.transport == "shm":
+        for path in region_paths(plan.region_name):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
 # --- the hot side -----------------------------------------------------------------------
 def attach_weaving(plan: PairPlan, handle: str) -> HotWeaving:
     """Shared memory is found by the region's name; a CUDA region is opened through the
@@ -248,13 +267,17 @@ class DecodeRun:
     step_seconds: list[float]
 
 
-def decode(model: TinyLlama, workload: Workload, weaving: HotWeaving | None) -> DecodeRun:
+def decode(model: TinyLlama, workload: Workload, weaving: HotWeaving | None,
+           before_step: Callable[[int], None] | None = None) -> DecodeRun:
+    """before_step(step), if given, runs before each step (the kill of --kill-cold-at-step)."""
     remote = set(workload.remote) if weaving is not None else set()
     sequences = place_sequences(workload.prompts, workload.join_steps, remote,
                                 num_blocks_each=workload.num_blocks_each, seed=workload.seed)
     decoder = PagedDecoder(model, sequences, block_size=workload.block_size, weaving=weaving)
     run = DecodeRun([], [], [])
     for step in range(workload.num_steps):
+        if before_step is not None:
+            before_step(step)
         start = time.perf_counter()
         run.logits.append(decoder.step(step).logits)
         if weaving is not None:
@@ -291,12 +314,23 @@ def decode_pair(args: argparse.Namespace, workload: Workload, plan: PairPlan) ->
         # Both runs while the cold side decodes its own batch: the same load on the
         # machine, offload on or off.
         off = decode(model, workload, None)
-        on = decode(model, workload, weaving)
+
+        def kill_cold(step: int) -> None:
+            if step == args.kill_cold_at_step:
+                proc.kill()  # SIGKILL: no close, no unlink, nothing said to the hot side
+                proc.wait(timeout=STOP_TIMEOUT_S)
+
+        on = decode(model, workload, weaving, kill_cold)
         hot_stats = weaving.drain_stats()
         weaving.sender.close()  # the hot side lets go of the region before its owner frees it
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        cold_report = stop_cold(proc)
+        if args.kill_cold_at_step == -1:
+            cold_report = stop_cold(proc)
+        else:  # it said nothing: what it served before dying is not known
+            cold_report = {"num_served": None, "killed_before_step": args.kill_cold_at_step,
+                           "exit_code": proc.returncode}
+            unlink_shm_region(plan)
     finally:
         reap_cold(proc)
     return summarize(args, workload, plan, off, on, hot_stats, cold_report)
@@ -310,14 +344,23 @@ def summarize(args: argparse.Namespace, workload: Workload, plan: PairPlan, off:
     failures = []
     if on.tokens != off.tokens:
         failures.append("greedy tokens differ with offload on")
-    if cold["num_served"] == 0:
-        failures.append("the cold side served no task: nothing was offloaded")
-    if cold["num_served"] != workload.num_tasks or num_offloaded != workload.num_tasks:
-        failures.append(f"{workload.num_tasks} tasks published, the hot side collected "
-                        f"{num_offloaded}, the cold side served {cold['num_served']}")
-    if num_fallbacks or hot_stats["degraded_reason"]:
-        failures.append(f"{num_fallbacks} tasks fell back to the hot side "
-                        f"({hot_stats['degraded_reason']})")
+    if args.kill_cold_at_step != -1:
+        # The cold side dies mid-run: the pair must degrade and the hot side take over.
+        if not num_fallbacks:
+            failures.append("no remote row was computed by the hot side after the kill")
+        if not hot_stats["degraded_reason"]:
+            failures.append("the pair did not turn degraded after its cold side died")
+        if not num_offloaded:
+            failures.append("no task was served before the kill")
+    else:
+        if cold["num_served"] == 0:
+            failures.append("the cold side served no task: nothing was offloaded")
+        if cold["num_served"] != workload.num_tasks or num_offloaded != workload.num_tasks:
+            failures.append(f"{workload.num_tasks} tasks published, the hot side collected "
+                            f"{num_offloaded}, the cold side served {cold['num_served']}")
+        if num_fallbacks or hot_stats["degraded_reason"]:
+            failures.append(f"{num_fallbacks} tasks fell back to the hot side "
+                            f"({hot_stats['degraded_reason']})")
     margins = [top2[:, 0] - top2[:, 1] for top2 in (x.topk(2).values for x in off.logits)]
     return {
         "ok": not failures, "failures": failures,
@@ -360,8 +403,12 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(figures, indent=1))
     median = figures["median_step_ms"]
+    served = figures["num_tasks_served"]
+    served_text = (f"{served} of {figures['num_tasks_expected']}" if served is not None else
+                   f"unknown, killed before step {args.kill_cold_at_step} "
+                   f"({figures['num_tasks_collected']} collected)")  # fmt: skip
     print(f"tokens equal (offload on vs off): {figures['tokens_equal']}; tasks served by the "
-          f"cold side: {figures['num_tasks_served']} of {figures['num_tasks_expected']}; "
+          f"cold side: {served_text}; "
           f"fallbacks: {figures['num_fallbacks']}; median step ms off {median['off']:.2f} / "
           f"on {median['on']:.2f}")
     for failure in figures["failures"]:

@@ -58,6 +58,20 @@ def test_a_cold_side_that_computes_nothing_fails_the_run(bench, tmp_path: Path) 
     assert figures["num_tasks_served"] > 0  # served, but what it sent back was not attention
 
 
+def test_a_cold_process_killed_mid_run_leaves_the_tokens_exact(bench, tmp_path: Path) -> None:
+    """SIGKILL of the cold process between two steps: the hot side's waits fail, the pair
+    turns degraded and the remote rows are computed here from the remote pool, with the
+    greedy tokens of offload off; the dead owner's region files are gone afterwards."""
+    code, figures = _run(bench, tmp_path, "--transport", "shm", *SMALL_SHM,
+                         "--kill-cold-at-step", "3", "--timeout-s", "2")  # fmt: skip
+    assert code == 0, figures["failures"]
+    assert figures["tokens_equal"] and figures["num_fallbacks"] > 0
+    assert 0 < figures["num_tasks_collected"] < figures["num_tasks_expected"]
+    assert figures["cold"]["exit_code"] == -9
+    leftovers = [p for p in region_paths(figures["config"]["region_name"]) if os.path.exists(p)]
+    assert not leftovers, leftovers
+
+
 def test_a_run_that_would_offload_nothing_is_refused(bench) -> None:
     with pytest.raises(SystemExit):
         bench.parse_args(["--num-remote", "0"])
@@ -98,3 +112,20 @@ def test_cuda_offload_on_gives_the_tokens_of_offload_off(bench, tmp_path: Path) 
     assert figures["tokens_equal"]
     assert figures["num_tasks_served"] == figures["num_tasks_expected"] > 0
     assert figures["num_fallbacks"] == 0
+
+
+@pytest.mark.gpu
+def test_cuda_cold_process_killed_mid_run_leaves_the_tokens_exact(bench, tmp_path: Path) -> None:
+    """The GPU half of the kill test: device waits time out, the fallback kernel behind
+    each attends the rows over the dead owner's region (still mapped here), the pair turns
+    degraded at the step's settle and attends from that memory afterwards."""
+    from weaver.offload.cuda.jit import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    code, figures = _run(bench, tmp_path, "--transport", "cuda", *SMALL, "--steps", "16",
+                         "--kill-cold-at-step", "5", "--timeout-s", "0.5")  # fmt: skip
+    assert code == 0, figures["failures"]
+    assert figures["tokens_equal"] and figures["num_fallbacks"] > 0
+    assert 0 < figures["num_tasks_collected"] < figures["num_tasks_expected"]
