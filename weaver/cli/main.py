@@ -21,6 +21,7 @@ SUBCOMMAND_MODULES = (
     "weaver.cli.profile",
     "weaver.cli.bench",
     "weaver.cli.simulate",
+    "weaver.cli.cluster",
     "weaver.cli.offload_probe",
 )
 

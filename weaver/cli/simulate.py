@@ -10,8 +10,12 @@ import argparse
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from weaver.cli.pairs import parse_pairs
+
+if TYPE_CHECKING:
+    from weaver.sim.config import SimConfig
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +95,12 @@ def _register_plan(subparsers: argparse._SubParsersAction) -> None:
                              "placement without weaving, its shared devices as mux groups) "
                              "and DIR/weaver.yaml (the best woven one); cpu configs, whose "
                              "models say what to serve (`serve:`); device i is core i")
+    parser.add_argument("--nodes", type=int, metavar="N",
+                        help="with --cluster: split the best woven placement (else the best "
+                        "plain one) over N nodes, a weaving pair on one node")
+    parser.add_argument("--cluster", metavar="DIR",
+                        help="write DIR/cluster.yaml and one deployment per node "
+                             "(DIR/node<i>.yaml) for `weaver cluster up`; cpu configs")
     parser.set_defaults(handler=run_plan)
 
 
@@ -215,12 +225,17 @@ def run_plan(args: argparse.Namespace) -> int:
     from weaver.sim.planner import plan_cluster
 
     try:
+        if (args.nodes is None) != (args.cluster is None):
+            raise ValueError("--nodes and --cluster go together: --nodes N --cluster DIR")
         config = resolve_config(args.config)
-        if args.deployments:  # refuse before minutes of planning, not after
+        if args.deployments or args.cluster:  # refuse before minutes of planning, not after
             require_writable(config)
         result = plan_cluster(config, progress=True)
         written = (write_plan_deployments(config, result, Path(args.deployments))
                    if args.deployments else {})
+        if args.cluster:
+            written["cluster"] = write_plan_cluster(config, result, args.nodes,
+                                                    Path(args.cluster))
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
@@ -237,9 +252,24 @@ def run_plan(args: argparse.Namespace) -> int:
     if not args.no_plot:
         print(f"plot: {plots.plot_plan(path, path.with_suffix('.png'))}")
     for name, deployment in written.items():
-        print(f"deployment ({name}): {deployment}  (serve it: weaver serve {deployment})")
+        if name == "cluster":
+            print(f"cluster file: {deployment}  (deploy it: weaver cluster up {deployment})")
+        else:
+            print(f"deployment ({name}): {deployment}  (serve it: weaver serve {deployment})")
     print(f"results: {path}")
     return 0
+
+
+def write_plan_cluster(config: SimConfig, result: dict, num_nodes: int,
+                       out_dir: Path) -> Path:
+    """The best woven placement (else the best plain one) as a cluster of num_nodes."""
+    from weaver.cluster.from_plan import write_cluster
+    from weaver.sim.plan import Plan
+    from weaver.sim.plan_deployment import best_candidate
+
+    entry = best_candidate(result)
+    mode = "temporal" if entry["policy"] == "mux_temporal" else "spatial-temporal"
+    return write_cluster(config, Plan.from_dict(entry["plan"]), num_nodes, out_dir, mode=mode)
 
 
 def _print_summary(result: dict) -> None:

@@ -127,6 +127,12 @@ def write_plan_deployments(config: SimConfig, result: dict, out_dir: Path) -> di
     return written
 
 
+def best_candidate(result: dict) -> dict:
+    """The planner's best woven candidate, else its best plain one."""
+    woven = [c for c in result["candidates"] if c["policy"] == "weaver"]
+    return max(woven or result["candidates"], key=_score)
+
+
 def _score(entry: dict) -> tuple[float, float]:
     total = entry["summary"]["_all"]
     return (total["goodput_rps"], total["output_tokens_per_s"])
