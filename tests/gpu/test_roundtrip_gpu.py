@@ -197,10 +197,10 @@ def test_spin_server_serves_concurrently_and_stops_on_request(pair) -> None:
     assert region.num_served() == 4
 
 
-def test_cross_process_round_trip_on_one_device(library) -> None:
-    layout = _layout()
-    spec = {
-        "name": f"xproc-{uuid.uuid4().hex[:8]}",
+def _cold_worker_spec(prefix: str) -> dict:
+    """gpu_cold_worker.py's argument: a region of this module's layout, named anew."""
+    return {
+        "name": f"{prefix}-{uuid.uuid4().hex[:8]}",
         "device": "cuda:0",
         "max_spin_s": 120.0,
         "layout": {
@@ -210,8 +210,18 @@ def test_cross_process_round_trip_on_one_device(library) -> None:
             "max_blocks_per_seq": MAX_BLOCKS,
         },
     }
+
+
+def _child_env() -> dict[str, str]:
+    """A child process imports this checkout as pytest does."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+
+
+def test_cross_process_round_trip_on_one_device(library) -> None:
+    layout = _layout()
+    spec = _cold_worker_spec("xproc")
     worker = Path(__file__).with_name("gpu_cold_worker.py")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = _child_env()
     proc = subprocess.Popen(
         [sys.executable, str(worker), json.dumps(spec)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
@@ -245,19 +255,9 @@ def test_a_killed_cold_process_leaves_its_region_to_the_fallback(library) -> Non
     the hot side's fallback attends the task over that memory, counted once. Run in its
     own process (gpu_owner_death.py): a read of freed memory would poison this one.
     (`library` only skips it where CUDA is absent.)"""
-    spec = {
-        "name": f"death-{uuid.uuid4().hex[:8]}",
-        "device": "cuda:0",
-        "max_spin_s": 120.0,
-        "layout": {
-            "shape": SHAPE,
-            "num_remote_blocks": NUM_REMOTE_BLOCKS,
-            "max_seqs_per_task": MAX_SEQS,
-            "max_blocks_per_seq": MAX_BLOCKS,
-        },
-    }
+    spec = _cold_worker_spec("death")
     script = Path(__file__).with_name("gpu_owner_death.py")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = _child_env()
     done = subprocess.run([sys.executable, str(script), json.dumps(spec)], capture_output=True,
                           text=True, env=env, timeout=300)  # fmt: skip
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]

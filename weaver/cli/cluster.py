@@ -56,14 +56,16 @@ def _print_help(parser: argparse.ArgumentParser) -> int:
     return 2
 
 
-def _ray() -> tuple[Any, Any] | None:
+def _connect(address: str) -> Any | None:
+    """Join the Ray cluster at `address`; Ray Serve's module, or None (logged) without Ray."""
     try:
         import ray
         from ray import serve
     except ImportError:
         logger.error("%s", RAY_MISSING)
         return None
-    return ray, serve
+    ray.init(address=address, namespace=APP_NAME, log_to_driver=False)
+    return serve
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -74,14 +76,12 @@ def run_up(args: argparse.Namespace) -> int:
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
-    modules = _ray()
-    if modules is None:
+    serve = _connect(args.address)
+    if serve is None:
         return 2
-    ray, serve = modules
     from weaver.cluster.ray_app import build_app
 
     spec = cluster.spec
-    ray.init(address=args.address, namespace=APP_NAME, log_to_driver=False)
     serve.start(proxy_location=spec.ingress.proxy_location,
                 http_options={"host": spec.ingress.host, "port": spec.ingress.port})
     groups = {g.name: (cluster.deployment_texts[g.name], g.resources, g.replicas)
@@ -97,22 +97,18 @@ def run_up(args: argparse.Namespace) -> int:
 
 
 def run_down(args: argparse.Namespace) -> int:
-    modules = _ray()
-    if modules is None:
+    serve = _connect(args.address)
+    if serve is None:
         return 2
-    ray, serve = modules
-    ray.init(address=args.address, namespace=APP_NAME, log_to_driver=False)
     serve.delete(args.name)
     print(f"application {args.name!r} deleted")
     return 0
 
 
 def run_status(args: argparse.Namespace) -> int:
-    modules = _ray()
-    if modules is None:
+    serve = _connect(args.address)
+    if serve is None:
         return 2
-    ray, serve = modules
-    ray.init(address=args.address, namespace=APP_NAME, log_to_driver=False)
     app = serve.status().applications.get(args.name)
     if app is None:
         print(f"no application {args.name!r} on this Ray cluster")
