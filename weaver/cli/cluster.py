@@ -100,6 +100,9 @@ def run_down(args: argparse.Namespace) -> int:
     serve = _connect(args.address)
     if serve is None:
         return 2
+    if args.name not in serve.status().applications:  # delete would raise a traceback
+        print(f"no application {args.name!r} on this Ray cluster: nothing to stop")
+        return 1
     serve.delete(args.name)
     print(f"application {args.name!r} deleted")
     return 0
