@@ -38,13 +38,24 @@ __device__ void paged_decode_attention(const AttnParams& p, int* error_flag) {
         block_size, block_table_stride, num_blocks, sliding_window, scale, softcap, kv_format  \
   }
 
+// Two resident blocks per SM (at most 128 registers a thread) for rows of one 16-byte
+// vector per lane: a task of more items than SMs then keeps 16 warps per SM in flight,
+// not 8. On an H100 (benchmarks/attention_kernel.py) a 64-sequence Llama-3-8B task went
+// from 1,093-1,101 to 678-688 us at 4,096 tokens, the device copy's read rate, for 8-16
+// bytes of spill; a 16-sequence task (one item per SM) stayed within noise. Rows of two
+// vectors per lane (fp32, head size over 128) keep one block per SM: at 128 registers
+// they spill 168 bytes. The polling kernel (offload_cold.cu) keeps one block per SM too:
+// its grid is one block per SM.
+#define WEAVER_MIN_BLOCKS_PER_SM(VECS) (2 / (VECS))
+
 #define WEAVER_ATTENTION_KERNEL(NAME, DT, VECS)                                               \
-  extern "C" __global__ void __launch_bounds__(weaver::kThreads) NAME(WEAVER_ATTENTION_PARAMS) { \
+  extern "C" __global__ void __launch_bounds__(weaver::kThreads, WEAVER_MIN_BLOCKS_PER_SM(VECS))   \
+      NAME(WEAVER_ATTENTION_PARAMS) {                                                          \
     weaver::paged_decode_attention<DT, VECS>(WEAVER_ATTENTION_STRUCT, error_flag);            \
   }
 
 #define WEAVER_FALLBACK_KERNEL(NAME, DT, VECS)                                                \
-  extern "C" __global__ void __launch_bounds__(weaver::kThreads)                               \
+  extern "C" __global__ void __launch_bounds__(weaver::kThreads, WEAVER_MIN_BLOCKS_PER_SM(VECS))   \
       NAME(WEAVER_ATTENTION_PARAMS, const int *wait_status, unsigned long long *num_fallbacks) { \
     if (wait_status[0] == weaver::kWaitOk) return;                                             \
     if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(num_fallbacks, 1ULL);                   \
