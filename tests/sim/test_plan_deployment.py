@@ -122,8 +122,9 @@ def test_plan_command_writes_servable_files(cpu_config, tmp_path, capsys):
     assert all(g["mux"]["own_kv"] for c in plain for g in c["plan"]["gpus"] if g["mux"])
 
 
-def test_plan_command_refuses_a_gpu_config_before_planning(tmp_path, capsys):
+def test_plan_command_refuses_a_config_without_serve_before_planning(tmp_path, caplog):
     args = build_parser().parse_args(["plan", "tiny", "--out", str(tmp_path), "--no-plot",
                                       "--deployments", str(tmp_path / "d")])
     assert args.handler(args) == 2
-    assert not (tmp_path / "d").exists()
+    assert "have no `serve:`" in caplog.text
+    assert not (tmp_path / "d").exists() and not (tmp_path / "tiny").exists()

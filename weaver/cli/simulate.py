@@ -223,14 +223,20 @@ def run_plan(args: argparse.Namespace) -> int:
     from weaver.sim import plots
     from weaver.sim.plan_deployment import require_writable, write_plan_deployments
     from weaver.sim.planner import plan_cluster
+    from weaver.sim.profile import CPU_DEVICE
 
     try:
         if (args.nodes is None) != (args.cluster is None):
             raise ValueError("--nodes and --cluster go together: --nodes N --cluster DIR")
         config = resolve_config(args.config)
-        if args.deployments or args.cluster:  # refuse before minutes of planning, not after
+        writes = bool(args.deployments or args.cluster)
+        if writes:  # refuse before minutes of planning, not after
             require_writable(config)
-        result = plan_cluster(config, progress=True)
+        exclusive = writes and config.cluster.device != CPU_DEVICE
+        if exclusive:
+            logger.info("planning %s with a GPU per model (no packed GPUs): weaver serve "
+                        "runs mux groups on CPU engines only", config.name)
+        result = plan_cluster(config, progress=True, exclusive_devices=exclusive)
         written = (write_plan_deployments(config, result, Path(args.deployments))
                    if args.deployments else {})
         if args.cluster:

@@ -64,10 +64,13 @@ class ModelSetSpec(_Strict):
     total_rate: float = Field(gt=0)
     alpha: float = Field(1.0, ge=0)
     shape: str = "llama-3-8b"
+    serve: str | None = Field(None, description="what every model of the set serves in a "
+                              "deployment written from a plan (a platform's fine-tunes of one "
+                              "base model: one weights id, an API name per model)")
 
     def expand(self) -> list[ModelSpec]:
         rates = power_law_rates(self.num_models, self.total_rate, self.alpha)
-        return [ModelSpec(name=f"m{i:02d}", shape=self.shape, rate=r)
+        return [ModelSpec(name=f"m{i:02d}", shape=self.shape, rate=r, serve=self.serve)
                 for i, r in enumerate(rates)]
 
 

@@ -1,16 +1,18 @@
 """Deployment files from the planner's placements (`weaver plan CONFIG --deployments DIR`).
 
-The inverse of `weaver.sim.deployment`: a plan for a config on CPU cores becomes the file
-`weaver serve` runs. Device i of the plan is core i: a device of one model is a dedicated
-engine pinned there (`cpu_cores: "i"`), a device of several models a mux group on that core
-(MuxServe's mode, decode shares by the models' rates), a weaving pair a hot and a cold
-engine with the pair's offload ratio and the lent blocks as `lend_kv_gib`. Each engine gets
-the KV blocks the simulation gave its model (`num_blocks`, plus vLLM's null block). The
-model each engine serves is the config model's `serve`.
+The inverse of `weaver.sim.deployment`: a plan for a config becomes the file `weaver serve`
+runs. Device i of the plan is core i on a cpu config and GPU i (`cuda:i`) on a GPU one: a
+device of one model is a dedicated engine there, a device of several models a mux group on
+that core (MuxServe's mode, decode shares by the models' rates), a weaving pair a hot and a
+cold engine with the pair's offload ratio and the lent blocks as `lend_kv_gib`. Each engine
+gets the KV blocks the simulation gave its model (`num_blocks`, else what its device holds
+after the weights, plus vLLM's null block). The model each engine serves is the config
+model's `serve`.
 
-What a deployment cannot hold is refused with the reason: GPU configs (mux groups run on
-CPU engines only), a model on several devices (one engine per API name), weaving from or
-to a shared device (a weaving model has its device to itself).
+What a deployment cannot hold is refused with the reason: a shared GPU (mux groups run on
+CPU engines only; `weaver plan` plans GPU configs with a device per model when it writes
+files), a model on several devices (one engine per API name), weaving from or to a shared
+device (a weaving model has its device to itself).
 """
 
 from __future__ import annotations
@@ -35,11 +37,14 @@ logger = logging.getLogger(__name__)
 FILE_NAMES = ("dedicated", "muxserve", "weaver")
 
 
+# Longest prompt + output an engine written here takes: a CPU engine's batch is small; on
+# a GPU, the shortest context of the simulator's GPU shapes (Llama-2's 4,096 tokens).
+CPU_MAX_MODEL_LEN = 2048
+GPU_MAX_MODEL_LEN = 4096
+
+
 def require_writable(config: SimConfig) -> None:
     """ValueError unless plans of `config` can become deployment files."""
-    if config.cluster.device != CPU_DEVICE:
-        raise ValueError(f"deployments are written for cpu configs; {config.name!r} is on "
-                         f"{config.cluster.device} (mux groups run on CPU engines only)")
     unserved = [m.name for m in config.models if not m.serve]
     if unserved:
         raise ValueError(f"models {unserved} have no `serve:` (the model each engine runs, "
@@ -50,6 +55,7 @@ def deployment_from_plan(config: SimConfig, plan: Plan, mode: str = "spatial-tem
     """The deployment file (as a dict, validated) that serves `plan` on this machine's cores;
     `mode` for its mux groups. ValueError when a deployment cannot serve the plan."""
     require_writable(config)
+    on_gpu = config.cluster.device != CPU_DEVICE
     for model in config.models:
         devices = plan.gpus_of(model.name)
         if len(devices) > 1:
@@ -60,9 +66,13 @@ def deployment_from_plan(config: SimConfig, plan: Plan, mode: str = "spatial-tem
     models, groups = [], []
     for core, device in enumerate(plan.gpus):
         shared = len(device.models) > 1
+        if shared and on_gpu:
+            raise ValueError(f"GPU {core} is shared by {device.models}; mux groups run on CPU "
+                             "engines only, so a GPU deployment needs a device per model "
+                             "(`weaver plan` plans so when it writes files for a GPU config)")
         for name in device.models:
             models.append(_engine(config, cluster, name, roles.get(core, "dedicated"),
-                                  None if shared else str(core)))
+                                  None if shared else core))
         if shared:
             if core in roles:
                 raise ValueError(f"device {core} is shared by {device.models} and in a "
@@ -76,13 +86,13 @@ def deployment_from_plan(config: SimConfig, plan: Plan, mode: str = "spatial-tem
         cold_spec = next(m for m in models if m["name"] == cold)
         blocks = pair.remote_blocks
         if blocks is None:  # the simulator lends a share of the cold model's own KV
-            lent_bytes = config.model(cold).num_blocks * cluster.block_bytes(cold) \
-                * config.weaving.region_fraction
+            cold_blocks = _num_blocks(config, cluster, cold)
+            lent_bytes = cold_blocks * cluster.block_bytes(cold) * config.weaving.region_fraction
             blocks = max(1, int(lent_bytes) // cluster.block_bytes(hot))
-            kept = config.model(cold).num_blocks - math.ceil(
+            kept = cold_blocks - math.ceil(
                 blocks * cluster.block_bytes(hot) / cluster.block_bytes(cold))
             cold_spec.update(_kv_fields(max(kept, 1), cluster.block_bytes(cold),
-                                        cold_spec["block_size"]))
+                                        cold_spec["block_size"], on_gpu))
         cold_spec["lend_kv_gib"] = float(lend_kv_gib_for(blocks, cluster.block_bytes(hot)))
         # The server wants one whole hot sequence to fit in the lent blocks.
         hot_spec = next(m for m in models if m["name"] == hot)
@@ -146,20 +156,36 @@ def _roles(plan: Plan) -> dict[int, str]:
 
 
 def _engine(config: SimConfig, cluster: Cluster, name: str, role: str,
-            cpu_cores: str | None) -> dict:
+            device: int | None) -> dict:
+    """One engine of the deployment; `device`: the core or GPU it has to itself, None on a
+    shared core (its mux group binds the cores)."""
     spec, server = config.model(name), cluster.server_config(name)
+    on_gpu = config.cluster.device != CPU_DEVICE
     engine = {"name": name, "model": spec.serve, "role": role,
-              **_kv_fields(spec.num_blocks, cluster.block_bytes(name), server.block_size),
+              **_kv_fields(_num_blocks(config, cluster, name), cluster.block_bytes(name),
+                           server.block_size, on_gpu),
               "max_num_seqs": server.max_num_seqs}
-    if cpu_cores is not None:
-        engine["cpu_cores"] = cpu_cores
+    if on_gpu:
+        engine.update(device=f"cuda:{device}", dtype="bfloat16")
+    elif device is not None:
+        engine["cpu_cores"] = str(device)
     return engine
 
 
-def _kv_fields(num_blocks: int, block_bytes: int, block_size: int) -> dict:
+def _num_blocks(config: SimConfig, cluster: Cluster, name: str) -> int:
+    """The KV blocks the simulation gives a model: its `num_blocks`, else what its device
+    holds after its weights (as weaver.sim.cluster counts a GPU's memory)."""
+    spec = config.model(name)
+    if spec.num_blocks is not None:
+        return spec.num_blocks
+    return int(cluster.kv_capacity_bytes([name]) // cluster.block_bytes(name))
+
+
+def _kv_fields(num_blocks: int, block_bytes: int, block_size: int, on_gpu: bool) -> dict:
     """An engine's KV: `num_blocks` usable blocks (+ vLLM's null block, as
     weaver.sim.deployment counts them), memory for them, sequences that fit in them."""
     blocks = num_blocks + 1
+    longest = GPU_MAX_MODEL_LEN if on_gpu else CPU_MAX_MODEL_LEN
     return {"kv_cache_gib": math.ceil(blocks * block_bytes / GiB * 64) / 64,
             "block_size": block_size, "num_gpu_blocks_override": blocks,
-            "max_model_len": min(2048, num_blocks * block_size)}
+            "max_model_len": min(longest, num_blocks * block_size)}

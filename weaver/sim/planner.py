@@ -134,20 +134,28 @@ def estimate_plan(config: SimConfig, plan: Plan, capacities: dict[str, float]) -
     return total
 
 
-def plan_cluster(config: SimConfig, progress: bool = False) -> dict:
-    """Choose a placement (and weaving pairs) for the config's models and cluster."""
+def plan_cluster(config: SimConfig, progress: bool = False,
+                 exclusive_devices: bool = False) -> dict:
+    """Choose a placement (and weaving pairs) for the config's models and cluster.
+
+    exclusive_devices: each device serves one model (replicas and weaving pairs, no
+    packing), as a deployment on GPUs must: `weaver serve` runs mux groups on CPU engines
+    only."""
     cluster = Cluster(config, Engine())
     capacities = {m.name: estimate_capacity(cluster, m) for m in config.models}
     candidates: dict[str, Candidate] = {}
-    for threshold in SMALL_DEMAND_THRESHOLDS:
+    # A threshold of 0 packs nothing: every model gets devices of its own.
+    thresholds = (0.0,) if exclusive_devices else SMALL_DEMAND_THRESHOLDS
+    for threshold in thresholds:
         plan = place(cluster, capacities, threshold)
         if plan is not None:
             key = str(plan.to_dict())
             candidates.setdefault(key, Candidate(plan, "muxserve", estimate_plan(
                 config, plan, capacities), f"muxserve(threshold={threshold})"))
     if not candidates:
+        how = "with a device each" if exclusive_devices else "even when packed"
         raise ValueError(f"{len(config.models)} models do not fit on "
-                         f"{config.cluster.num_gpus} GPUs even when packed; add GPUs")
+                         f"{config.cluster.num_gpus} GPUs {how}; add GPUs")
     ranked = sorted(candidates.values(), key=lambda c: -c.estimate_rps)
     simulated = ranked[:config.plan_candidates]
     for cand in simulated:
@@ -172,6 +180,7 @@ def plan_cluster(config: SimConfig, progress: bool = False) -> dict:
     baseline = _baseline(config, progress)
     return {
         "config": config.name,
+        "exclusive_devices": exclusive_devices,
         "capacities_rps": capacities,
         "chosen": _describe(chosen),
         "baseline": baseline,

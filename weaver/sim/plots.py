@@ -83,3 +83,23 @@ def plot_plan(plan_json: str | Path, out_png: str | Path) -> Path:
     fig.savefig(out_png, dpi=120)
     plt.close(fig)
     return Path(out_png)
+
+
+def plot_scale(scale_json: str | Path, out_png: str | Path) -> Path:
+    """Goodput of each placement against the total request rate (benchmarks/sim_scale.py)."""
+    scale = json.loads(Path(scale_json).read_text())
+    rates = [p["total_rate"] for p in scale["points"]]
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in scale["points"][0]["placements"]:
+        ax.plot(rates, [p["placements"][name]["goodput_rps"] for p in scale["points"]],
+                marker="o", label=name)  # fmt: skip
+    ax.plot(rates, rates, color="grey", linestyle=":", label="offered")
+    ax.set_xlabel("total request rate (req/s)")
+    ax.set_ylabel("goodput (req/s)")
+    ax.set_title(f"{scale['config']}: {scale['num_models']} models on {scale['num_gpus']} GPUs")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+    return Path(out_png)
