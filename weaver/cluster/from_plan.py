@@ -5,10 +5,10 @@ A weaving pair never spans two nodes (its region is shared memory on CPU, a peer
 on GPU), so a pair's two devices are one unit; every other device is a unit of its own.
 Units go to the least filled node that still has room and serves none of the unit's
 models yet (a deployment runs one engine per model), pairs first, the units of the most
-replicated models first among them: a model placed on several devices lands on several nodes, one
-engine each, and the ingress spreads its load over them. Each
-node's devices become that node's deployment file (weaver/sim/plan_deployment.py: device i
-of the node is its core i, or its GPU i on a GPU config).
+replicated models first among them: a model placed on several devices lands on several
+nodes, one engine each, and the ingress spreads its load over them. Each node's devices
+become that node's deployment file (weaver/sim/plan_deployment.py: device i of the node is
+its core i, or its GPU i on a GPU config).
 """
 
 from __future__ import annotations
@@ -59,10 +59,10 @@ def split_devices(plan: Plan, num_nodes: int) -> list[list[int]]:
         def served_there(node: list[int], models: set[str] = models) -> bool:
             return any(m in plan.gpus[d].models for d in node for m in models)
 
-        fits = [n for n in nodes if len(n) + len(unit) <= capacity and not served_there(n)]
         if len(unit) > capacity:
             raise ValueError(f"devices {unit} are a weaving pair, which stays on one node, and "
                              f"{num_nodes} nodes hold {capacity} device(s) each: use fewer nodes")
+        fits = [n for n in nodes if len(n) + len(unit) <= capacity and not served_there(n)]
         if not fits:
             raise ValueError(f"devices {unit} (models {sorted(models)}) fit on none of "
                              f"{num_nodes} nodes of {capacity} devices without serving a model "

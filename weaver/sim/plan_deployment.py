@@ -52,8 +52,8 @@ def require_writable(config: SimConfig) -> None:
 
 
 def deployment_from_plan(config: SimConfig, plan: Plan, mode: str = "spatial-temporal") -> dict:
-    """The deployment file (as a dict, validated) that serves `plan` on this machine's cores;
-    `mode` for its mux groups. ValueError when a deployment cannot serve the plan."""
+    """The deployment file (as a dict, validated) that serves `plan` on this machine's cores
+    or GPUs; `mode` for its mux groups. ValueError when a deployment cannot serve the plan."""
     require_writable(config)
     on_gpu = config.cluster.device != CPU_DEVICE
     for model in config.models:
