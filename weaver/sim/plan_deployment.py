@@ -60,7 +60,8 @@ def deployment_from_plan(config: SimConfig, plan: Plan, mode: str = "spatial-tem
         devices = plan.gpus_of(model.name)
         if len(devices) > 1:
             raise ValueError(f"the plan places {model.name!r} on devices {devices}; a "
-                             "deployment runs one engine per model")
+                             "deployment runs one engine per model (a cluster file puts "
+                             "replicas on different nodes: --nodes N --cluster DIR)")
     cluster = Cluster(config, Engine())
     roles = _roles(plan)
     models, groups = [], []
