@@ -5,26 +5,91 @@ Two single-model servers, as a `vllm serve` user would start them:
   the hub's own layout, HF_HUB_OFFLINE=1), with vLLM flags after it;
 - a pooling model (`--runner pooling`), for the embeddings route.
 The routes both kinds share with the multi-model server are tested in test_serve_e2e.py.
+The two servers are independent, so they start and stop at the same time, each engine
+pinned to a core of its own (vLLM's default binding would put both on core 0): side by
+side they take little longer than one alone, and the stops' waits overlap.
 """
 
 from __future__ import annotations
+
+import threading
 
 import httpx
 import openai
 import pytest
 
-from weaver.bench.server_process import weaver_server
+from weaver.bench.server_process import RunningServer, weaver_server
 
 pytestmark = pytest.mark.engine
 
 
+class ServerThread:
+    """A `weaver_server(...)` block held open by a thread of its own until `stop()`: the
+    server is started by that thread (and gets SIGTERM when it ends: popen_dying_with_parent),
+    so the thread lives exactly as long as the server should."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self._args, self._kwargs = args, kwargs
+        self._ready, self._done = threading.Event(), threading.Event()
+        self.server: RunningServer | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            with weaver_server(*self._args, **self._kwargs) as running:
+                self.server = running
+                self._ready.set()
+                self._done.wait()
+        except BaseException as error:  # handed to the test by wait()
+            self.error = error
+        finally:
+            self._ready.set()
+
+    def wait(self) -> RunningServer:
+        self._ready.wait()
+        if self.server is None:
+            raise RuntimeError("the server did not start") from self.error
+        return self.server
+
+    def request_stop(self) -> None:
+        self._done.set()
+
+    def stop(self) -> None:
+        self.request_stop()
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+
+
 @pytest.fixture(scope="module")
-def hub_server(tmp_path_factory, hub_cache):
-    env = {k: v for k, v in hub_cache.items() if k != "repo_id"}
-    log = tmp_path_factory.mktemp("hub") / "serve.log"
-    with weaver_server(hub_cache["repo_id"], log, "--max-model-len", "512",
-                       "--max-num-seqs", "4", env_overrides=env) as running:
-        yield running
+def servers(tmp_path_factory, hub_cache) -> dict[str, RunningServer]:
+    from weaver.models.registry import prepare_model
+
+    hub_env = {k: v for k, v in hub_cache.items() if k != "repo_id"}
+    model_dir = prepare_model("tiny-llama-a")
+    threads = {
+        "hub": ServerThread(hub_cache["repo_id"], tmp_path_factory.mktemp("hub") / "serve.log",
+                            "--max-model-len", "512", "--max-num-seqs", "4",
+                            env_overrides={**hub_env, "VLLM_CPU_OMP_THREADS_BIND": "0"}),
+        "pooling": ServerThread(str(model_dir), tmp_path_factory.mktemp("pooling") / "serve.log",
+                                "--runner", "pooling", "--served-model-name", "embedder",
+                                "--max-model-len", "256",
+                                env_overrides={"VLLM_CPU_OMP_THREADS_BIND": "1"}),
+    }
+    try:
+        yield {name: thread.wait() for name, thread in threads.items()}
+    finally:
+        for thread in threads.values():
+            thread.request_stop()  # both stop at once
+        for thread in threads.values():
+            thread.stop()
+
+
+@pytest.fixture(scope="module")
+def hub_server(servers) -> RunningServer:
+    return servers["hub"]
 
 
 def test_a_hugging_face_id_serves_offline_with_vllm_flags(hub_server, hub_cache):
@@ -50,14 +115,8 @@ def test_a_request_naming_no_model_goes_to_the_one_served(hub_server):
 
 
 @pytest.fixture(scope="module")
-def pooling_server(tmp_path_factory):
-    from weaver.models.registry import prepare_model
-
-    model_dir = prepare_model("tiny-llama-a")
-    log = tmp_path_factory.mktemp("pooling") / "serve.log"
-    with weaver_server(str(model_dir), log, "--runner", "pooling", "--served-model-name",
-                       "embedder", "--max-model-len", "256") as running:
-        yield running
+def pooling_server(servers) -> RunningServer:
+    return servers["pooling"]
 
 
 def test_embeddings_of_a_pooling_model_through_the_official_client(pooling_server):

@@ -3,12 +3,13 @@ and the profile measured on them (weaver/vllm_ext/engine/split_profiler.py).
 
 Engines run in child processes with PYTHONPATH set to this checkout, so vLLM's worker
 imports this tree's `weaver` (checked). Four engine starts in all: tiny-llama-a unsplit
-and split; then `weaver plan-split --measure` starts tiny-llama-a (cold) and
+and split (side by side); then `weaver plan-split --measure` starts tiny-llama-a (cold) and
 tiny-llama-b (hot) once each.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import os
 import subprocess
@@ -29,15 +30,15 @@ CHUNKS = {"qkv": 3, "attn": 3, "o": 2, "gate_up": 4, "down": 2, "lm_head": 16}
 TIMEOUT_S = 600
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "1"}
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": "1", **extra}
 
 
-def _run_engine(model_dir: Path, chunks: dict | None) -> dict:
+def _run_engine(model_dir: Path, chunks: dict | None, core: str) -> dict:
     shm_prefix = f"wsplit{os.getpid()}"
     proc = subprocess.run([sys.executable, str(RUNNER), str(model_dir), json.dumps(chunks),
                            shm_prefix], capture_output=True, text=True, timeout=TIMEOUT_S,
-                          env=_env(), cwd=REPO)
+                          env=_env(VLLM_CPU_OMP_THREADS_BIND=core), cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -50,13 +51,26 @@ def tiny_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def unsplit(tiny_dir) -> dict:
-    return _run_engine(tiny_dir, None)
+def engine_runs(tiny_dir) -> tuple[dict, dict]:
+    """The unsplit and the split run, at the same time: they are independent processes
+    (only the split one opens a region), each pinned to a core of its own (vLLM's default
+    binding would put both engines' threads on core 0, one after the other). An engine
+    binds one thread either way, so the outputs are those of a run alone."""
+    with cf.ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(_run_engine, tiny_dir, chunks, core)
+                for core, chunks in (("0", None), ("1", CHUNKS))]
+        unsplit_run, split_run = (run.result() for run in runs)
+    return unsplit_run, split_run
 
 
 @pytest.fixture(scope="module")
-def split(tiny_dir) -> dict:
-    return _run_engine(tiny_dir, CHUNKS)
+def unsplit(engine_runs) -> dict:
+    return engine_runs[0]
+
+
+@pytest.fixture(scope="module")
+def split(engine_runs) -> dict:
+    return engine_runs[1]
 
 
 def test_workers_import_this_checkout(unsplit, split):

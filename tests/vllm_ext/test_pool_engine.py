@@ -6,12 +6,15 @@ queue, preempt and recompute: once plain (num_gpu_blocks_override), once with it
 allocated through the pool's allocator (a pool of exactly 3 of its blocks, beside a second
 tenant's shape with no quota, so there is nothing to reclaim) and its attention reading the
 pool's pages; then both again with prefix caching on, over prompts sharing a prefix.
-Engines run in child processes pinned to core 0 (as `weaver serve` pins engines), with
-PYTHONPATH set to this checkout.
+Engines run in child processes pinned to one core (as `weaver serve` pins engines), with
+PYTHONPATH set to this checkout. The four runs are independent (each its own shared-memory
+prefix), so they run two at a time, one on core 0 and one on core 1: an engine binds one
+thread either way, so each run computes what it would alone.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import os
 import subprocess
@@ -28,8 +31,8 @@ QUOTA_BLOCKS = 3
 TIMEOUT_S = 600
 
 
-def _run(model_dir: Path, mode: str, shm_prefix: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_OMP_THREADS_BIND": "0"}
+def _run(model_dir: Path, mode: str, shm_prefix: str, core: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_OMP_THREADS_BIND": core}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override the engine's KV budget
     proc = subprocess.run([sys.executable, str(RUNNER), str(model_dir), mode, shm_prefix,
                            str(QUOTA_BLOCKS)], capture_output=True, text=True,
@@ -45,14 +48,28 @@ def tiny_dir() -> Path:
     return prepare_model("tiny-llama-a")
 
 
-@pytest.fixture(scope="module")
-def plain(tiny_dir) -> dict:
-    return _run(tiny_dir, "plain", f"wpool{os.getpid()}p")
+def _run_pair(model_dir: Path, *runs: tuple[str, str]) -> list[dict]:
+    """`_run` of each (mode, shm_prefix) at the same time, the i-th on core i."""
+    with cf.ThreadPoolExecutor(len(runs)) as pool:
+        futures = [pool.submit(_run, model_dir, mode, prefix, str(core))
+                   for core, (mode, prefix) in enumerate(runs)]
+        return [future.result() for future in futures]
 
 
 @pytest.fixture(scope="module")
-def pooled(tiny_dir) -> dict:
-    return _run(tiny_dir, "pool", f"wpool{os.getpid()}")
+def plain_and_pooled(tiny_dir) -> list[dict]:
+    return _run_pair(tiny_dir, ("plain", f"wpool{os.getpid()}p"),
+                     ("pool", f"wpool{os.getpid()}"))
+
+
+@pytest.fixture(scope="module")
+def plain(plain_and_pooled) -> dict:
+    return plain_and_pooled[0]
+
+
+@pytest.fixture(scope="module")
+def pooled(plain_and_pooled) -> dict:
+    return plain_and_pooled[1]
 
 
 def test_pool_engine_is_token_identical_to_plain(plain, pooled):
@@ -81,13 +98,19 @@ def test_pool_segments_live_with_the_engine_only(pooled):
 
 
 @pytest.fixture(scope="module")
-def plain_cached(tiny_dir) -> dict:
-    return _run(tiny_dir, "plain-cached", f"wpool{os.getpid()}pc")
+def cached_runs(tiny_dir) -> list[dict]:
+    return _run_pair(tiny_dir, ("plain-cached", f"wpool{os.getpid()}pc"),
+                     ("pool-cached", f"wpool{os.getpid()}c"))
 
 
 @pytest.fixture(scope="module")
-def pooled_cached(tiny_dir) -> dict:
-    return _run(tiny_dir, "pool-cached", f"wpool{os.getpid()}c")
+def plain_cached(cached_runs) -> dict:
+    return cached_runs[0]
+
+
+@pytest.fixture(scope="module")
+def pooled_cached(cached_runs) -> dict:
+    return cached_runs[1]
 
 
 def test_prefix_caching_in_the_pool_is_token_identical_and_hits(plain_cached, pooled_cached):
