@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 
@@ -40,6 +41,9 @@ from weaver.server.weaving import (
     remove_leftover_regions,
     weaving_plans,
 )
+
+if TYPE_CHECKING:
+    import psutil
 
 logger = logging.getLogger(__name__)
 
@@ -338,10 +342,15 @@ async def _run_with_signals(settings: ServeSettings, checked: CheckedEngines) ->
 
 
 def reap_children(grace_s: float = CHILD_EXIT_GRACE_S) -> None:
-    """Terminate any child process still alive (last line of defence against orphans)."""
+    """Terminate any child process still alive (last line of defence against orphans).
+
+    Python's multiprocessing resource tracker is left alone: it ignores SIGTERM by design
+    (so every shutdown sat out the whole grace), and it exits by itself when this process
+    exits and closes its pipe, after unlinking what it still tracks."""
     import psutil
 
-    children = psutil.Process().children(recursive=True)
+    children = [c for c in psutil.Process().children(recursive=True)
+                if not _is_resource_tracker(c)]  # fmt: skip
     if not children:
         return
     logger.warning("terminating %d leftover child process(es): %s",
@@ -353,3 +362,14 @@ def reap_children(grace_s: float = CHILD_EXIT_GRACE_S) -> None:
     for child in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()
+
+
+def _is_resource_tracker(process: psutil.Process) -> bool:
+    """Whether a psutil.Process is multiprocessing's resource tracker (its command line is
+    `python -c 'from multiprocessing.resource_tracker import main;main(FD)'`)."""
+    import psutil
+
+    try:
+        return any("multiprocessing.resource_tracker" in part for part in process.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
