@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from weaver.cli.command_groups import require_command
 from weaver.cli.pairs import parse_pairs
 
 logger = logging.getLogger(__name__)
@@ -39,16 +40,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(title="bench commands", metavar="BENCH_COMMAND")
-    parser.set_defaults(handler=lambda _args: _print_help(parser))
+    require_command(parser)
     _register_run(commands)
     _register_compare(commands)
     _register_summary(commands)
     _register_plot(commands)
-
-
-def _print_help(parser: argparse.ArgumentParser) -> int:
-    parser.print_help()
-    return 2
 
 
 def _add_workload_args(parser: argparse.ArgumentParser) -> None:

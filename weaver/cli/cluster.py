@@ -7,6 +7,8 @@ import logging
 import time
 from typing import Any
 
+from weaver.cli.command_groups import require_command
+
 logger = logging.getLogger(__name__)
 
 APP_NAME = "weaver"
@@ -28,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "server dies and routes nothing to it meanwhile."
         ),
     )
-    parser.set_defaults(handler=lambda _args: _print_help(parser))
+    require_command(parser)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--address", default="auto",
                         help="the Ray cluster to join (default: %(default)s, the one this "
@@ -49,11 +51,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     status = commands.add_parser("status", parents=[common],
                                  help="the application's groups and their replicas' state")
     status.set_defaults(handler=run_status)
-
-
-def _print_help(parser: argparse.ArgumentParser) -> int:
-    parser.print_help()
-    return 2
 
 
 def _connect(address: str) -> Any | None:

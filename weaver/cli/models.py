@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from weaver.cli.command_groups import require_command
 from weaver.models.shapes import DEFAULT_INIT_STD, DEFAULT_MAX_POSITION_EMBEDDINGS
 
 _MODELS_DIR_HELP = (
@@ -26,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "file names them by these names."
         ),
     )
-    parser.set_defaults(handler=lambda _args: _print_help(parser))
+    require_command(parser)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--models-dir", type=Path, default=None, help=_MODELS_DIR_HELP)
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
@@ -34,11 +35,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_prepare(commands, common)
     _add_prepare_random(commands, common)
     _add_path(commands, common)
-
-
-def _print_help(parser: argparse.ArgumentParser) -> int:
-    parser.print_help()
-    return 2
 
 
 def _add_list(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
