@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.offload_wait import median_cuda_s  # noqa: E402
 
 # Llama-3-8B's attention: 32 query heads over 8 KV heads of 128
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_SIZE = 32, 8, 128
@@ -72,24 +72,11 @@ def grid_size(spec: str, num_items: int, num_sms: int) -> int:
     raise ValueError(f"grid {spec!r}: use 'items', 'sms', '<k>sms' or a positive number")
 
 
-def median_us(launch: Any, repeats: int, batch: int = LAUNCHES_PER_SAMPLE) -> float:
-    """Median over `repeats` samples of one launch's time, each sample `batch` launches
+def median_us(launch: Any, repeats: int) -> float:
+    """Median microseconds per launch over `repeats` samples of LAUNCHES_PER_SAMPLE launches
     back to back between two CUDA events: with one launch per sample, the host's launch
     latency (tens of us through CuPy) would sit between the start event and the kernel."""
-    import torch
-
-    for _ in range(3):
-        launch()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(batch):
-            launch()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / batch)
-    return float(np.median(times))
+    return median_cuda_s(launch, num_iters=repeats, reps=LAUNCHES_PER_SAMPLE) * 1e6
 
 
 def task(num_seqs: int, context: int, block_size: int, block_order: str,
