@@ -15,6 +15,14 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, out_png: str | Path) -> Path:
+    """Write the figure as a PNG and free it (pyplot keeps every open figure)."""
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+    return Path(out_png)
+
+
 def plot_run(result_json: str | Path, out_png: str | Path) -> Path:
     """Per-model p50/p90 TTFT and TPOT of one simulation."""
     result = json.loads(Path(result_json).read_text())
@@ -31,10 +39,7 @@ def plot_run(result_json: str | Path, out_png: str | Path) -> Path:
         ax.set_ylabel(f"{metric.split('_')[0].upper()} ({unit})")
         ax.legend()
     fig.suptitle(f"{result['config']} / {result['policy']}")
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
-    return Path(out_png)
+    return _save(plt, fig, out_png)
 
 
 def plot_sweep(sweep_json: str | Path, out_png: str | Path) -> Path:
@@ -57,10 +62,7 @@ def plot_sweep(sweep_json: str | Path, out_png: str | Path) -> Path:
     ax_tpot.legend()
     fig.suptitle(f"{sweep['config']}: max {model} rate under SLO "
                  + ", ".join(f"{k}={v:.2f}" for k, v in sweep["max_rate_rps"].items()))
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
-    return Path(out_png)
+    return _save(plt, fig, out_png)
 
 
 def plot_plan(plan_json: str | Path, out_png: str | Path) -> Path:
@@ -79,10 +81,7 @@ def plot_plan(plan_json: str | Path, out_png: str | Path) -> Path:
     ax.set_ylabel("requests / s")
     ax.set_title(f"{result['config']}: chosen {result['chosen']['label']}")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
-    return Path(out_png)
+    return _save(plt, fig, out_png)
 
 
 def plot_scale(scale_json: str | Path, out_png: str | Path) -> Path:
@@ -99,7 +98,4 @@ def plot_scale(scale_json: str | Path, out_png: str | Path) -> Path:
     ax.set_ylabel("goodput (req/s)")
     ax.set_title(f"{scale['config']}: {scale['num_models']} models on {scale['num_gpus']} GPUs")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
-    return Path(out_png)
+    return _save(plt, fig, out_png)
