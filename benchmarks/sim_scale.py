@@ -30,7 +30,7 @@ from weaver.cluster.from_plan import write_cluster
 from weaver.sim import plots
 from weaver.sim.config import SimConfig
 from weaver.sim.plan import Plan
-from weaver.sim.plan_deployment import best_candidate
+from weaver.sim.plan_deployment import best_candidate, best_plain
 from weaver.sim.planner import plan_cluster
 
 
@@ -50,11 +50,9 @@ def goodputs(packed: dict, exclusive: dict) -> dict[str, dict]:
                 "output_tokens_per_s": total["output_tokens_per_s"],
                 "slo_attainment": total["slo_attainment"]}  # fmt: skip
 
-    plain = [c for c in packed["candidates"] if c["policy"] != "weaver"]
     return {
         "dedicated": totals(packed["baseline"]),
-        "muxserve": totals(max(plain, key=lambda c: (c["summary"]["_all"]["goodput_rps"],
-                                                     c["summary"]["_all"]["output_tokens_per_s"]))),
+        "muxserve": totals(best_plain(packed)),
         "planner_choice": totals(packed["chosen"]),
         "weaver_gpu_per_model": totals(best_candidate(exclusive)),
     }  # fmt: skip

@@ -271,11 +271,11 @@ def write_plan_cluster(config: SimConfig, result: dict, num_nodes: int,
     """The best woven placement (else the best plain one) as a cluster of num_nodes."""
     from weaver.cluster.from_plan import write_cluster
     from weaver.sim.plan import Plan
-    from weaver.sim.plan_deployment import best_candidate
+    from weaver.sim.plan_deployment import best_candidate, mux_mode
 
     entry = best_candidate(result)
-    mode = "temporal" if entry["policy"] == "mux_temporal" else "spatial-temporal"
-    return write_cluster(config, Plan.from_dict(entry["plan"]), num_nodes, out_dir, mode=mode)
+    return write_cluster(config, Plan.from_dict(entry["plan"]), num_nodes, out_dir,
+                         mode=mux_mode(entry))
 
 
 def _print_summary(result: dict) -> None:

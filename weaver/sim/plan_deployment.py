@@ -110,11 +110,8 @@ def deployment_from_plan(config: SimConfig, plan: Plan, mode: str = "spatial-tem
 def write_plan_deployments(config: SimConfig, result: dict, out_dir: Path) -> dict[str, Path]:
     """dedicated.yaml (the planner's baseline), muxserve.yaml (its best placement without
     weaving) and weaver.yaml (its best woven placement, when it tried one) in `out_dir`."""
-    plain = [c for c in result["candidates"] if c["policy"] != "weaver"]
-    woven = [c for c in result["candidates"] if c["policy"] == "weaver"]
-    chosen = {"dedicated": result["baseline"],
-              "muxserve": max(plain, key=_score),
-              "weaver": max(woven, key=_score) if woven else None}
+    chosen = {"dedicated": result["baseline"], "muxserve": best_plain(result),
+              "weaver": best_woven(result)}
     out_dir.mkdir(parents=True, exist_ok=True)
     written = {}
     for name in FILE_NAMES:
@@ -122,9 +119,8 @@ def write_plan_deployments(config: SimConfig, result: dict, out_dir: Path) -> di
         if entry is None:
             logger.warning("no %s.yaml: the planner found no hot/cold pair to weave", name)
             continue
-        mode = "temporal" if entry["policy"] == "mux_temporal" else "spatial-temporal"
         try:
-            data = deployment_from_plan(config, Plan.from_dict(entry["plan"]), mode)
+            data = deployment_from_plan(config, Plan.from_dict(entry["plan"]), mux_mode(entry))
         except ValueError as exc:
             if name == "dedicated":
                 raise
@@ -140,8 +136,24 @@ def write_plan_deployments(config: SimConfig, result: dict, out_dir: Path) -> di
 
 def best_candidate(result: dict) -> dict:
     """The planner's best woven candidate, else its best plain one."""
+    return best_woven(result) or best_plain(result)
+
+
+def best_plain(result: dict) -> dict:
+    """The planner's best simulated candidate without weaving (MuxServe's placement)."""
+    return max((c for c in result["candidates"] if c["policy"] != "weaver"), key=_score)
+
+
+def best_woven(result: dict) -> dict | None:
+    """The planner's best simulated woven candidate; None when it wove none."""
     woven = [c for c in result["candidates"] if c["policy"] == "weaver"]
-    return max(woven or result["candidates"], key=_score)
+    return max(woven, key=_score) if woven else None
+
+
+def mux_mode(entry: dict) -> str:
+    """The mux groups' mode of a planner entry's deployment: Mux-Temporal's for the
+    mux_temporal baseline, else MuxServe's."""
+    return "temporal" if entry["policy"] == "mux_temporal" else "spatial-temporal"
 
 
 def _score(entry: dict) -> tuple[float, float]:
