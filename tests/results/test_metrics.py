@@ -1,21 +1,20 @@
-"""Metrics, SLO attainment, goodput and the max-rate search on hand-computed records."""
+"""Metrics and MuxServe SLO attainment on hand-computed records."""
 
 from __future__ import annotations
 
 import pytest
 
+from weaver.results.goodput import Slo
 from weaver.results.metrics import (
     IsolatedEstimate,
     fit_isolated,
-    goodput,
     latency_stats,
-    max_sustainable_rate,
     slo_attainment,
     slo_summary,
     slowdown_percentiles,
     summarize,
 )
-from weaver.results.records import ALL_MODELS, ModelSummary, RequestRecord, RequestStatus
+from weaver.results.records import ALL_MODELS, RequestRecord, RequestStatus
 
 OK, ERROR, UNFINISHED, NOT_SENT = (
     RequestStatus.OK,
@@ -94,18 +93,19 @@ def test_isolated_e2e_and_muxserve_attainment():
         slo_attainment([rec(model="other")], ISO)
 
 
-def test_goodput_counts_only_requests_meeting_tpot_slo():
+def test_slo_summary_counts_requests_meeting_both_targets_over_all_submitted():
     records = [
         rec(ttft=0.1, e2e=1.0, n_out=10),   # TPOT 0.1: meets 0.15
         rec(ttft=0.1, e2e=1.9, n_out=10),   # TPOT 0.2: misses
         rec(ttft=0.1, e2e=0.1, n_out=1),    # no decode: meets
+        rec(ttft=0.6, e2e=1.5, n_out=10),   # TPOT 0.1 but TTFT 0.6: misses a 0.5 s TTFT
         rec(status=ERROR),
     ]
-    rps, tps = goodput(records, tpot_slo_s=0.15, duration_s=2.0)
-    assert rps == pytest.approx(1.0)
-    assert tps == pytest.approx(5.5)
-    summary = slo_summary(records, 2.0, ISO, tpot_slo_s=0.15)
-    assert summary.goodput_requests_per_s == pytest.approx(1.0)
+    summary = slo_summary(records, 2.0, ISO, slo=Slo(ttft_s=0.5, tpot_s=0.15))
+    assert summary.slo_attainment == pytest.approx(2 / 5)
+    assert summary.good_requests_per_s == pytest.approx(1.0)
+    assert summary.good_tokens_per_s == pytest.approx(5.5)
+    assert summary.slo == {"ttft_ms": 500.0, "tpot_ms": 150.0}
     assert set(summary.attainment) == {"5", "8"}
 
 
@@ -122,25 +122,3 @@ def test_fit_isolated_recovers_linear_ttft_and_median_tpot():
         fit_isolated([rec(status=ERROR)])
 
 
-def _summary(p90_tpot: float, num_ok: int = 100) -> ModelSummary:
-    stats = {"num": num_ok, "mean": p90_tpot, "percentiles": {"p50": p90_tpot / 2, "p90": p90_tpot}}
-    return ModelSummary(
-        num_requests=100, num_ok=num_ok, num_errors=0, num_unfinished=100 - num_ok,
-        num_not_sent=0, duration_s=10.0, request_throughput=1.0, output_token_throughput=1.0,
-        tpot=stats,
-    )
-
-
-def test_max_sustainable_rate_from_sweep():
-    sweep = [(1.0, _summary(0.05)), (2.0, _summary(0.08)), (4.0, _summary(0.12)),
-             (8.0, _summary(0.30))]
-    assert max_sustainable_rate(sweep, tpot_slo_s=0.1) == 2.0
-    assert max_sustainable_rate(sweep, tpot_slo_s=0.12) == 4.0
-    assert max_sustainable_rate(sweep, tpot_slo_s=0.01) is None
-    assert max_sustainable_rate(sweep, tpot_slo_s=0.1, percentile=50) == 4.0
-    # A rate that left most requests unfinished does not count, whatever its TPOT.
-    cut = [(1.0, _summary(0.05)), (16.0, _summary(0.01, num_ok=20))]
-    assert max_sustainable_rate(cut, tpot_slo_s=0.1) == 1.0
-    assert max_sustainable_rate(sweep[::-1], tpot_slo_s=0.1) == 2.0  # order-free
-    with pytest.raises(ValueError, match="SLO"):
-        max_sustainable_rate(sweep, tpot_slo_s=0)

@@ -1,6 +1,7 @@
 import pytest
 
-from weaver.sim.metrics import Slo, summarize, tokens_by
+from weaver.results.goodput import Slo
+from weaver.sim.metrics import summarize, tokens_by
 
 
 def rec(arrival, ttft, e2e, output=11, model="a"):

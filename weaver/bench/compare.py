@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 
 from weaver.bench.loadgen import LoadGenConfig
 from weaver.bench.runner import run_benchmark, with_base_url
+from weaver.results.goodput import Slo
 from weaver.results.metrics import IsolatedEstimate
 from weaver.results.records import RunResult
 from weaver.workloads.types import TraceRequest
@@ -34,7 +35,7 @@ def compare_deployments(
     rate: float | None = None,
     workload: Mapping | None = None,
     isolated: Mapping[str, IsolatedEstimate] | None = None,
-    tpot_slo_s: float | None = None,
+    slo: Slo | None = None,
 ) -> list[RunResult]:
     """The same requests, with the same arrival times, against each target in order."""
     labels = [label for label, _ in targets]
@@ -53,7 +54,7 @@ def compare_deployments(
                 rate=rate,
                 workload=workload,
                 isolated=isolated,
-                tpot_slo_s=tpot_slo_s,
+                slo=slo,
             )
         )
     return runs

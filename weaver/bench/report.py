@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from weaver.results.goodput import Slo, attainment, goodput_rate
 from weaver.results.records import ALL_MODELS, LatencyStats, RunResult
 
 
@@ -43,7 +44,7 @@ def summary_table(runs: Sequence[RunResult]) -> str:
 
 def slo_table(runs: Sequence[RunResult]) -> str:
     header = ["deployment", "rate", "model", "SLO x5", "SLO x8", "slowdown p50", "p90", "p99",
-              "goodput req/s", "goodput tok/s"]
+              "in SLO", "good req/s", "good tok/s"]
     rows = []
     for run in runs:
         rate = "trace" if run.rate is None else f"{run.rate:g}"
@@ -53,7 +54,8 @@ def slo_table(runs: Sequence[RunResult]) -> str:
                 _pct(s.attainment.get("5")), _pct(s.attainment.get("8")),
                 _num(s.slowdown.get("p50")), _num(s.slowdown.get("p90")),
                 _num(s.slowdown.get("p99")),
-                _num(s.goodput_requests_per_s), _num(s.goodput_tokens_per_s),
+                _pct(s.slo_attainment),
+                _num(s.good_requests_per_s), _num(s.good_tokens_per_s),
             ])
     return _table(header, rows) if rows else ""
 
@@ -93,3 +95,24 @@ def _pct(value: float | None) -> str:
 
 def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
+
+
+def goodput_lines(runs: Sequence[RunResult], slo: Slo) -> list[str]:
+    """Each deployment's goodput per model over the swept rates of `runs`, recomputed from
+    their records against `slo` (weaver/results/goodput.py)."""
+    points: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for run in runs:
+        if run.rate is None:
+            continue
+        by_model: dict[str, list] = {ALL_MODELS: list(run.records)}
+        for record in run.records:
+            by_model.setdefault(record.model, []).append(record)
+        for model, records in by_model.items():
+            points.setdefault((run.label, model), []).append(
+                (run.rate, attainment(records, slo)))
+    lines = [f"goodput (highest rate with >= 90 % of requests within {slo.describe()}):"]
+    for (label, model), sweep in sorted(points.items()):
+        rate = goodput_rate(sweep)
+        shown = "below every swept rate" if rate == 0 else f"{rate:g} req/s"
+        lines.append(f"  {label} {'(all)' if model == ALL_MODELS else model}: {shown}")
+    return lines

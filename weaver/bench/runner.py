@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from weaver.bench.loadgen import LoadGenConfig, run_load_sync
+from weaver.results.goodput import Slo
 from weaver.results.metrics import IsolatedEstimate, by_model, slo_summary, summarize
 from weaver.results.records import ALL_MODELS, RunResult
 from weaver.workloads.types import TraceRequest
@@ -24,11 +25,11 @@ def run_benchmark(
     rate: float | None = None,
     workload: Mapping[str, Any] | None = None,
     isolated: Mapping[str, IsolatedEstimate] | None = None,
-    tpot_slo_s: float | None = None,
+    slo: Slo | None = None,
     roles: Mapping[str, str] | None = None,
 ) -> RunResult:
     """Run `requests` against `config.base_url` and return records plus summaries; SLO
-    numbers are added where `isolated` estimates or a `tpot_slo_s` are given."""
+    numbers are added where `isolated` estimates or an `slo` are given."""
     if not requests:
         raise ValueError("the workload is empty; raise --num-requests")
     missing = sorted({r.model for r in requests} - set(isolated or {}))
@@ -39,11 +40,11 @@ def run_benchmark(
     outcome = run_load_sync(requests, config)
     duration_s = max(outcome.duration_s, 1e-9)
     records = outcome.records
-    slo = {}
-    if isolated is not None or tpot_slo_s is not None:
+    slo_summaries = {}
+    if isolated is not None or slo is not None:
         for model, mine in by_model(records).items():
-            slo[model] = slo_summary(mine, duration_s, isolated, tpot_slo_s)
-        slo[ALL_MODELS] = slo_summary(records, duration_s, isolated, tpot_slo_s)
+            slo_summaries[model] = slo_summary(mine, duration_s, isolated, slo)
+        slo_summaries[ALL_MODELS] = slo_summary(records, duration_s, isolated, slo)
     started = datetime.fromtimestamp(outcome.started_at_unix, timezone.utc)
     return RunResult(
         label=label,
@@ -55,7 +56,7 @@ def run_benchmark(
         loadgen=config.to_json(),
         records=records,
         summary=summarize(records, duration_s),
-        slo=slo,
+        slo=slo_summaries,
         isolated={m: est.model_dump() for m, est in (isolated or {}).items()},
         roles=dict(roles or {}),
     )

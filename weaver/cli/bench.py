@@ -111,8 +111,11 @@ def _add_client_args(parser: argparse.ArgumentParser) -> None:
                    help="do not send ignore_eos/min_tokens (for non-vLLM servers)")
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     g = parser.add_argument_group("SLOs")
+    g.add_argument("--ttft-slo-ms", type=float, default=None,
+                   help="TTFT target of the SLO, in ms (a request meets the SLO when it "
+                   "finishes within both targets; weaver/results/goodput.py)")
     g.add_argument("--tpot-slo-ms", type=float, default=None,
-                   help="TPOT SLO for goodput, in ms")
+                   help="TPOT target of the SLO, in ms")
     g.add_argument("--isolated-from", default=None, metavar="RESULTS.json",
                    help="fit each model's isolated TTFT/TPOT from a low-load run saved here, "
                    "for MuxServe SLO attainment (x5, x8) and slowdowns")
@@ -167,13 +170,17 @@ def _register_summary(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "summary", help="print tables from saved results",
         description="Print latency/throughput (and SLO) tables from results JSON files; with "
-        "--tpot-slo-ms also the max sustainable rate per deployment and model of a sweep.",
+        "--ttft-slo-ms/--tpot-slo-ms also each deployment's goodput per model over a sweep: "
+        "the highest rate at which >= 90 %% of the submitted requests met both targets.",
     )
     _add_saved_results_args(
         parser,
-        slo_help="TPOT SLO for the max sustainable rate, in ms",
-        percentile_help="TPOT percentile held to the SLO",
+        slo_help="TPOT target of the SLO, in ms: with it (or --ttft-slo-ms) each sweep's "
+        "goodput is printed",
+        percentile_help="TPOT percentile shown",
     )
+    parser.add_argument("--ttft-slo-ms", type=float, default=None,
+                        help="TTFT target of the SLO, in ms")
     parser.set_defaults(handler=_summary_handler)
 
 
@@ -323,7 +330,7 @@ def _run_targets(args: argparse.Namespace, targets: list[tuple[str, str]]) -> li
 
     isolated = _isolated(args)
     roles = _roles(args)
-    tpot_slo_s = args.tpot_slo_ms / 1000 if args.tpot_slo_ms is not None else None
+    slo = slo_of(args)
     result = new_result(["weaver", *sys.argv[1:]])
     workloads = _workloads(args)
     runs_by_target = []
@@ -339,7 +346,7 @@ def _run_targets(args: argparse.Namespace, targets: list[tuple[str, str]]) -> li
                 (run,) = compare_deployments(
                     [(label, url)], requests, dataclasses.replace(config, prompt_salt=index),
                     rate=rate, workload=description,
-                    isolated=isolated, tpot_slo_s=tpot_slo_s,
+                    isolated=isolated, slo=slo,
                 )
                 run.roles = roles
                 _warn_if_all_failed(run)
@@ -411,28 +418,27 @@ def _compare_handler(args: argparse.Namespace) -> int:
 @_guarded
 def _summary_handler(args: argparse.Namespace) -> int:
     from weaver.bench.plots import load_runs
-    from weaver.bench.report import slo_table, summary_table
-    from weaver.results.metrics import max_sustainable_rate
-    from weaver.results.records import ALL_MODELS
+    from weaver.bench.report import goodput_lines, slo_table, summary_table
 
     runs = load_runs(args.results)
     print(summary_table(runs))
     table = slo_table(runs)
     if table:
         print(table)
-    if args.tpot_slo_ms is not None:
-        print(f"max sustainable rate (p{args.percentile:g} TPOT <= {args.tpot_slo_ms:g} ms):")
-        groups: dict[tuple[str, str], list] = {}
-        for run in runs:
-            if run.rate is None:
-                continue
-            for model, summary in run.summary.items():
-                groups.setdefault((run.label, model), []).append((run.rate, summary))
-        for (label, model), sweep in sorted(groups.items()):
-            best = max_sustainable_rate(sweep, args.tpot_slo_ms / 1000, args.percentile)
-            shown = "none of the swept rates" if best is None else f"{best:g} req/s"
-            print(f"  {label} {'(all)' if model == ALL_MODELS else model}: {shown}")
+    slo = slo_of(args)
+    if slo is not None:
+        print("\n".join(goodput_lines(runs, slo)))
     return 0
+
+
+def slo_of(args: argparse.Namespace):
+    """The SLO of --ttft-slo-ms and --tpot-slo-ms, or None when neither is given."""
+    from weaver.results.goodput import Slo
+
+    ttft_ms, tpot_ms = getattr(args, "ttft_slo_ms", None), args.tpot_slo_ms
+    if ttft_ms is None and tpot_ms is None:
+        return None
+    return Slo.from_ms(ttft_ms, tpot_ms)
 
 
 @_guarded

@@ -7,7 +7,8 @@
   the SLO at scale s if its E2E <= s x its E2E when served alone; scales 5 and 8.
 - Splitwise-style slowdown percentiles (Patel et al., ISCA 2024, Sec. 6): p50/p90/p99 of
   E2E / isolated E2E.
-- Goodput under a TPOT SLO, and the highest swept rate that still meets a TPOT SLO.
+- The share of requests meeting a TTFT and TPOT SLO (the one definition, with goodput:
+  weaver/results/goodput.py).
 
 The isolated E2E of a request is TTFT_iso(input) + n_out x TPOT_iso, with TTFT linear in the
 prompt length; the constants come from a low-load run (`fit_isolated`) or are given.
@@ -20,6 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 from pydantic import BaseModel
 
+from weaver.results.goodput import Slo, attainment, meets_slo
 from weaver.results.records import (
     ALL_MODELS,
     LatencyStats,
@@ -178,56 +180,25 @@ def slowdown_percentiles(
     return {percentile_key(p): float(np.percentile(ratios, p)) for p in percentiles}
 
 
-def meets_tpot_slo(record: RequestRecord, tpot_slo_s: float) -> bool:
-    """Finished, and its TPOT is within the SLO (a one-token answer has no decode phase)."""
-    if record.status is not RequestStatus.OK:
-        return False
-    tpot = record.tpot_s
-    return tpot is None or tpot <= tpot_slo_s
-
-
-def goodput(
-    records: Sequence[RequestRecord], tpot_slo_s: float, duration_s: float
-) -> tuple[float, float]:
-    """(requests/s, output tokens/s) counting only requests that meet the TPOT SLO."""
-    if not tpot_slo_s > 0 or not duration_s > 0:
-        raise ValueError("goodput needs a TPOT SLO > 0 s and a run duration > 0 s")
-    good = [r for r in records if meets_tpot_slo(r, tpot_slo_s)]
-    return len(good) / duration_s, sum(r.num_output_tokens for r in good) / duration_s
-
-
 def slo_summary(
     records: Sequence[RequestRecord],
     duration_s: float,
     isolated: Mapping[str, IsolatedEstimate] | None = None,
-    tpot_slo_s: float | None = None,
+    slo: Slo | None = None,
     scales: Sequence[float] = MUXSERVE_SLO_SCALES,
 ) -> SloSummary:
-    summary = SloSummary(attainment={}, slowdown={}, tpot_slo_s=tpot_slo_s)
+    """MuxServe's E2E-scale attainment (with `isolated`) and, with `slo`, the share of the
+    submitted requests meeting it (weaver.results.goodput) and their rate in this run."""
+    summary = SloSummary(attainment={}, slowdown={})
     if isolated is not None:
         summary.attainment = slo_attainment(records, isolated, scales)
         summary.slowdown = slowdown_percentiles(records, isolated)
-    if tpot_slo_s is not None:
-        rps, tps = goodput(records, tpot_slo_s, duration_s)
-        summary.goodput_requests_per_s, summary.goodput_tokens_per_s = rps, tps
+    if slo is not None:
+        if not duration_s > 0:
+            raise ValueError(f"run duration must be > 0 s, got {duration_s}")
+        good = [r for r in records if meets_slo(r, slo)]
+        summary.slo = slo.to_json()
+        summary.slo_attainment = attainment(records, slo)
+        summary.good_requests_per_s = len(good) / duration_s
+        summary.good_tokens_per_s = sum(r.num_output_tokens for r in good) / duration_s
     return summary
-
-
-def max_sustainable_rate(
-    sweep: Sequence[tuple[float, ModelSummary]],
-    tpot_slo_s: float,
-    percentile: float = 90.0,
-    max_failed_fraction: float = 0.05,
-) -> float | None:
-    """The highest swept rate whose p`percentile` TPOT is within `tpot_slo_s` and that
-    finished all but `max_failed_fraction` of its requests (a run that timed out most of its
-    requests can show a good TPOT for the few it served). None if no rate qualifies."""
-    if not tpot_slo_s > 0:
-        raise ValueError(f"the TPOT SLO must be > 0 s, got {tpot_slo_s}")
-    best: float | None = None
-    for rate, summary in sweep:
-        if summary.tpot is None or summary.failed_fraction > max_failed_fraction:
-            continue
-        if summary.tpot.p(percentile) <= tpot_slo_s and (best is None or rate > best):
-            best = rate
-    return best

@@ -92,13 +92,15 @@ class ModelSummary(BaseModel):
 
 
 class SloSummary(BaseModel):
-    """MuxServe SLO attainment, Splitwise slowdowns and goodput for one model of a run."""
+    """MuxServe SLO attainment, Splitwise slowdowns and the TTFT+TPOT SLO's attainment
+    (weaver/results/goodput.py) for one model of a run."""
 
     attainment: dict[str, float]  # SLO scale ("5") -> fraction of requests within it
     slowdown: dict[str, float]  # "p50" -> E2E / isolated E2E
-    tpot_slo_s: float | None = None
-    goodput_requests_per_s: float | None = None
-    goodput_tokens_per_s: float | None = None
+    slo: dict[str, float | None] = Field(default_factory=dict)  # {"ttft_ms", "tpot_ms"}
+    slo_attainment: float | None = None  # share of submitted requests meeting `slo`
+    good_requests_per_s: float | None = None  # those requests per second of the run
+    good_tokens_per_s: float | None = None
 
 
 class RunResult(BaseModel):

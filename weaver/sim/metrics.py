@@ -1,25 +1,19 @@
 """Per-request outputs (TTFT, TPOT, E2E) and per-model summaries, as plain JSON-able dicts.
 
-TPOT follows vLLM's benchmark_serving: (E2E - TTFT) / (output tokens - 1). SLO attainment
-counts a request as good when both its TTFT and TPOT are within the SLO (MuxServe §5,
-Splitwise §6 use the same per-request definition); goodput is good requests per second.
+TPOT follows vLLM's benchmark_serving: (E2E - TTFT) / (output tokens - 1). Whether a
+request meets the SLO, and the attainment, are decided by weaver/results/goodput.py on the
+records as `weaver bench` would have measured them (`bench_record`), so a simulated run and
+a measured one are judged by one function.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
+from weaver.results.goodput import Slo, attainment, meets_slo
 from weaver.results.metrics import summarize as bench_summarize
 from weaver.results.records import ModelSummary, RequestRecord, RequestStatus
 from weaver.sim.instance import SimRequest
-
-
-@dataclass(frozen=True)
-class Slo:
-    ttft_s: float = float("inf")
-    tpot_s: float = float("inf")
 
 
 def request_record(req: SimRequest) -> dict:
@@ -87,7 +81,7 @@ def tokens_by(rec: dict, t: float) -> float:
 def _summarize_one(records: list[dict], slo: Slo, num_submitted: int,
                    window: tuple[float, float] | None) -> dict:
     done = [r for r in records if r["e2e_s"] is not None]
-    good = [r for r in done if r["ttft_s"] <= slo.ttft_s and r["tpot_s"] <= slo.tpot_s]
+    good = [r for r in records if meets_slo(bench_record(r), slo)]
     start, end = window or (0.0, 0.0)
     if end <= start:  # one instant of arrivals: measure up to the last completion
         end = max((r["arrival_s"] + r["e2e_s"] for r in done), default=start)
@@ -104,7 +98,8 @@ def _summarize_one(records: list[dict], slo: Slo, num_submitted: int,
         "output_tokens_per_s": tokens / span,
         "throughput_rps": len(served) / span,
         "goodput_rps": sum(start <= r["arrival_s"] <= end for r in good) / span,
-        "slo_attainment": len(good) / num_submitted if num_submitted else None,
+        "slo_attainment": (attainment([bench_record(r) for r in records], slo, num_submitted)
+                           if num_submitted else None),
         "ttft_s": _percentiles([r["ttft_s"] for r in done]),
         "tpot_s": _percentiles([r["tpot_s"] for r in done if r["output_tokens"] > 1]),
         "e2e_s": _percentiles([r["e2e_s"] for r in done]),

@@ -7,11 +7,12 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 
+from weaver.results.goodput import Slo, goodput_rate, passes
 from weaver.sim.cluster import Cluster
 from weaver.sim.config import SimConfig
 from weaver.sim.engine import Engine, Event
 from weaver.sim.instance import SimRequest
-from weaver.sim.metrics import Slo, request_record, summarize
+from weaver.sim.metrics import request_record, summarize
 from weaver.sim.plan import Plan, default_plan
 from weaver.sim.policies import get_policy
 from weaver.sim.workload import generate, workload_spec
@@ -105,24 +106,21 @@ def _run(engine: Engine, horizon: float, progress: bool, label: str) -> None:
         engine.run(until=horizon, on_event=tick)
 
 
-def meets_slo(summary: dict, slo: Slo, quantile: str = "p90") -> bool:
-    """A model meets the SLO at this load when it completed every request and its
-    p90 TTFT and p90 TPOT are within the SLO."""
-    if summary["num_completed"] < summary["num_submitted"]:
-        return False
-    ttft, tpot = summary["ttft_s"][quantile], summary["tpot_s"][quantile]
-    return ttft is not None and ttft <= slo.ttft_s and (tpot is None or tpot <= slo.tpot_s)
+def meets_slo(summary: dict) -> bool:
+    """A model meets the SLO at this load when >= 90 % of its submitted requests met both
+    targets (weaver/results/goodput.py)."""
+    share = summary["slo_attainment"]
+    return share is not None and passes(share)
 
 
 def rate_sweep(config: SimConfig, progress: bool = False) -> dict:
     """For each policy, simulate each rate of the swept model. Its max rate under the SLO
-    is the highest swept rate where it meets the SLO (the paper's "max throughput"); the
-    measured throughput there (completions over the span to the last one) is reported
-    too."""
+    is its goodput (weaver/results/goodput.py: the highest swept rate at and below which
+    >= 90 % of the requests meet the SLO); the measured throughput there (completions over
+    the span to the last one) is reported too."""
     if config.sweep is None:
         raise ValueError(f"config {config.name} has no `sweep:` section")
     sweep = config.sweep
-    slo = slo_of(config)
     points = []
     grid = [(policy, rate) for policy in sweep.policies for rate in sweep.rates]
     if progress:
@@ -136,13 +134,14 @@ def rate_sweep(config: SimConfig, progress: bool = False) -> dict:
         res = simulate(cfg, policy=policy, keep_requests=False)
         points.append({"policy": policy, "rate": rate, "summary": res["summary"],
                        "sim": res["sim"],
-                       "meets_slo": meets_slo(res["summary"][sweep.model], slo)})
+                       "meets_slo": meets_slo(res["summary"][sweep.model])})
     best, best_rate = {}, {}
     for policy in sweep.policies:
-        ok = [p for p in points if p["policy"] == policy and p["meets_slo"]]
-        best_rate[policy] = max((p["rate"] for p in ok), default=0.0)
-        best[policy] = max((p["summary"][sweep.model]["throughput_rps"] for p in ok),
-                           default=0.0)
+        mine = [p for p in points if p["policy"] == policy]
+        best_rate[policy] = goodput_rate(
+            (p["rate"], p["summary"][sweep.model]["slo_attainment"] or 0.0) for p in mine)
+        best[policy] = max((p["summary"][sweep.model]["throughput_rps"] for p in mine
+                            if p["rate"] <= best_rate[policy]), default=0.0)
     return {"config": config.name, "model": sweep.model, "slo": config.slo.model_dump(),
             "duration_s": config.duration_s, "seed": config.seed, "points": points,
             "max_rate_rps": best_rate, "max_throughput_rps": best}
