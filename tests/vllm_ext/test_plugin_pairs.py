@@ -16,7 +16,7 @@ pytest.importorskip("vllm")
     ({"role": "warm", "pair": "p"}, "use 'hot' or 'cold'"),
     ({"role": "hot", "pair": "p"}, "needs remote_kv_gib > 0"),
     ({"role": "hot", "pair": "p", "remote_kv_gib": 1, "offload_ratio": 2},
-     "offload_ratio must be in"),
+     "offload_ratio must be 'auto' or a number in"),
     ({"role": "cold", "pair": "p"}, "needs lend_kv_gib > 0"),
     ({"role": "cold", "pair": "p", "lend_kv_gib": 1, "remote_kv_gib": 1},
      r"unknown field\(s\) \['remote_kv_gib'\]"),
@@ -108,3 +108,15 @@ def test_weavers_log_lines_reach_vllms_handlers_under_plain_vllm_serve():
     output = done.stdout + done.stderr
     assert "INFO" in output and "weaving pair p1: connected" in output
     assert "not at INFO" not in output
+
+
+def test_the_plugin_block_takes_the_deployment_files_defaults():
+    """One default per policy field: a hot block that names none gets exactly what a
+    deployment's weaving entry gets (weaver/config/deployment.py WeavingSpec)."""
+    from weaver.config.deployment import WeavingSpec
+    from weaver.vllm_ext.plugin_pairs import POLICY_FIELDS
+
+    weaving = plugin_weaving({"weaver": {"role": "hot", "pair": "p", "remote_kv_gib": 1}})
+    spec = WeavingSpec(hot="h", cold=["c"])
+    assert dict(weaving.policy) == {name: getattr(spec, name) for name in POLICY_FIELDS}
+    assert dict(weaving.policy)["offload_ratio"] == "auto"

@@ -113,3 +113,30 @@ def test_pool_wide_members_are_the_local_pools():
     assert manager.evict_blocks({3}) == ("evicted", {3})
     with pytest.raises(AttributeError):
         manager.not_a_member  # noqa: B018  # nothing else falls through
+
+
+def test_auto_places_locally_until_the_local_pool_is_full_then_fills_the_remote_pool():
+    from weaver.weaving.placement import AdaptivePlacement
+
+    manager = RoutingKVCacheManager(CountingPool(2), CountingPool(3), 8, AdaptivePlacement())
+    for i in range(2):  # not KV-bound: nothing goes remote
+        assert manager.allocate_slots(FakeRequest(f"l{i}"), 16) is not None
+    assert set(manager.placed.values()) == {Placement.LOCAL}
+    assert not manager.local_was_full
+    for i in range(3):  # KV-bound: the remote pool fills
+        assert manager.allocate_slots(FakeRequest(f"r{i}"), 16) is not None
+    assert manager.local_was_full
+    assert sum(p is Placement.REMOTE for p in manager.placed.values()) == 3
+    assert manager.allocate_slots(FakeRequest("waits"), 16) is None  # both full
+
+
+def test_auto_that_stepped_aside_sends_nothing_remote():
+    from weaver.weaving.placement import AdaptivePlacement, PairLoad
+
+    placement = AdaptivePlacement()
+    placement.observe_pair(PairLoad(cold_inflation=1.3))  # over the 1.10 budget
+    assert placement.update(now=0.0)
+    manager = RoutingKVCacheManager(CountingPool(1), CountingPool(3), 8, placement)
+    assert manager.allocate_slots(FakeRequest("a"), 16) is not None
+    assert manager.allocate_slots(FakeRequest("b"), 16) is None  # local full: it waits
+    assert manager.remote.held == {}

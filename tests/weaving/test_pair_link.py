@@ -32,7 +32,8 @@ def runtime_dir(tmp_path, monkeypatch):
 
 def plan_of(remote_mib: float, hot: str = "hot"):
     return plugin_hot_plan(hot, "p1", SHAPE, remote_mib * MiB / 2**30, max_model_len=128,
-                           max_num_seqs=4, offload_ratio=1.0, timeout_s=1.0, transport="shm")
+                           max_num_seqs=4, policy={"offload_ratio": 1.0, "timeout_s": 1.0},
+                           transport="shm")
 
 
 class Attacher:

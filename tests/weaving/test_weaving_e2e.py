@@ -1,7 +1,8 @@
 """Weaving end to end on real vLLM engines, through the OpenAI endpoint.
 
 One server hosts six engines: `ref` (SmolLM2, dedicated: weaving off), `hot` (the same
-model weaving half its sequences into `cold`), `hot-all` (every sequence remote), `cold` (a
+model weaving into `cold` with `offload_ratio: auto`: local first, and remote once its
+local KV is full, while weaving pays (weaver/weaving/placement.py)), `hot-all` (every sequence remote), `cold` (a
 random-weight Llama of another shape: 3 layers, 6 q / 1 kv heads, head 64, against
 SmolLM2's 30 layers, 9 q / 3 kv heads), and `mux-a`, `mux-b` (SmolLM2 twice, colocated in a
 spatial-temporal mux group, taking turns step by step: weaver/mux/, their KV in one pool
@@ -67,7 +68,7 @@ mux:
   - {{name: pair, models: [mux-a, mux-b], mode: spatial-temporal, rates: {{mux-a: 3, mux-b: 1}},
      unified_kv: true}}
 weaving:
-  - {{hot: hot, cold: [cold], offload_ratio: 0.5, timeout_s: 3.0}}
+  - {{hot: hot, cold: [cold], offload_ratio: auto, hot_tpot_ms: 60000, timeout_s: 3.0}}
   - {{hot: hot-all, cold: [cold], offload_ratio: 1.0, timeout_s: 3.0}}
 """
 
@@ -103,10 +104,16 @@ def reference(server, client) -> dict:
     return {"prompts": prompts, "outputs": outputs, "peak_running": peak}
 
 
-def test_half_remote_is_token_exact_and_runs_larger_batches(server, client, reference):
+def test_auto_is_token_exact_and_fills_the_remote_pool_when_kv_bound(server, client,
+                                                                     reference):
     outputs = complete_all(client, "hot", reference["prompts"])
     peak = metric(server, 'weaver_peak_running{model="hot"}')
     assert outputs == reference["outputs"]
+    # A loose TPOT target and an idle cold model: weaving paid all along, and says so.
+    assert metric(server, 'weaver_weaving_active{cold="cold",hot="hot"}') == 1
+    assert metric(server, 'weaver_weaving_step_asides_total{cold="cold",hot="hot"}') == 0
+    pair = next(p for p in server.health().json()["weaving"] if p["hot"] == "hot")
+    assert pair["offload_ratio"] == "auto" and pair["weaving_active"] is True
     assert metric(server, 'weaver_offload_sequences_total{model="hot"}') >= NUM_PROMPTS // 2
     assert metric(server, 'weaver_offload_tasks_total{cold="cold",hot="hot"}') > 0
     # The cold side's time on those tasks, whether at poll points or by its idle poller.

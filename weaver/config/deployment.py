@@ -10,7 +10,7 @@ import re
 from enum import Enum
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -185,9 +185,17 @@ class WeavingSpec(BaseModel):
 
     hot: str = Field(description="name of a model with role: hot")
     cold: list[str] = Field(min_length=1, description="names of models with role: cold")
-    offload_ratio: float = Field(
-        0.5, ge=0.0, le=1.0, description="share of sequences placed remotely"
-    )
+    offload_ratio: Annotated[float, Field(ge=0.0, le=1.0)] | Literal["auto"] = Field(
+        "auto", description="auto: local first, and remote only when the hot model's KV is "
+        "full and weaving pays (its TPOT target, the cold model's budget and the measured "
+        "throughput gain; weaver/weaving/placement.py); or a fixed share of sequences "
+        "placed remotely, in [0, 1]")
+    hot_tpot_ms: float | None = Field(
+        None, gt=0, description="offload_ratio auto: the hot model's TPOT target in ms; "
+        "weaving steps aside when woven steps exceed it (default: 1.25x its local-only step)")
+    cold_tpot_budget: float = Field(
+        1.10, ge=1.0, description="offload_ratio auto: the cold model's TPOT may grow at most "
+        "this factor over its TPOT with no offload, or weaving steps aside")
     timeout_s: float = Field(5.0, gt=0, description="longest wait for a cold model's answer")
 
 

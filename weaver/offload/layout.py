@@ -146,6 +146,8 @@ DONE_RESULT_OFFSET = DONE_SEQ_OFFSET + 8  # int64 TaskResult of done_seq
 STATUS_OFFSET = DONE_SEQ_OFFSET + CACHE_LINE_BYTES  # int64 RegionStatus, written by cold
 OWNER_PID_OFFSET = STATUS_OFFSET + 8  # int64 pid of the owning (cold) process
 HEARTBEAT_OFFSET = STATUS_OFFSET + 16  # float64 time.monotonic() of the cold side
+# float64 written by cold: its TPOT over its TPOT without the tasks (weaving/cold_load.py)
+COLD_INFLATION_OFFSET = STATUS_OFFSET + 24
 HEADER_BYTES = STATUS_OFFSET + CACHE_LINE_BYTES
 
 # Fixed part of the task metadata: int64 words then float64 words.

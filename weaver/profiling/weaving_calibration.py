@@ -45,9 +45,13 @@ NOTES_KEY = "weaving_calibration"
 IDLE_POLL_INTERVAL_S = 50e-6
 
 
-def num_remote_of(offload_ratio: float, batch_size: int) -> int:
+def num_remote_of(offload_ratio: float | str, batch_size: int) -> int:
     """Remote sequences among `batch_size` requests admitted one after another into an
     empty hot engine by `RatioPlacement` (its remote pool large enough for all)."""
+    if isinstance(offload_ratio, str):
+        raise ValueError(f"offload_ratio {offload_ratio!r} places by live load; the weaving "
+                         "calibration needs a fixed share of remote sequences: give the pair "
+                         "one for calibrating (e.g. offload_ratio: 0.5)")
     placement = RatioPlacement(offload_ratio)
     num_local = num_remote = 0
     for _ in range(batch_size):

@@ -49,6 +49,9 @@ class WeavingMetrics:
                                    "Remote KV blocks held by running hot sequences",
                                    ["hot", "cold"], registry=registry)
         self.cold_busy = Counter(*series.COLD_BUSY, registry=registry)
+        self.weaving_active = Gauge(*series.WEAVING_ACTIVE, registry=registry)
+        self.step_asides = Counter(*series.STEP_ASIDES, registry=registry)
+        self.cold_tpot_factor = Gauge(*series.COLD_TPOT_FACTOR, registry=registry)
         # The unified KV pools of cold models with unified_kv (weaver/kv), as
         # their owners publish the allocator's stats.
         self.pool_pages = Gauge("weaver_kv_pool_pages", "Pages a tenant's live blocks hold "
@@ -202,6 +205,10 @@ class WeavingSupervisor:
                       or self._reconnect_failures.get(key)
                       or ("cold engine is down" if cold_dead else None))
             self.state[key].update(status="degraded" if reason else "ok", reason=reason)
+            placement = (stats.get("hot") or {}).get("placement")
+            if placement:  # offload_ratio auto: is weaving on, and why (not)
+                self.state[key].update(weaving_active=placement.get("weaving_active"),
+                                       policy_reason=placement.get("reason"))
         for cold in sorted({p.cold for p in self.plans}):
             await self._refresh_cold(cold)
         for pool, owner in {p.pool.pool_name: (p.pool, p.cold) for p in self.plans
@@ -265,6 +272,12 @@ class WeavingSupervisor:
         for seconds in hot.get("wait_seconds", []):
             m.wait.labels(**pair).observe(seconds)
         m.remote_blocks.labels(**pair).set(hot.get("remote_blocks_used", 0))
+        samples = series.placement_samples(hot.get("placement"))
+        if samples is not None:
+            active, asides, factor = samples
+            m.weaving_active.labels(**pair).set(active)
+            m.add_total(m.step_asides, pair, asides, plan.hot)
+            m.cold_tpot_factor.labels(**pair).set(factor)
 
     def health(self) -> dict[str, Any]:
         return {"weaving": list(self.state.values())}

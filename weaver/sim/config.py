@@ -4,7 +4,7 @@ to fix a bad file. Every field has a default except the models and the cluster."
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -162,7 +162,9 @@ class GpuSpec(_Strict):
 class PairSpec(_Strict):
     hot_gpu: int = Field(ge=0)
     cold_gpu: int = Field(ge=0)
-    offload_ratio: float | None = Field(None, ge=0, le=1)
+    offload_ratio: Annotated[float, Field(ge=0, le=1)] | Literal["auto"] | None = Field(
+        None, description="a fixed share of remote sequences, or auto (the hot scheduler's "
+        "adaptive placement, weaver/weaving/placement.py); default: weaving.offload_ratio")
     remote_blocks: int | None = Field(None, gt=0, description="blocks of the hot model "
                                       "lent by the cold side (a deployment's lend_kv_gib); "
                                       "default: weaving.region_fraction of its KV memory")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from weaver.sim.engine import Engine, Event
 from weaver.sim.perf_model import OffloadCostModel, PerfModel, PollContext, operator_fractions
 from weaver.sim.profile import blocks_for
-from weaver.weaving.placement import Placement, RatioPlacement
+from weaver.weaving.placement import AdaptivePlacement, Placement, RatioPlacement
 from weaver.workloads.types import TraceRequest
 
 logger = logging.getLogger(__name__)
@@ -190,6 +190,8 @@ class ModelServer:
         self.remote: SeqSet | None = None
         self.offload_ratio = 0.0
         self.offload_policy = "fixed"  # or "overflow", see _choose_set
+        # The hot scheduler's own placement (offload_policy "ratio"), set by weaving.
+        self.placement: RatioPlacement | AdaptivePlacement | None = None
         self.offload: OffloadCostModel | None = None
         self.remote_instance: Instance | None = None
         self.waiting: deque[SimRequest] = deque()
@@ -260,18 +262,28 @@ class ModelServer:
         """The hot scheduler's own rule (vllm_ext/scheduler.py RoutingKVCacheManager):
         the preferred pool by `RatioPlacement` over the placed requests (running plus being
         prefilled), spilling to the other pool when the preferred one is full."""
-        placement = RatioPlacement(self.offload_ratio)
+        placement = self.placement or RatioPlacement(self.offload_ratio)
         num_remote = self.remote.num_seqs + num_remote_new
         num_local = self.local.num_seqs + num_new - num_remote_new
-        preferred = placement.preferred(num_local, num_remote)
-        order = [preferred]
-        if placement.may_spill:
-            order.append(Placement.LOCAL if preferred is Placement.REMOTE else Placement.REMOTE)
-        for choice in order:
+        for choice in placement.order(num_local, num_remote):
             target = self.remote if choice is Placement.REMOTE else self.local
             if target.can_take(num_blocks):
                 return target
         return None
+
+    def observe_step(self, step_s: float, now: float) -> None:
+        """An adaptive placement's live measurements, as the hot scheduler takes them: the
+        step's time and batch, and whether the local pool held requests back. The cold
+        model's TPOT growth is not fed here (the simulator charges it to the cold device,
+        Instance._inflate), so the simulated policy decides on the hot side's measures."""
+        placement = self.placement
+        if not isinstance(placement, AdaptivePlacement) or self.remote is None:
+            return
+        waiting = self.waiting[0] if self.waiting else None
+        capped = waiting is not None and not self.local.can_take(
+            blocks_for(self._context_to_build(waiting), self.cfg.block_size))
+        placement.observe_step(step_s, self.local.num_seqs, self.remote.num_seqs, capped)
+        placement.update(now)
 
     def can_admit(self) -> bool:
         if not self.waiting or self.num_running + len(self.prefilling) >= self.cfg.max_num_seqs:
@@ -485,6 +497,7 @@ class Instance:
                 break
             tried.add(job.server.name)  # e.g. its quota shrank: let another model run
         dt = self._begin(job)
+        job.server.observe_step(dt, now)
         self.is_busy = True
         return [self.engine.event(now + dt, f"{self.name}.step",
                                   lambda t, job=job: self._end_step(job, t))]

@@ -31,7 +31,7 @@ class GpuPlan:
 class WeavePair:
     hot_gpu: int
     cold_gpu: int
-    offload_ratio: float
+    offload_ratio: float | str  # a share in [0, 1], or "auto"
     remote_blocks: int | None = None  # blocks lent to the hot model; None: region_fraction
 
 

@@ -62,10 +62,11 @@ def register() -> None:
 
 
 def _on_engine_core_ready(engine_core: Any) -> None:
-    from weaver.vllm_ext import mux_gate, plugin_pairs
+    from weaver.vllm_ext import mux_gate, plugin_pairs, scheduler
 
     mux_gate.on_engine_core_ready(engine_core)
     plugin_pairs.on_engine_core_ready(engine_core)
+    scheduler.connect_pair_load(engine_core)
 
 
 def register_woven_backends(platform: Any) -> list[str]:

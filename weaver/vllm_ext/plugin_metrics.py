@@ -57,6 +57,9 @@ class PairStatsCollector(Collector):
             "connected": GaugeMetricFamily(
                 "weaver_pair_connected", "1 while the pair's cold engine is attached and "
                 "sequences may go remote", labels=["pair"]),
+            "active": _gauge(series.WEAVING_ACTIVE),
+            "asides": _counter(series.STEP_ASIDES),
+            "factor": _gauge(series.COLD_TPOT_FACTOR),
         }
 
     @staticmethod
@@ -70,6 +73,10 @@ class PairStatsCollector(Collector):
         families["fallbacks"].add_metric([model], stats.get("fallback_tasks", 0))
         families["attaches"].add_metric([pair], stats.get("attaches", 0))
         families["connected"].add_metric([pair], 1 if stats.get("connected") else 0)
+        samples = series.placement_samples(stats.get("placement"))
+        if samples is not None:
+            for key, value in zip(("active", "asides", "factor"), samples, strict=True):
+                families[key].add_metric([model, pair], value)
 
     @staticmethod
     def _add_cold(families: dict, stats: dict) -> None:
@@ -81,6 +88,11 @@ class PairStatsCollector(Collector):
 def _counter(spec: tuple[str, str, tuple[str, ...]]) -> CounterMetricFamily:
     name, documentation, labels = spec
     return CounterMetricFamily(name, documentation, labels=labels)
+
+
+def _gauge(spec: tuple[str, str, tuple[str, ...]]) -> GaugeMetricFamily:
+    name, documentation, labels = spec
+    return GaugeMetricFamily(name, documentation, labels=labels)
 
 
 def register_pair_collector(role: str, pairs: tuple[str, ...]) -> None:

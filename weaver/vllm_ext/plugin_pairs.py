@@ -32,7 +32,12 @@ from weaver.weaving import rendezvous
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
-HOT_FIELDS = {"role", "pair", "remote_kv_gib", "offload_ratio", "timeout_s"}
+# The pair's policy fields, parsed by the deployment file's own model (WeavingSpec), so a
+# default and a bound exist once for both launchers.
+POLICY_FIELDS = {"offload_ratio", "timeout_s", "hot_tpot_ms", "cold_tpot_budget"}
+HOT_FIELDS = {"role", "pair", "remote_kv_gib"} | POLICY_FIELDS
+_ALLOWED = {"offload_ratio": "'auto' or a number in [0, 1]", "timeout_s": "> 0 seconds",
+            "hot_tpot_ms": "> 0 ms", "cold_tpot_budget": "a factor >= 1"}
 COLD_FIELDS = {"role", "pair", "lend_kv_gib", "split"}
 
 
@@ -44,8 +49,9 @@ class PluginWeaving:
     role: str
     pairs: tuple[str, ...]
     remote_kv_gib: float = 0.0  # hot: the KV it places on the cold engine
-    offload_ratio: float = 0.5  # hot: the share of sequences placed remotely
-    timeout_s: float = 3.0  # hot: a remote task not answered by then is computed locally
+    # hot: the pair's placement policy and timeout, as a deployment's `weaving` entry
+    # (weaver/config/deployment.py WeavingSpec, whose defaults these are).
+    policy: tuple[tuple[str, Any], ...] = ()
     lend_kv_gib: float = 0.0  # cold: the KV it lends, all pairs together
     # cold: chunks per operator kind ({"lm_head": 16}), as a deployment's `split`
     # (docs/architecture.md, part 7): a hot task waits behind one chunk, not an operator.
@@ -78,19 +84,38 @@ def plugin_weaving(additional_config: Any) -> PluginWeaving | None:
     if not isinstance(split, dict):
         raise ValueError("--additional-config weaver.split must map operator kinds to "
                          'chunks, e.g. {"lm_head": 16}')
-    weaving = PluginWeaving(role=role, pairs=pairs, split=tuple(split.items()), **{
-        k: float(v) for k, v in section.items() if k not in ("role", "pair", "hot", "split")})
+    weaving = PluginWeaving(
+        role=role, pairs=pairs, split=tuple(split.items()),
+        policy=_policy(role, pairs[0], section),
+        **{k: float(v) for k, v in section.items() if k in ("remote_kv_gib", "lend_kv_gib")})
     if role == "hot":
         if weaving.remote_kv_gib <= 0:
             raise ValueError("--additional-config weaver: a hot engine needs remote_kv_gib "
                              "> 0, the KV (GiB) it places on the cold engine (at most the "
                              "cold engine's lend_kv_gib)")
-        if not 0 < weaving.offload_ratio <= 1:
-            raise ValueError("--additional-config weaver.offload_ratio must be in (0, 1]")
     elif weaving.lend_kv_gib <= 0:
         raise ValueError("--additional-config weaver: a cold engine needs lend_kv_gib > 0, "
                          "the KV (GiB) it lends to its hot engines")
     return weaving
+
+
+def _policy(role: str, pair: str, section: dict) -> tuple[tuple[str, Any], ...]:
+    """A hot block's policy fields, checked and completed by the deployment's WeavingSpec."""
+    if role != "hot":
+        return ()
+    from pydantic import ValidationError
+
+    from weaver.config.deployment import WeavingSpec
+
+    given = {k: v for k, v in section.items() if k in POLICY_FIELDS}
+    try:
+        spec = WeavingSpec(hot="hot", cold=[pair], **given)
+    except ValidationError as exc:
+        fields = dict.fromkeys(str(e["loc"][0]) for e in exc.errors())
+        problems = "; ".join(f"{name} must be {_ALLOWED.get(name, 'valid')}, got "
+                             f"{given.get(name)!r}" for name in fields)
+        raise ValueError(f"--additional-config weaver: {problems}") from None
+    return tuple((k, getattr(spec, k)) for k in sorted(POLICY_FIELDS))
 
 
 def configure_engine_args(engine_args: Any) -> None:
@@ -124,7 +149,7 @@ def complete_engine_config(vllm_config: Any) -> None:
     if weaving.role == "hot":
         plan = hot_plan_for(vllm_config, weaving, model)
         vllm_config.additional_config[KEY]["hot"] = plan.to_dict()
-        logger.info("weaving pair %s: hot engine %r places %d remote blocks (ratio %.2f) "
+        logger.info("weaving pair %s: hot engine %r places %d remote blocks (ratio %s) "
                     "once its cold engine answers", weaving.pair, model,
                     plan.num_remote_blocks, plan.offload_ratio)
     elif weaving.split:
@@ -148,8 +173,8 @@ def hot_plan_for(vllm_config: Any, weaving: PluginWeaving, model: str) -> Any:
                                "pages" if on_cpu else "token")
     return plugin_hot_plan(model, weaving.pair, shape, weaving.remote_kv_gib,
                            model_config.max_model_len,
-                           vllm_config.scheduler_config.max_num_seqs, weaving.offload_ratio,
-                           weaving.timeout_s, "shm" if on_cpu else "cuda")
+                           vllm_config.scheduler_config.max_num_seqs, dict(weaving.policy),
+                           "shm" if on_cpu else "cuda")
 
 
 def on_engine_core_ready(engine_core: Any) -> None:

@@ -37,7 +37,13 @@ from weaver.patches import routing_kv_cache_manager
 from weaver.vllm_ext.additional_config import hot_plan, pool_section
 from weaver.vllm_ext.block_pool import AllocatorBlockPool, open_pool_owner
 from weaver.vllm_ext.plugin_pairs import plugin_weaving
-from weaver.weaving.placement import Placement, RatioPlacement
+from weaver.weaving.placement import (
+    AdaptivePlacement,
+    PairLoad,
+    Placement,
+    RatioPlacement,
+    placement_for,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -46,6 +52,7 @@ logger = logging.getLogger(__name__)
 
 LEASE_SLACK_BLOCKS = 2  # spare remote blocks beyond what the next step is known to need
 STARVED_NAP_S = 0.01  # an idle engine waiting for pool blocks sleeps this long per loop
+PAIR_LOAD_INTERVAL_S = 0.5  # how often an adaptive hot engine asks its worker for the pair
 
 # KVCacheManager's members that are the whole pool's, not a request's: they are the local
 # pool's (remote requests get no prefix caching, events or stats). Listed, not forwarded
@@ -74,12 +81,21 @@ def _local_method(name: str) -> Callable[..., Any]:
     return forward
 
 
+def connect_pair_load(engine_core: Any) -> None:
+    """Once an EngineCore is up: an adaptive hot scheduler reads its pair's load from its
+    worker through vLLM's collective_rpc (weaver/vllm_ext/worker.py weaver_pair_load)."""
+    scheduler = engine_core.scheduler
+    if isinstance(scheduler, WeaverScheduler) \
+            and isinstance(scheduler.weaver_placement, AdaptivePlacement):
+        scheduler.weaver_rpc = engine_core.model_executor.collective_rpc
+
+
 class RoutingKVCacheManager:
     """Stands in for vLLM's `KVCacheManager`: per-request calls go to the pool that holds
     the request; the pool-wide members are the local pool's (LOCAL_ATTRIBUTES/METHODS)."""
 
     def __init__(self, local: KVCacheManager, remote: KVCacheManager, num_local_blocks: int,
-                 placement: RatioPlacement,
+                 placement: RatioPlacement | AdaptivePlacement,
                  remote_available: Callable[[], bool] | None = None) -> None:
         self.local = local
         self.remote = remote
@@ -93,6 +109,9 @@ class RoutingKVCacheManager:
         self.num_placed_remote = 0  # requests ever placed remotely (a Prometheus counter)
         self._logged_remote_gone = False
         self.peak_running_remote = 0
+        # A new request found the local pool full since the last schedule(): the batch is
+        # capped by KV (what AdaptivePlacement weighs weaving against).
+        self.local_was_full = False
 
     def _pool(self, request_id: str) -> KVCacheManager:
         return self.remote if self.placed.get(request_id) is Placement.REMOTE else self.local
@@ -104,10 +123,7 @@ class RoutingKVCacheManager:
                 request, num_new_tokens, *args, **kwargs)
         # A new (or preempted and re-admitted) request: decide where its KV lives.
         num_remote = self.num_running_remote
-        preferred = self.placement.preferred(len(self.placed) - num_remote, num_remote)
-        order = [preferred]
-        if self.placement.may_spill:
-            order.append(Placement.LOCAL if preferred is Placement.REMOTE else Placement.REMOTE)
+        order = self.placement.order(len(self.placed) - num_remote, num_remote)
         if not self._remote_is_available():
             order = [Placement.LOCAL]
         for choice in order:
@@ -123,6 +139,8 @@ class RoutingKVCacheManager:
                     self.peak_running_remote = max(self.peak_running_remote,
                                                    self.num_running_remote)
                 return blocks
+            if choice is Placement.LOCAL:
+                self.local_was_full = True
         return None
 
     def _remote_is_available(self) -> bool:
@@ -218,6 +236,12 @@ class WeaverScheduler(Scheduler):
     # Under plain `vllm serve`, the pair's HotLink (weaver/weaving/pair_link.py), set once
     # the EngineCore is up (weaver/vllm_ext/plugin_pairs.py); None under weaver serve.
     weaver_link: Any = None
+    # A hot engine's vLLM collective_rpc, set once the EngineCore is up (connect_pair_load):
+    # how an adaptive placement reads its pair's load from the worker.
+    weaver_rpc: Callable[..., list] | None = None
+    weaver_placement: RatioPlacement | AdaptivePlacement | None = None
+    _weaver_step_started: float | None = None  # when the step being run was scheduled
+    _weaver_next_load = 0.0  # when to read the pair's load next
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -256,12 +280,14 @@ class WeaverScheduler(Scheduler):
         # Linked by the engines themselves (plain `vllm serve`): remote only while the cold
         # side is attached; leased from a unified pool: only while its owner is there.
         is_linked = plugin_weaving(self.vllm_config.additional_config) is not None
+        self.weaver_placement = placement_for(plan.offload_ratio, plan.adaptive_targets())
+        self._weaver_hot = plan.hot
         routing_kv_cache_manager.install(self, RoutingKVCacheManager(
-            local, remote, num_local, RatioPlacement(plan.offload_ratio),
+            local, remote, num_local, self.weaver_placement,
             remote_available=(self._weaver_remote_available
                               if self.weaver_lease is not None or is_linked else None)))
         logger.info(
-            "weaving %s -> %s: %d local + %d remote KV blocks, offload ratio %.2f",
+            "weaving %s -> %s: %d local + %d remote KV blocks, offload ratio %s",
             plan.hot, plan.cold, num_local, plan.num_remote_blocks, plan.offload_ratio,
         )
 
@@ -295,20 +321,56 @@ class WeaverScheduler(Scheduler):
         return self.weaver_pool.lock if self.weaver_pool is not None else contextlib.nullcontext()
 
     def update_from_output(self, *args: Any, **kwargs: Any):
+        ran = self._weaver_batch() if self.weaver_placement is not None else None
         with self._pool_lock():
-            return super().update_from_output(*args, **kwargs)
+            outputs = super().update_from_output(*args, **kwargs)
+        if ran is not None:
+            self._weaver_step_ended(*ran)
+        return outputs
 
-    def finish_requests(self, *args: Any, **kwargs: Any):
-        with self._pool_lock():
-            return super().finish_requests(*args, **kwargs)
+    # --- adaptive placement (offload_ratio: auto) -----------------------------------------
+    def _weaver_batch(self) -> tuple[int, int]:
+        """(local, remote) requests in the step that just ran."""
+        num_remote = self.kv_cache_manager.num_running_remote
+        return len(self.running) - num_remote, num_remote
 
-    def reset_prefix_cache(self, *args: Any, **kwargs: Any):
-        with self._pool_lock():
-            return super().reset_prefix_cache(*args, **kwargs)
+    def _weaver_step_starts(self) -> None:
+        placement = self.weaver_placement
+        if not isinstance(placement, AdaptivePlacement):
+            return
+        now = time.monotonic()
+        if now >= self._weaver_next_load:
+            self._weaver_next_load = now + PAIR_LOAD_INTERVAL_S
+            self._weaver_read_pair_load(placement)
+            if placement.update(now):
+                logger.warning("weaving %s: %s", self._weaver_hot, placement.reason)
+        self._weaver_step_started = now
+        self.kv_cache_manager.local_was_full = False
+
+    def _weaver_step_ended(self, num_local: int, num_remote: int) -> None:
+        started, self._weaver_step_started = self._weaver_step_started, None
+        if started is None or not isinstance(self.weaver_placement, AdaptivePlacement):
+            return
+        self.weaver_placement.observe_step(time.monotonic() - started, num_local, num_remote,
+                                           self.kv_cache_manager.local_was_full)
+
+    def _weaver_read_pair_load(self, placement: AdaptivePlacement) -> None:
+        if self.weaver_rpc is None:
+            return
+        try:
+            load = self.weaver_rpc("weaver_pair_load", args=(placement.report(),))[0]
+        except Exception as exc:  # the policy keeps its last view; the step goes on
+            logger.warning("weaving %s: the pair's load is unavailable (%r)", self._weaver_hot,
+                           exc)
+            return
+        if load is not None:
+            placement.observe_pair(PairLoad(**load))
 
     def schedule(self, *args: Any, **kwargs: Any):
         if self.weaver_link is not None:
             self.weaver_link.tick()
+        if self.weaver_placement is not None:
+            self._weaver_step_starts()
         if self.weaver_pool is not None:
             with self.weaver_pool.lock:
                 # The cold model's own next step comes first: take quota back if it is short.

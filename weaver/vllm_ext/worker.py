@@ -43,6 +43,7 @@ class WeaverWorkerExtension:
     _weaver_poll_points: PollPoints | None = None  # over the cold model's operators
     _weaver_num_split = 0  # split operators polling between their chunks
     _weaver_cold_link: Any = None  # under plain `vllm serve`: weaver.weaving.pair_link.ColdLink
+    _weaver_placement_report: dict | None = None  # the hot scheduler's adaptive placement
 
     # --- hot side -----------------------------------------------------------------
     def weaver_attach_hot(self, plan_data: dict, cuda_handle_hex: str | None = None) -> dict:
@@ -119,7 +120,7 @@ class WeaverWorkerExtension:
         # Split operators (additional_config's split plan, applied at load time) poll
         # between their chunks with the same function as the poll points.
         num_split = install_split_polls(model, cold.poll)
-        worker_step_lock.install(self, cold.step_lock)
+        worker_step_lock.install(self, cold.step_meter)
         cold.start_idle_poller()
         self._weaver_cold = cold
         self._weaver_num_split = num_split
@@ -197,11 +198,19 @@ class WeaverWorkerExtension:
 
         return {"weaver_file": weaver.__file__, "pid": os.getpid()}
 
+    def weaver_pair_load(self, placement_report: dict) -> dict | None:
+        """The hot scheduler's adaptive placement asks how its pair is doing (cold TPOT
+        growth, offload wait) and leaves its own state for weaver_stats; None before the
+        region is attached."""
+        self._weaver_placement_report = placement_report
+        return None if self._weaver_hot is None else self._weaver_hot.pair_load()
+
     def weaver_stats(self) -> dict:
         stats: dict[str, Any] = {}
         if self._weaver_hot is not None:
             stats["hot"] = self._weaver_hot.drain_stats()
             stats["hot"]["remote_blocks_used"] = self._weaver_remote_blocks_in_use()
+            stats["hot"]["placement"] = self._weaver_placement_report
         if self._weaver_cold is not None:
             stats["cold"] = self._weaver_cold.stats()
             stats["cold_served_by_idle_poller"] = self._weaver_cold.num_idle_served

@@ -19,17 +19,21 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
+from weaver.offload.layout import COLD_INFLATION_OFFSET
 from weaver.offload.protocol import Transport
 from weaver.offload.receiver import OffloadReceiver
 from weaver.offload.shm import ShmRegion
+from weaver.weaving.cold_load import ColdInflation, StepMeter
 from weaver.weaving.plan import PairPlan
 
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # the idle poller's longest sleep; a task's doorbell wakes it at once
+LOAD_PUBLISH_S = 0.25  # how often the cold TPOT factor is written to the regions
 
 
 def create_shm_region(plan: PairPlan) -> Transport:
@@ -62,6 +66,10 @@ class ColdWeaving:
     def __init__(self, receivers: dict[str, OffloadReceiver]) -> None:
         self.receivers = receivers  # by region name
         self.step_lock = threading.Lock()
+        # The step lock as the worker's steps take it: timed, for the cold TPOT factor.
+        self.step_meter = StepMeter(self.step_lock)
+        self.inflation = ColdInflation(self.step_meter, self._task_s_in_steps)
+        self._next_publish = 0.0
         self.num_idle_served = 0
         self._stop = threading.Event()
         self._receivers_changed = threading.Event()  # the idle poller re-reads the set
@@ -126,8 +134,21 @@ class ColdWeaving:
                                              name="weaver-idle-poller", daemon=True)
         self._idle_thread.start()
 
+    def _task_s_in_steps(self) -> float:
+        return sum(r.stats.busy_at_poll_points_s for r in self.receivers.values())
+
+    def publish_load(self, now: float) -> None:
+        """Write the cold TPOT factor into every region, at most every LOAD_PUBLISH_S."""
+        if now < self._next_publish:
+            return
+        self._next_publish = now + LOAD_PUBLISH_S
+        value = self.inflation.sample(now)
+        for receiver in self.receivers.values():
+            receiver.transport.write_word(COLD_INFLATION_OFFSET, value, "d")
+
     def _idle_loop(self) -> None:
         while not self._stop.is_set():
+            self.publish_load(time.monotonic())
             self._receivers_changed.clear()
             receivers = list(self.receivers.values())
             if not receivers:  # no hot engine yet: wait for one to be added

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
+from weaver.offload.layout import COLD_INFLATION_OFFSET
 from weaver.offload.protocol import OffloadError, OffloadTicket, TaskBatch, WaitStatus
 from weaver.offload.sender import OffloadSender
 from weaver.offload.shm import ShmRegion, host_wait_policy
@@ -40,6 +41,7 @@ from weaver.weaving.plan import PairPlan
 logger = logging.getLogger(__name__)
 
 ATTACH_TIMEOUT_S = 30.0  # how long a hot worker waits for its cold side's region
+WAIT_EWMA_ALPHA = 0.05  # weight of a new wait in the recent offload wait (per task)
 
 
 @dataclass
@@ -199,6 +201,7 @@ class HotWeaving:
         self.remote_kv = remote_kv if remote_kv is not None else RegionKV(sender)
         self.stats = HotWeavingStats()
         self.degraded_reason: str | None = None
+        self.wait_ewma_s: float | None = None  # recent wait for a remote task
         self._slot_split: _SlotSplit | None = None
         self._lock = threading.Lock()
 
@@ -308,6 +311,9 @@ class HotWeaving:
         self.stats.num_offloaded_rows += len(rows.tokens)
         if result.status is not WaitStatus.PENDING:  # a device wait's host time is no wait
             self.stats.wait_seconds.append(result.wait_s)
+            previous = self.wait_ewma_s
+            self.wait_ewma_s = result.wait_s if previous is None else \
+                previous + WAIT_EWMA_ALPHA * (result.wait_s - previous)
         return True
 
     def settle_step(self) -> None:
@@ -328,6 +334,13 @@ class HotWeaving:
             logger.error(
                 "weaving %s -> %s degraded (%s): remote sequences' attention is now computed "
                 "on the hot side from the remote pool", self.plan.hot, self.plan.cold, reason)
+
+    def pair_load(self) -> dict[str, float | None]:
+        """What the adaptive placement weighs (weaving/placement.py PairLoad): the cold
+        TPOT factor its side publishes, and the recent offload wait."""
+        inflation = float(self.sender.transport.read_word(COLD_INFLATION_OFFSET, "d"))
+        return {"cold_inflation": inflation if inflation > 0 else None,
+                "offload_wait_s": self.wait_ewma_s}
 
     def drain_stats(self) -> dict[str, Any]:
         with self._lock:

@@ -1,20 +1,39 @@
 """Where a new hot sequence's KV lives: local, or remote on the cold device.
 
-A fixed-ratio policy (Weaver §4, "offload ratio") over the sequences *running now*: a new
-request goes remote when that keeps the remote share of the running set at or under r,
-i.e. when remote + 1 <= r · (running + 1). Counting the running set rather than every
-request ever placed keeps the split right whatever finished before (a warm-up request,
-an early stop), and spreads remote requests evenly within a burst: r = 0.5 gives L R L R,
-r = 2/3 gives L R R L R R. When the chosen pool cannot hold the request and the other can,
-it spills there (capacity is the point of weaving), except at the ratio's extremes, which
-mean "never" and "always" remote.
+Two policies answer `order(num_running_local, num_running_remote)`: the pools to try, in
+turn, for a newly admitted (or preempted and re-admitted) sequence.
+
+- `RatioPlacement` (a fixed `offload_ratio`, Weaver §4): a new request goes remote when
+  that keeps the remote share of the running set at or under r, i.e. when
+  remote + 1 <= r · (running + 1). Counting the running set rather than every request ever
+  placed keeps the split right whatever finished before (a warm-up request, an early stop),
+  and spreads remote requests evenly within a burst: r = 0.5 gives L R L R, r = 2/3 gives
+  L R R L R R. When the chosen pool cannot hold the request and the other can, it spills
+  there (capacity is the point of weaving), except at the ratio's extremes, which mean
+  "never" and "always" remote.
+- `AdaptivePlacement` (`offload_ratio: auto`): local first; remote only when the local pool
+  cannot hold the sequence (the batch is capped by KV right now) and weaving pays, judged
+  from live measurements (`PairLoad`): the hot step time against its TPOT target, the cold
+  model's TPOT growth against its budget, and whether the woven steps really serve more
+  tokens per second than the KV-capped local-only ones. When weaving does not pay it steps
+  aside (no new remote sequences; the running ones finish where they are) for a cool-down,
+  then tries again, and says why (`state`).
+
+Plain Python: the hot engine's scheduler (weaver/vllm_ext/scheduler.py), the simulator and
+the planner use these classes unchanged.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+from dataclasses import dataclass
 from enum import Enum
 
+logger = logging.getLogger(__name__)
+
 _EPSILON = 1e-9  # so that r · n landing exactly on an integer counts as reached
+AUTO = "auto"  # the offload_ratio value that selects AdaptivePlacement
 
 
 class Placement(str, Enum):
@@ -37,3 +56,167 @@ class RatioPlacement:
         num_running = num_running_local + num_running_remote
         is_remote = num_running_remote + 1 <= self.offload_ratio * (num_running + 1) + _EPSILON
         return Placement.REMOTE if is_remote else Placement.LOCAL
+
+    def order(self, num_running_local: int, num_running_remote: int) -> list[Placement]:
+        preferred = self.preferred(num_running_local, num_running_remote)
+        if not self.may_spill:
+            return [preferred]
+        other = Placement.LOCAL if preferred is Placement.REMOTE else Placement.REMOTE
+        return [preferred, other]
+
+
+@dataclass(frozen=True)
+class AdaptiveTargets:
+    """What `AdaptivePlacement` holds weaving to."""
+
+    # The hot model's TPOT target (s); None: `hot_budget` x its local-only step time.
+    hot_tpot_s: float | None = None
+    hot_budget: float = 1.25
+    # The cold model's TPOT may grow by at most this factor over its TPOT with no offload.
+    cold_budget: float = 1.10
+    # Woven steps must serve this much more tokens/s than the KV-capped local-only ones.
+    min_gain: float = 1.05
+    cooldown_s: float = 20.0  # how long weaving stays aside before it is tried again
+    min_samples: int = 8  # steps of each kind before their throughput is compared
+
+    def __post_init__(self) -> None:
+        if self.hot_tpot_s is not None and not self.hot_tpot_s > 0:
+            raise ValueError(f"the hot TPOT target must be > 0 s, got {self.hot_tpot_s}")
+        if self.hot_budget < 1 or self.cold_budget < 1 or self.min_gain < 1:
+            raise ValueError("hot_budget, cold_budget and min_gain are factors >= 1, got "
+                             f"{self.hot_budget}, {self.cold_budget}, {self.min_gain}")
+
+
+@dataclass(frozen=True)
+class PairLoad:
+    """What the hot worker sees of its pair (None: not measured yet)."""
+
+    cold_inflation: float | None = None  # cold step time with the tasks / without them
+    offload_wait_s: float | None = None  # recent mean wait for a remote task
+
+
+class _Ewma:
+    """An exponentially weighted mean with a sample count."""
+
+    def __init__(self, alpha: float = 0.2) -> None:
+        self.alpha = alpha
+        self.value: float | None = None
+        self.num = 0
+
+    def add(self, sample: float) -> None:
+        self.value = sample if self.value is None else \
+            self.value + self.alpha * (sample - self.value)
+        self.num += 1
+
+
+class AdaptivePlacement:
+    """`offload_ratio: auto`: local first, remote on overflow while weaving pays."""
+
+    may_spill = True
+
+    def __init__(self, targets: AdaptiveTargets | None = None) -> None:
+        self.targets = targets or AdaptiveTargets()
+        self.offload_ratio = AUTO  # what a log line or /metrics shows as the ratio
+        self.is_open = True
+        self.reason = "weaving: spill to the cold pool when the local KV is full"
+        self.num_step_asides = 0
+        self._closed_until = -math.inf
+        self._local_step = _Ewma()  # step time of local-only steps (s)
+        self._capped_rate = _Ewma()  # tokens/s of KV-capped local-only steps
+        self._woven_rate = _Ewma()  # tokens/s of steps with remote sequences
+        self._woven_step = _Ewma()
+        self.load = PairLoad()
+
+    @property
+    def hot_tpot_target_s(self) -> float | None:
+        if self.targets.hot_tpot_s is not None:
+            return self.targets.hot_tpot_s
+        base = self._local_step.value
+        return None if base is None else self.targets.hot_budget * base
+
+    def order(self, num_running_local: int, num_running_remote: int) -> list[Placement]:
+        return [Placement.LOCAL, Placement.REMOTE] if self.is_open else [Placement.LOCAL]
+
+    # --- measurements -------------------------------------------------------------------
+    def observe_step(self, step_s: float, num_local: int, num_remote: int,
+                     kv_capped: bool) -> None:
+        """One finished hot step: its wall time and the decode batch it ran. `kv_capped`:
+        requests were waiting because the local pool was full."""
+        if step_s <= 0 or num_local + num_remote == 0:
+            return
+        rate = (num_local + num_remote) / step_s
+        if num_remote == 0:
+            self._local_step.add(step_s)
+            if kv_capped:
+                self._capped_rate.add(rate)
+        else:
+            self._woven_step.add(step_s)
+            self._woven_rate.add(rate)
+
+    def observe_pair(self, load: PairLoad) -> None:
+        self.load = load
+
+    # --- the decision ---------------------------------------------------------------------
+    def update(self, now: float) -> bool:
+        """Re-decide whether new sequences may go remote; True if that changed."""
+        reason = self._why_not(now)
+        was_open = self.is_open
+        if reason is None:
+            if not was_open:
+                self.is_open = True
+                self.reason = "weaving resumed: the cool-down passed and nothing forbids it"
+                self._woven_rate, self._woven_step = _Ewma(), _Ewma()  # measure afresh
+            return not was_open
+        if was_open:
+            self.is_open = False
+            self.reason = reason
+            self.num_step_asides += 1
+            self._closed_until = now + self.targets.cooldown_s
+            return True
+        return False
+
+    def _why_not(self, now: float) -> str | None:
+        t = self.targets
+        if not self.is_open and now < self._closed_until:
+            return self.reason
+        inflation = self.load.cold_inflation
+        if inflation is not None and inflation > t.cold_budget:
+            return (f"stepped aside: the cold model's TPOT is x{inflation:.2f} its own, over "
+                    f"its budget x{t.cold_budget:.2f}")
+        if not self.is_open:
+            return None  # cooled down: try again, and measure
+        target = self.hot_tpot_target_s
+        woven = self._woven_step
+        if target is not None and woven.num >= t.min_samples and woven.value > target:
+            return (f"stepped aside: woven hot steps take {1000 * woven.value:.1f} ms, over "
+                    f"the TPOT target {1000 * target:.1f} ms")
+        capped, rate = self._capped_rate, self._woven_rate
+        if capped.num >= t.min_samples and rate.num >= t.min_samples \
+                and rate.value < t.min_gain * capped.value:
+            return (f"stepped aside: woven steps serve {rate.value:.1f} tokens/s, under "
+                    f"x{t.min_gain:.2f} the {capped.value:.1f} of KV-capped local steps")
+        return None
+
+    def report(self) -> dict[str, float | int | str | bool | None]:
+        """The policy's state, for /metrics and the log."""
+        target = self.hot_tpot_target_s
+        return {"policy": AUTO, "weaving_active": self.is_open, "reason": self.reason,
+                "step_asides": self.num_step_asides,
+                "hot_tpot_target_s": target,
+                "hot_local_step_s": self._local_step.value,
+                "hot_woven_step_s": self._woven_step.value,
+                "capped_tokens_per_s": self._capped_rate.value,
+                "woven_tokens_per_s": self._woven_rate.value,
+                "cold_inflation": self.load.cold_inflation,
+                "offload_wait_s": self.load.offload_wait_s}
+
+
+def placement_for(offload_ratio: float | str,
+                  targets: AdaptiveTargets | None = None) -> RatioPlacement | AdaptivePlacement:
+    """The policy an `offload_ratio` value names: "auto" or a fixed share in [0, 1]."""
+    if offload_ratio == AUTO:
+        return AdaptivePlacement(targets)
+    if isinstance(offload_ratio, str):
+        raise ValueError(f"offload_ratio must be 'auto' or a number in [0, 1], got "
+                         f"{offload_ratio!r}")
+    return RatioPlacement(float(offload_ratio))

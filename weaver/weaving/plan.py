@@ -20,6 +20,7 @@ from weaver.kv.pages import TenantShape, headwise_block_size
 from weaver.kv.pool_plan import PoolPlan, PoolTenantPlan
 from weaver.offload.layout import HotAttentionShape, RegionLayout
 from weaver.offload.naming import region_name
+from weaver.weaving.placement import AdaptiveTargets
 
 if TYPE_CHECKING:
     # Annotations only: the weaving runtime (hot.py, cold.py) imports this module, and a
@@ -41,7 +42,7 @@ class PairPlan:
     num_remote_blocks: int
     max_seqs_per_task: int
     max_blocks_per_seq: int
-    offload_ratio: float
+    offload_ratio: float | str  # a share in [0, 1], or "auto" (weaving/placement.py)
     timeout_s: float
     # The cold device's unified KV pool, when the remote blocks live there (the hot model
     # is its tenant of the same name); None: they live in the region.
@@ -49,6 +50,15 @@ class PairPlan:
     # How the region is shared: "shm" (CPU engines: POSIX shared memory) or "cuda" (the
     # cold GPU's memory, exported once through CUDA IPC).
     transport: str = "shm"
+    # offload_ratio "auto": the hot TPOT target (ms; None: relative to its local-only
+    # steps) and how much the cold model's TPOT may grow (AdaptiveTargets).
+    hot_tpot_ms: float | None = None
+    cold_tpot_budget: float = 1.10
+
+    def adaptive_targets(self) -> AdaptiveTargets:
+        return AdaptiveTargets(
+            hot_tpot_s=None if self.hot_tpot_ms is None else self.hot_tpot_ms / 1000,
+            cold_budget=self.cold_tpot_budget)
 
     def layout(self) -> RegionLayout:
         return RegionLayout(
@@ -167,6 +177,8 @@ def plan_pairs(
             timeout_s=pair.timeout_s,
             pool=pool,
             transport="shm" if hot.device == "cpu" else "cuda",
+            hot_tpot_ms=pair.hot_tpot_ms,
+            cold_tpot_budget=pair.cold_tpot_budget,
         ))
     return plans
 
@@ -180,11 +192,12 @@ def region_bytes_of(shape: HotAttentionShape, num_remote_blocks: int) -> int:
 
 
 def plugin_hot_plan(hot: str, pair: str, shape: HotAttentionShape, remote_kv_gib: float,
-                    max_model_len: int, max_num_seqs: int, offload_ratio: float,
-                    timeout_s: float, transport: str) -> PairPlan:
+                    max_model_len: int, max_num_seqs: int, policy: dict,
+                    transport: str) -> PairPlan:
     """A hot engine's plan under plain `vllm serve` (weaver/weaving/rendezvous.py): sized
     by the hot engine alone, from its own model and the KV it places remotely; the cold
-    engine names the region when it accepts the plan (region_name is empty until then)."""
+    engine names the region when it accepts the plan (region_name is empty until then).
+    `policy`: offload_ratio, timeout_s, hot_tpot_ms and cold_tpot_budget."""
     num_remote_blocks = int(remote_kv_gib * GiB) // region_bytes_of(shape, 1)
     max_blocks_per_seq = math.ceil(max_model_len / shape.block_size)
     if num_remote_blocks < max_blocks_per_seq:
@@ -194,8 +207,7 @@ def plugin_hot_plan(hot: str, pair: str, shape: HotAttentionShape, remote_kv_gib
             "raise remote_kv_gib (and the cold engine's lend_kv_gib with it)")
     return PairPlan(hot=hot, cold=pair, region_name="", shape=shape,
                     num_remote_blocks=num_remote_blocks, max_seqs_per_task=max_num_seqs,
-                    max_blocks_per_seq=max_blocks_per_seq, offload_ratio=offload_ratio,
-                    timeout_s=timeout_s, transport=transport)
+                    max_blocks_per_seq=max_blocks_per_seq, transport=transport, **policy)
 
 
 def tenant_shape(model_dir: Path, spec: ModelSpec) -> TenantShape:

@@ -46,7 +46,10 @@ FILTERS: dict[str, RowFilter] = {
 
 
 def default_filter_name(trace: str) -> str:
-    """The filter the Weaver paper applies to a trace given as the CLI's --trace value."""
+    """The filter the Weaver paper applies to a trace given as the CLI's --trace value (a
+    uniform trace's lengths are as asked: none)."""
+    if trace.startswith("uniform:"):
+        return "none"
     return "burstgpt" if trace.startswith("burstgpt:") else "weaver-azure"
 
 

@@ -9,6 +9,10 @@
   Request tokens, Response tokens, Total tokens, Log Type. Not shipped here: the loader
   takes a path to a file the user fetched.
 
+- Uniform lengths, `uniform:IN_LO-IN_HI:OUT_LO-OUT_HI` (e.g. `uniform:16-48:64-160`): no
+  file; rows of uniformly drawn prompt and output lengths, for workloads the traces lack
+  (the Weaver paper's long-output experiment, Sec. 5.3, scaled to a small model).
+
 Loaders return `TraceRow`s (timestamps relative to the first row, the trace's own model tag);
 filters live in `filters.py` and turning rows into `TraceRequest`s in `builder.py`.
 """
@@ -196,18 +200,48 @@ def load_burstgpt(path: str | os.PathLike[str]) -> list[TraceRow]:
     return _load_csv(path, _BURSTGPT_SCHEMA)
 
 
+UNIFORM_PREFIX = "uniform:"
+UNIFORM_ROWS = 1000  # rows of a uniform trace (a workload samples its requests from them)
+
+
+def uniform_rows(name: str) -> list[TraceRow]:
+    """`uniform:IN_LO-IN_HI:OUT_LO-OUT_HI`: rows of lengths drawn uniformly (inclusive)
+    from a fixed seed, so one name always means the same rows."""
+    import numpy as np
+
+    try:
+        spans = [tuple(int(x) for x in part.split("-")) for part in
+                 name.removeprefix(UNIFORM_PREFIX).split(":")]
+        (in_lo, in_hi), (out_lo, out_hi) = spans
+    except ValueError:
+        raise ValueError(f"--trace {name!r}: use uniform:IN_LO-IN_HI:OUT_LO-OUT_HI, e.g. "
+                         "uniform:16-48:64-160") from None
+    if not (1 <= in_lo <= in_hi and 1 <= out_lo <= out_hi):
+        raise ValueError(f"--trace {name!r}: lengths must be >= 1 with LO <= HI")
+    rng = np.random.default_rng(0)
+    inputs = rng.integers(in_lo, in_hi + 1, UNIFORM_ROWS)
+    outputs = rng.integers(out_lo, out_hi + 1, UNIFORM_ROWS)
+    return [TraceRow(0.0, int(i), int(o)) for i, o in zip(inputs, outputs, strict=True)]
+
+
 def trace_file(name: str, traces_dir: str | os.PathLike[str] | None = None) -> Path:
-    """The file a --trace value reads (recorded with a benchmark's results)."""
+    """The file a --trace value reads (recorded with a benchmark's results; a uniform
+    trace has none: its name is returned as a path that is no file)."""
+    if name.startswith(UNIFORM_PREFIX):
+        return Path(name)
     if name in AZURE_FILES:
         return resolve_traces_dir(traces_dir) / AZURE_FILES[name]
     if name.startswith("burstgpt:"):
         return Path(name.removeprefix("burstgpt:"))
     raise ValueError(
-        f"unknown trace {name!r}; use azure-conv, azure-code or burstgpt:PATH/TO/BurstGPT.csv"
+        f"unknown trace {name!r}; use azure-conv, azure-code, burstgpt:PATH/TO/BurstGPT.csv "
+        "or uniform:IN_LO-IN_HI:OUT_LO-OUT_HI"
     )
 
 
 def load_trace(name: str, traces_dir: str | os.PathLike[str] | None = None) -> list[TraceRow]:
-    """`azure-conv`, `azure-code` or `burstgpt:PATH` (the CLI's --trace value)."""
+    """`azure-conv`, `azure-code`, `burstgpt:PATH` or `uniform:...` (the CLI's --trace)."""
+    if name.startswith(UNIFORM_PREFIX):
+        return uniform_rows(name)
     path = trace_file(name, traces_dir)
     return load_azure_file(path) if name in AZURE_FILES else load_burstgpt(path)

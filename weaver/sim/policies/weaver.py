@@ -16,6 +16,7 @@ from __future__ import annotations
 from weaver.sim.instance import BlockPool, SeqSet
 from weaver.sim.perf_model import OffloadCostModel, PollWaitFn, mg1_poll_wait
 from weaver.sim.policies.muxserve import MuxServePolicy
+from weaver.weaving.placement import AUTO, placement_for
 
 
 class WeaverPolicy(MuxServePolicy):
@@ -29,11 +30,11 @@ class WeaverPolicy(MuxServePolicy):
         for pair in self.plan.pairs:
             self._weave(pair.hot_gpu, pair.cold_gpu, pair.offload_ratio, pair.remote_blocks)
 
-    def _weave(self, hot_gpu: int, cold_gpu: int, ratio: float,
+    def _weave(self, hot_gpu: int, cold_gpu: int, ratio: float | str,
                remote_blocks: int | None = None) -> None:
         spec = self.cluster.config.weaving
         hot, cold = self.instances[hot_gpu], self.instances[cold_gpu]
-        if ratio <= 0:
+        if ratio != AUTO and ratio <= 0:
             return
         if remote_blocks is not None:
             # A deployment's lent region (lend_kv_gib) is memory of its own, apart from the
@@ -53,7 +54,8 @@ class WeaverPolicy(MuxServePolicy):
                                  "give each hot GPU one cold GPU")
             server.remote = SeqSet(region, server.cfg.block_size, server.local.block_bytes)
             server.offload_ratio = ratio
-            server.offload_policy = spec.offload_policy
+            server.offload_policy = "ratio" if ratio == AUTO else spec.offload_policy
+            server.placement = placement_for(ratio)
             # Same device type everywhere, so the hot model's attention costs the same on
             # the cold GPU; a heterogeneous cluster would pass the cold device's profile.
             server.offload = OffloadCostModel(server.perf, server.perf,

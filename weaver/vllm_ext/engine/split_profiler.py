@@ -62,6 +62,12 @@ def pair_of(deployment: Deployment, cold_name: str) -> tuple[ModelSpec, ModelSpe
                          "is profiled for splitting")
     for pair in deployment.weaving:
         if cold_name in pair.cold:
+            if isinstance(pair.offload_ratio, str):
+                raise ValueError(
+                    f"weaving {pair.hot!r} -> {cold_name!r} has offload_ratio "
+                    f"{pair.offload_ratio!r}: the split profile sizes the hot task by a fixed "
+                    "share of remote sequences; give the pair one for profiling (e.g. "
+                    "offload_ratio: 0.5)")
             return cold, deployment.model(pair.hot), pair.offload_ratio
     raise ValueError(f"cold model {cold_name!r} is in no weaving entry: the profile needs the "
                      "hot model weaving into it (its attention sets K and N)")
