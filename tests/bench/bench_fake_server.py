@@ -1,7 +1,9 @@
 """A tiny OpenAI-compatible streaming server for tests: raw asyncio HTTP/1.1 on 127.0.0.1
 with an ephemeral port, run in its own thread. It streams exactly `max_tokens` one-token
 chunks, the first after `ttft_s` and each next one `itl_s` later, so the load generator's
-measurements can be checked against known delays."""
+measurements can be checked against known delays. With `num_slots` it also has a known
+capacity: a request waits for one of `num_slots` slots and holds it while it streams, so the
+server completes num_slots / (ttft_s + (max_tokens - 1) * itl_s) requests per second."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import asyncio
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +29,9 @@ class FakeBehavior:
     # both run in this process): {"prompt", "received_at", "chunk_at": [...]}. Lets tests
     # tell the client's measurement error from the server oversleeping on a busy machine.
     streams: list[dict[str, Any]] = field(default_factory=list)
+    # None: every request streams at once (no queueing); N: at most N stream, the rest wait
+    # in arrival order, so TTFT grows without bound above the capacity.
+    num_slots: int | None = None
 
 
 def _chunk(payload: bytes) -> bytes:
@@ -44,6 +50,8 @@ class FakeOpenAIServer:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: asyncio.Server | None = None
+        # Made on first use inside the server's loop: a semaphore belongs to one loop.
+        self._slots: asyncio.Semaphore | None = None
 
     def __enter__(self) -> FakeOpenAIServer:
         self._thread.start()
@@ -107,11 +115,54 @@ class FakeOpenAIServer:
             b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
         )
         await writer.drain()
-        num_tokens = int(body["max_tokens"])
         stream = {"prompt": body["prompt"], "received_at": received_at, "chunk_at": []}
         b.streams.append(stream)
+        if b.num_slots is None:
+            await self._stream_tokens(writer, body, stream)
+            return
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(b.num_slots)
+        if not await self._take_slot(reader):
+            return
+        try:
+            # Like vLLM, stop serving a client that went away (a run cut at its deadline):
+            # its slot goes to the next request, and no queue outlives the run.
+            await self._stream_tokens(writer, body, stream, reader.at_eof)
+        finally:
+            self._slots.release()
+
+    async def _take_slot(self, reader: asyncio.StreamReader) -> bool:
+        """Wait for a free slot; False if the client disconnected while it waited."""
+        assert self._slots is not None
+        acquire = asyncio.ensure_future(self._slots.acquire())
+        gone = asyncio.ensure_future(reader.read(1))  # b"" at EOF; the client sends no more
+        await asyncio.wait({acquire, gone}, return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if not acquire.done():
+            acquire.cancel()  # Semaphore.acquire passes a wake-up it got on to the next one
+        await asyncio.gather(acquire, gone, return_exceptions=True)
+        return acquire.done() and not acquire.cancelled()
+
+    async def _stream_tokens(
+        self,
+        writer: asyncio.StreamWriter,
+        body: dict[str, Any],
+        stream: dict[str, Any],
+        client_gone: Callable[[], bool] = lambda: False,
+    ) -> None:
+        b = self.behavior
+        num_tokens = int(body["max_tokens"])
+        start = time.perf_counter()
         for i in range(num_tokens):
-            await asyncio.sleep(b.ttft_s if i == 0 else b.itl_s)
+            if b.num_slots is None:
+                await asyncio.sleep(b.ttft_s if i == 0 else b.itl_s)
+            else:
+                # Tokens keep to a schedule from the slot's start: a late wake-up on a busy
+                # machine does not add up over the tokens and lower the known capacity.
+                due = start + b.ttft_s + i * b.itl_s
+                await asyncio.sleep(max(0.0, due - time.perf_counter()))
+            if client_gone():
+                return
             event = {"id": "x", "object": "text_completion", "model": body["model"],
                      "choices": [{"index": 0, "text": " tok", "finish_reason": None}]}
             writer.write(_event(event))

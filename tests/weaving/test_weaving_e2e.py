@@ -2,8 +2,8 @@
 
 One server hosts six engines: `ref` (SmolLM2, dedicated: weaving off), `hot` (the same
 model weaving into `cold` with `offload_ratio: auto`: local first, and remote once its
-local KV is full, while weaving pays (weaver/weaving/placement.py)), `hot-all` (every sequence remote), `cold` (a
-random-weight Llama of another shape: 3 layers, 6 q / 1 kv heads, head 64, against
+local KV is full, while weaving pays: weaver/weaving/placement.py), `hot-all` (every
+sequence remote), `cold` (a random-weight Llama of another shape: 3 layers, 6 q / 1 kv heads, head 64, against
 SmolLM2's 30 layers, 9 q / 3 kv heads), and `mux-a`, `mux-b` (SmolLM2 twice, colocated in a
 spatial-temporal mux group, taking turns step by step: weaver/mux/, their KV in one pool
 the gateway hosts, quotas moved by ADBS: weaver/server/mux_pool.py). The SmolLM2 engines
@@ -104,8 +104,8 @@ def reference(server, client) -> dict:
     return {"prompts": prompts, "outputs": outputs, "peak_running": peak}
 
 
-def test_auto_is_token_exact_and_fills_the_remote_pool_when_kv_bound(server, client,
-                                                                     reference):
+def test_auto_is_token_exact_and_fills_the_remote_pool_when_kv_bound(
+        server, client, reference):
     outputs = complete_all(client, "hot", reference["prompts"])
     peak = metric(server, 'weaver_peak_running{model="hot"}')
     assert outputs == reference["outputs"]

@@ -4,6 +4,7 @@
                         to a deployment it starts (--config); `weaver bench --config D
                         ...` is short for `weaver bench run --config D ...`
   weaver bench compare  send the same workload to several servers, print ratios
+  weaver bench goodput  search each deployment's goodput (max rate within the SLO), ratios
   weaver bench summary  print tables from saved results
   weaver bench plot     draw TPOT-vs-rate and throughput figures from saved results
 """
@@ -43,6 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     require_command(parser)
     _register_run(commands)
     _register_compare(commands)
+    _register_goodput(commands)
     _register_summary(commands)
     _register_plot(commands)
 
@@ -156,14 +158,105 @@ def _register_compare(commands: argparse._SubParsersAction) -> None:
         "deployment is a YAML file (Weaver starts `weaver serve` on it, runs the workload "
         "and stops it before the next one) or the URL of a running server.",
     )
+    _add_target_args(parser)
+    _add_workload_args(parser)
+    _add_client_args(parser)
+    parser.set_defaults(handler=_compare_handler)
+
+
+def _add_target_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("deployments", nargs="*", type=Path, metavar="DEPLOYMENT.yaml",
                         help="deployment files, labelled by their file name; the first is "
                         "the baseline")
     parser.add_argument("--target", action="append", default=[], metavar="LABEL=URL|YAML",
                         help="a running server or a deployment file with a label; repeat")
+
+
+def _targets(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(label, URL or deployment file) of the positional files, then of each --target."""
+    from weaver.bench.compare import parse_target
+
+    targets = [(path.stem, str(path)) for path in args.deployments]
+    targets += [parse_target(text) for text in args.target]
+    if not targets:
+        raise ValueError("give deployment files or --target LABEL=URL|YAML")
+    labels = [label for label, _ in targets]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"deployment labels repeat in {labels}; label each --target "
+                         "differently or rename the files")
+    return targets
+
+
+GOODPUT_DESCRIPTION = """\
+Search each deployment's goodput: the highest request rate at which >= 90 % of the submitted
+requests meet the SLO (--ttft-slo-ms and/or --tpot-slo-ms; DistServe's goodput, defined in
+weaver/results/goodput.py). Prints and saves each deployment's goodput and its ratio to the
+first (the baseline).
+
+how it measures:
+  steady state  a run sends --num-requests open-loop arrivals (--arrival) at one rate; the
+                first --warmup-requests warm the server and are not counted; a request still
+                outstanding --drain-s after the last arrival is a miss
+  overload      a run with > 5 % of its counted requests outstanding at that deadline, or
+                whose median TTFT kept growing (last third > 2x the first third, and by more
+                than max(50 ms, TTFT target / 4)), measured a queue draining, not a steady
+                state: it fails whatever its attainment
+  seeds         a point is one run per workload seed (--seeds, the same for every
+                deployment); its attainment is the mean over the seeds, and each seed's own
+                goodput gives the spread of the result
+  search        from --start-rate, double the rate while points pass (up to --max-rate),
+                halve while they fail (down to --min-rate), then bisect until the bracket is
+                within --rel-tolerance; --max-points bounds the points per deployment
+  interleaving  the deployments are searched together, in rounds of seed 0 of each, then
+                seed 1, ..., so slow drift of the machine hits them alike; deployment files
+                are therefore all started at once (together they must fit the machine; else
+                start them yourself and give --target URLs)
+
+Deployments are YAML files (Weaver starts `weaver serve` on each) or --target LABEL=URL|YAML
+(any OpenAI-compatible server). --out is rewritten after every point, so a cut search keeps
+what it measured; it opens with the verdict and holds every run's per-request records.
+"""
+
+
+def _register_goodput(commands: argparse._SubParsersAction) -> None:
+    from weaver.bench.goodput_search import SearchConfig
+
+    parser = commands.add_parser(
+        "goodput", help="search each deployment's goodput (max rate within the SLO), ratios",
+        description=GOODPUT_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_target_args(parser)
     _add_workload_args(parser)
     _add_client_args(parser)
-    parser.set_defaults(handler=_compare_handler)
+    parser.set_defaults(out="goodput_results.json", handler=_goodput_handler)
+    g = parser.add_argument_group("search (--rate and --seed are not used: these replace them)")
+    g.add_argument("--seeds", type=int, nargs="+", default=list(SearchConfig.seeds),
+                   metavar="SEED", help="workload seeds, one run each per point "
+                   "(default: %(default)s)")
+    g.add_argument("--start-rate", type=float, default=SearchConfig.start_rate,
+                   help="first rate tested, req/s (default: %(default)s)")
+    g.add_argument("--min-rate", type=float, default=SearchConfig.min_rate,
+                   help="halving stops here: failing at it, goodput is 0 (default: "
+                   "%(default)s)")
+    g.add_argument("--max-rate", type=float, default=SearchConfig.max_rate,
+                   help="doubling stops here: passing at it, goodput is at least it "
+                   "(default: %(default)s)")
+    g.add_argument("--warmup-requests", type=int, default=None,
+                   help="first requests of each run not counted (default: 10 %% of "
+                   "--num-requests)")
+    g.add_argument("--rel-tolerance", type=float, default=SearchConfig.rel_tolerance,
+                   help="stop bisecting when (fail - pass) / fail <= this (default: "
+                   "%(default)s)")
+    g.add_argument("--max-points", type=int, default=SearchConfig.max_points,
+                   help="at most this many rates per deployment (default: %(default)s)")
+    g.add_argument("--drain-s", type=float, default=SearchConfig.drain_s,
+                   help="a run's deadline is its last arrival + this (default: %(default)s)")
+    g.add_argument("--judged-model", default=None, metavar="NAME",
+                   help="judge each run by this model's requests alone (the other models' "
+                   "load is still sent): e.g. a hot model's goodput beside a cold model's "
+                   "steady traffic (default: every request)")
+    g.add_argument("--plot", type=Path, default=None, metavar="PNG",
+                   help="attainment-vs-rate figure (default: --out with .png)")
 
 
 def _register_summary(commands: argparse._SubParsersAction) -> None:
@@ -253,50 +346,64 @@ def _roles(args: argparse.Namespace) -> dict[str, str]:
 
 def _workloads(args: argparse.Namespace) -> list[tuple[float | None, list, dict[str, Any]]]:
     """One (rate, requests, description) per swept rate; the trace is read once."""
-    from weaver.workloads.builder import (
-        ModelLoad,
-        WorkloadSpec,
-        build_workload,
-        describe_workload,
-        load_rows,
-        model_rates,
-    )
-    from weaver.workloads.filters import default_filter_name
-    from weaver.workloads.traces import file_sha256, trace_file
-
-    models = [ModelLoad.parse(text) for text in args.model]
+    builder = _WorkloadBuilder(args)
     rates: list[float | None] = list(args.rate) if args.rate else [None]
-    rows = None
-    source = trace_file(args.trace, args.traces_dir)
-    source_sha256 = file_sha256(source) if source.is_file() else None  # else: load_rows says why
-    out = []
-    for rate in rates:
+    return [builder.build(rate, args.seed) for rate in rates]
+
+
+class _WorkloadBuilder:
+    """The workload of the --model/--trace/... arguments at any rate and seed (a sweep
+    varies the rate, a goodput search the rate and the seed); the trace is read once."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from weaver.workloads.builder import ModelLoad
+        from weaver.workloads.traces import file_sha256, trace_file
+
+        self.args = args
+        self.models = [ModelLoad.parse(text) for text in args.model]
+        self.source = trace_file(args.trace, args.traces_dir)
+        # A missing file is left to load_rows, which says why.
+        self.source_sha256 = file_sha256(self.source) if self.source.is_file() else None
+        self._rows: list | None = None
+
+    def build(self, rate: float | None, seed: int) -> tuple[float | None, list, dict[str, Any]]:
+        from weaver.workloads.builder import (
+            WorkloadSpec,
+            build_workload,
+            describe_workload,
+            load_rows,
+            model_rates,
+        )
+        from weaver.workloads.filters import default_filter_name
+
+        args, models = self.args, self.models
         spec = WorkloadSpec(
             models=models, trace=args.trace, rate=rate, arrival=args.arrival,
             burstiness=args.burstiness, num_requests=args.num_requests,
             length_scale=args.length_scale, max_model_len=_fit_len(args.max_model_len),
             power_law_alpha=args.power_law_alpha, time_scale=args.time_scale,
-            filter_name=args.filter_name, seed=args.seed, traces_dir=args.traces_dir,
+            filter_name=args.filter_name, seed=seed, traces_dir=args.traces_dir,
         )
         per_model = model_rates(spec)  # checks the rates before the trace is read
-        rows = rows if rows is not None else load_rows(spec)
-        requests = build_workload(spec, rows)
+        if self._rows is None:
+            self._rows = load_rows(spec)
+        requests = build_workload(spec, self._rows)
         total = rate if rate is not None else (sum(per_model) if per_model else None)
         description = {
-            "trace": args.trace, "trace_file": str(source), "trace_sha256": source_sha256,
+            "trace": args.trace, "trace_file": str(self.source),
+            "trace_sha256": self.source_sha256,
             "filter": spec.filter_name or default_filter_name(args.trace),
             "arrival": args.arrival,
             "burstiness": args.burstiness, "num_requests": args.num_requests,
             "length_scale": args.length_scale, "max_model_len": args.max_model_len,
             "power_law_alpha": args.power_law_alpha, "time_scale": args.time_scale,
-            "seed": args.seed, "rate": total,
+            "seed": seed, "rate": total,
             "model_rates": (
                 {m.name: r for m, r in zip(models, per_model, strict=True)} if per_model else {}
             ),
             "requests": describe_workload(requests),
         }
-        out.append((total, requests, description))
-    return out
+        return total, requests, description
 
 
 def _fit_len(max_model_len: int | None) -> int | None:
@@ -402,17 +509,93 @@ def _run_handler(args: argparse.Namespace) -> int:
 
 @_guarded
 def _compare_handler(args: argparse.Namespace) -> int:
-    from weaver.bench.compare import parse_target
     from weaver.bench.report import comparison_table
 
-    targets = [(path.stem, str(path)) for path in args.deployments]
-    targets += [parse_target(text) for text in args.target]
-    if not targets:
-        raise ValueError("give deployment files or --target LABEL=URL|YAML to compare")
+    targets = _targets(args)
     runs = _run_targets(args, targets)
     for start in range(0, len(runs), len(targets)):  # one table per swept rate
         print(comparison_table(runs[start : start + len(targets)]))
     return 0
+
+
+@_guarded
+def _goodput_handler(args: argparse.Namespace) -> int:
+    from weaver.bench.goodput_plot import plot_goodput
+    from weaver.bench.goodput_search import SearchConfig, search_goodput, write_report
+
+    targets = _targets(args)
+    config = SearchConfig(
+        slo=_goodput_slo(args), seeds=tuple(args.seeds), num_requests=args.num_requests,
+        warmup_requests=args.warmup_requests, start_rate=args.start_rate,
+        min_rate=args.min_rate, max_rate=args.max_rate, rel_tolerance=args.rel_tolerance,
+        max_points=args.max_points, drain_s=args.drain_s, judged_model=args.judged_model,
+    )
+    builder = _WorkloadBuilder(args)
+    if any(model.rate is not None for model in builder.models):
+        raise ValueError("goodput searches the total rate: give --model NAME without =RATE "
+                         "(--power-law-alpha splits the rate among the models)")
+    out = Path(args.out)
+    plot = args.plot if args.plot is not None else out.with_suffix(".png")
+    command = ["weaver", *sys.argv[1:]]
+
+    def save(outcome) -> None:
+        report = outcome.to_json(command)
+        write_report(report, out)
+        plot_goodput(report, plot)
+
+    with contextlib.ExitStack() as stack:
+        # Every deployment is up for the whole search, so that their runs can interleave.
+        urls = {label: stack.enter_context(_served(label, where, out))
+                for label, where in targets}
+        runner = _goodput_runner(args, builder, urls, config)
+        outcome = search_goodput(list(urls), runner, config, on_point=save,
+                                 show_progress=not args.no_progress)
+    save(outcome)
+    print(outcome.verdict())
+    print(f"results: {out}\nplot: {plot}")
+    return 0
+
+
+def _goodput_slo(args: argparse.Namespace):
+    if args.rate:
+        raise ValueError("goodput searches the rate itself: give --start-rate, --min-rate and "
+                         "--max-rate instead of --rate")
+    if args.seed != 0:
+        raise ValueError("goodput runs every point with each of --seeds; give --seeds, not "
+                         "--seed")
+    if args.duration_s is not None:
+        raise ValueError("goodput sets each run's deadline to its last arrival + --drain-s; "
+                         "give --drain-s instead of --duration-s")
+    slo = slo_of(args)
+    if slo is None:
+        raise ValueError("goodput needs an SLO: give --ttft-slo-ms and/or --tpot-slo-ms")
+    return slo
+
+
+def _goodput_runner(args: argparse.Namespace, builder: _WorkloadBuilder,
+                    urls: dict[str, str], config):
+    """The search's DeploymentRunner: one run_benchmark of the workload at (rate, seed)."""
+    from weaver.bench.runner import run_benchmark
+
+    isolated, roles = _isolated(args), _roles(args)
+    workloads: dict[tuple[float, int], tuple[list, dict[str, Any]]] = {}
+
+    def run(label: str, rate: float, seed: int, prompt_salt: int):
+        if (rate, seed) not in workloads:  # built once, sent to every deployment
+            _, requests, description = builder.build(rate, seed)
+            description["warmup_requests"] = config.warmup_requests
+            workloads[rate, seed] = requests, description
+        requests, description = workloads[rate, seed]
+        client = dataclasses.replace(
+            _client_config(args, urls[label]), prompt_salt=prompt_salt, show_progress=False,
+            duration_s=max(r.arrival_s for r in requests) + config.drain_s,
+        )
+        run = run_benchmark(label, requests, client, rate=rate, workload=description,
+                            isolated=isolated, slo=config.slo, roles=roles)
+        _warn_if_all_failed(run)
+        return run
+
+    return run
 
 
 @_guarded

@@ -1,0 +1,354 @@
+"""The goodput search (weaver/bench/goodput_search.py): bracketing and bisection, the
+overload check, interleaving, ratios and the results file with injected fake runs; then
+the known capacity of a fake server found through the real load generator, and
+`weaver bench goodput` end to end."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+from bench_fake_server import FakeBehavior
+
+from weaver.bench.goodput_search import (
+    Point,
+    SearchConfig,
+    judge_run,
+    next_rate,
+    search_goodput,
+    write_report,
+)
+from weaver.bench.loadgen import LoadGenConfig
+from weaver.bench.runner import run_benchmark
+from weaver.cli import bench
+from weaver.results.goodput import Slo
+from weaver.results.records import RequestRecord, RequestStatus, RunResult, load_result
+from weaver.workloads.types import TraceRequest
+
+SLO = Slo(ttft_s=0.5)
+NUM = 20  # requests per fake run: attainment comes in steps of 5 %
+
+
+def _config(**kw) -> SearchConfig:
+    kw.setdefault("slo", SLO)
+    kw.setdefault("num_requests", NUM)
+    kw.setdefault("warmup_requests", 0)
+    kw.setdefault("salt_base", 0)
+    return SearchConfig(**kw)
+
+
+def _run(label: str, rate: float, ttfts: list[float | None],
+         statuses: list[RequestStatus] | None = None) -> RunResult:
+    """A run whose request i arrived at i / rate with TTFT ttfts[i] (None: an error)."""
+    records = []
+    for i, ttft in enumerate(ttfts):
+        ok_or_error = RequestStatus.OK if ttft is not None else RequestStatus.ERROR
+        status = statuses[i] if statuses else ok_or_error
+        done = status is RequestStatus.OK
+        records.append(RequestRecord(
+            request_id=i, model="m", input_tokens=4, output_tokens=2, scheduled_at_s=i / rate,
+            sent_at_s=i / rate, ttft_s=ttft, e2e_s=ttft + 0.01 if done else None,
+            num_output_tokens=2 if done else 0, status=status,
+        ))
+    return RunResult(label=label, base_url="http://fake", rate=rate, started_at="", duration_s=1.0,
+                     workload={}, loadgen={}, records=records, summary={})
+
+
+def _attaining(label: str, rate: float, share: float) -> RunResult:
+    """A steady run (flat TTFT) in which `share` of the requests met the SLO, the misses
+    spread evenly (errors)."""
+    misses = round((1 - share) * NUM)
+    missed = {i * NUM // misses for i in range(misses)} if misses else set()
+    return _run(label, rate, [None if i in missed else 0.01 for i in range(NUM)])
+
+
+class StepRunner:
+    """Deployment `label` passes at rates <= capacity[label] (per seed: capacity may be a
+    {seed: capacity} dict) and gets half its requests through above; records the calls."""
+
+    def __init__(self, capacity: dict) -> None:
+        self.capacity = capacity
+        self.calls: list[tuple[str, float, int, int]] = []
+
+    def __call__(self, label: str, rate: float, seed: int, salt: int) -> RunResult:
+        self.calls.append((label, rate, seed, salt))
+        cap = self.capacity[label]
+        cap = cap[seed] if isinstance(cap, dict) else cap
+        return _attaining(label, rate, 1.0 if rate <= cap else 0.5)
+
+
+def _search(runner, labels, **kw):
+    return search_goodput(labels, runner, _config(**kw), show_progress=False)
+
+
+@pytest.mark.parametrize("capacity", [3.3, 0.3, 17.0])
+def test_bracketing_and_bisection_converge_on_a_step(capacity):
+    outcome = _search(StepRunner({"a": capacity}), ["a"], seeds=(0,), start_rate=1.0,
+                      min_rate=0.125, max_rate=64.0, rel_tolerance=0.05, max_points=20)
+    goodput = outcome.goodput("a")
+    assert capacity * 0.95 <= goodput <= capacity
+    rates = [p.rate for p in outcome.points]
+    if capacity > 1:  # doubled up to the first failure, then bisected inside the bracket
+        assert rates[:3] == [1.0, 2.0, 4.0]
+    else:  # halved down to the first pass
+        assert rates[:3] == [1.0, 0.5, 0.25]
+    low = max(p.rate for p in outcome.points if p.passed)
+    high = min(p.rate for p in outcome.points if not p.passed)
+    assert (high - low) / high <= 0.05 and low == goodput
+    assert len(set(rates)) == len(rates)  # no rate tested twice
+    assert outcome.complete and not outcome.verdict().startswith("search incomplete")
+
+
+def test_search_stops_at_the_rate_bounds_and_at_max_points():
+    capped = _search(StepRunner({"a": 1000.0}), ["a"], seeds=(0,), max_rate=8.0)
+    assert [p.rate for p in capped.points] == [1.0, 2.0, 4.0, 8.0]
+    assert capped.goodput("a") == 8.0 and capped.capped("a")
+    assert ">= 8 req/s" in capped.verdict()
+    floor = _search(StepRunner({"a": 0.01}), ["a"], seeds=(0,), min_rate=0.25)
+    assert [p.rate for p in floor.points] == [1.0, 0.5, 0.25]
+    assert floor.goodput("a") == 0.0 and "0 req/s (fails at 0.25" in floor.verdict()
+    bounded = _search(StepRunner({"a": 3.3}), ["a"], seeds=(0,), max_points=4)
+    assert len(bounded.points) == 4
+
+
+def test_next_rate_bisects_between_highest_pass_and_lowest_fail():
+    config = _config(seeds=(0,), rel_tolerance=0.05)
+
+    def point(rate: float, share: float) -> Point:
+        return Point("a", rate, [judge_run(_attaining("a", rate, share), 0, config)], [0])
+
+    assert next_rate([], config) == config.start_rate
+    assert next_rate([point(1, 1.0), point(2, 1.0), point(4, 0.5)], config) == 3.0
+    # A pass above the lowest failure (noise) does not move the bracket's bottom above it.
+    assert next_rate([point(1, 1.0), point(2, 0.5), point(3, 1.0)], config) == 1.5
+    assert next_rate([point(2, 1.0), point(2.05, 0.5)], config) is None  # within 5 %
+
+
+def test_runs_interleave_seed_major_with_shared_salts():
+    runner = StepRunner({"a": 100.0, "b": 1.5})
+    outcome = _search(runner, ["a", "b"], seeds=(0, 1, 2), max_rate=4.0)
+    first_round = [(label, rate, seed) for label, rate, seed, _ in runner.calls[:6]]
+    assert first_round == [("a", 1.0, 0), ("b", 1.0, 0), ("a", 1.0, 1), ("b", 1.0, 1),
+                           ("a", 1.0, 2), ("b", 1.0, 2)]
+    salts: dict[tuple[float, int], set[int]] = {}
+    for _, rate, seed, salt in runner.calls:
+        salts.setdefault((rate, seed), set()).add(salt)
+    # The same (rate, seed) gets the same prompts on every deployment, and no run repeats
+    # another's prompts on the same deployment.
+    assert all(len(s) == 1 for s in salts.values())
+    assert len({next(iter(s)) for s in salts.values()}) == len(salts)
+    # a's search ends before b's: later rounds run b alone, still seed-major.
+    a_calls = [i for i, call in enumerate(runner.calls) if call[0] == "a"]
+    rest = runner.calls[a_calls[-1] + 1 :]
+    assert rest[0][0::2] == ("b", 2)  # the end of a's last round
+    tail = rest[1:]
+    assert tail and {c[0] for c in tail} == {"b"}
+    assert [c[2] for c in tail] == [0, 1, 2] * (len(tail) // 3)
+    assert len(outcome.runs) == len(runner.calls)
+
+
+def test_overloaded_run_fails_even_at_full_attainment():
+    config = _config(seeds=(0,))
+    growing = _run("a", 10.0, [0.01 + 0.02 * i for i in range(NUM)])  # 10 ms .. 390 ms
+    verdict = judge_run(growing, 0, config)
+    assert verdict.attainment == 1.0 and verdict.overloaded
+    assert "median TTFT grew" in verdict.overload
+    point = Point("a", 10.0, [verdict], [0])
+    assert not point.passed and "overloaded" in point.describe()
+
+    # 10 % cut at the deadline: 90 % attainment would pass, but the run measured a drain.
+    statuses = [RequestStatus.OK] * 18 + [RequestStatus.UNFINISHED, RequestStatus.NOT_SENT]
+    cut = judge_run(_run("a", 10.0, [0.01] * 18 + [None, None], statuses), 0, config)
+    assert cut.attainment == pytest.approx(0.9) and cut.overloaded
+    assert "outstanding at the deadline" in cut.overload
+
+    # Doubling on a millisecond TTFT is jitter, not a queue: below the absolute margin.
+    jitter = judge_run(_run("a", 10.0, [0.01] * 10 + [0.04] * 10), 0, config)
+    assert not jitter.overloaded and jitter.ttft_last_s == pytest.approx(0.04)
+
+    # The warm-up requests are left out of both the attainment and the thirds.
+    warm = _config(seeds=(0,), warmup_requests=5)
+    slow_start = judge_run(_run("a", 10.0, [None] * 5 + [0.01] * 15), 0, warm)
+    assert slow_start.attainment == 1.0 and slow_start.num_measured == 15
+
+
+def test_overloaded_search_points_fail_in_the_goodput():
+    def runner(label, rate, seed, salt):
+        # Full attainment everywhere, but above 2 req/s the TTFT keeps growing.
+        step = 0.02 if rate > 2 else 0.0
+        return _run(label, rate, [0.01 + step * i for i in range(NUM)])
+
+    outcome = _search(runner, ["a"], seeds=(0,), max_rate=8.0)
+    assert all(p.mean == 1.0 for p in outcome.points)
+    assert outcome.goodput("a") == 2.0
+
+
+def test_ratios_seed_spread_and_results_file(tmp_path):
+    # a: passes up to 2 req/s. b: up to 4 req/s, but seed 1 only reaches 85 % there.
+    def runner(label, rate, seed, salt):
+        if label == "a":
+            share = 1.0 if rate <= 2 else 0.5
+        else:
+            share = 0.5 if rate > 4 else (0.85 if seed == 1 and rate > 2 else 1.0)
+        return _attaining(label, rate, share)
+
+    saved = []
+    path = tmp_path / "goodput.json"
+
+    def on_point(outcome):
+        saved.append(len(outcome.points))
+        write_report(outcome.to_json(["weaver", "bench", "goodput"]), path)
+
+    outcome = search_goodput(["a", "b"], runner, _config(seeds=(0, 1), rel_tolerance=0.5),
+                             on_point=on_point, show_progress=False)
+    assert [p.rate for p in outcome.points_of("a")] == [1.0, 2.0, 4.0]
+    assert [p.rate for p in outcome.points_of("b")] == [1.0, 2.0, 4.0, 8.0]
+    assert saved == list(range(1, 8))  # written after every point
+    assert outcome.goodput("a") == 2.0 and outcome.goodput("b") == 4.0
+    assert outcome.seed_goodputs("b") == {0: 4.0, 1: 2.0}
+    ratio = outcome.ratios()["b"]
+    assert ratio["pooled"] == 2.0 and ratio["per_seed"] == {"0": 2.0, "1": 1.0}
+    assert (ratio["min"], ratio["max"]) == (1.0, 2.0)
+    assert outcome.verdict().startswith("b: goodput 4 req/s = 2.00x a (seed range 1.00-2.00x)")
+
+    write_report(outcome.to_json(["weaver", "bench", "goodput"]), path)
+    report = json.loads(path.read_text())
+    assert list(report)[:8] == ["verdict", "goodput", "ratios", "slo", "search", "points",
+                                "command", "machine"]
+    assert list(report)[-1] == "runs" and len(report["runs"]) == len(outcome.runs)
+    assert path.read_text().startswith('{\n "verdict": "b: goodput 4 req/s')
+    assert report["goodput"]["b"] == {"rate": 4.0, "per_seed": {"0": 4.0, "1": 2.0},
+                                      "min": 2.0, "max": 4.0, "capped_at_max_rate": False,
+                                      "num_points": 4}
+    b_at_4 = next(p for p in report["points"] if p["label"] == "b" and p["rate"] == 4.0)
+    assert b_at_4["attainment"] == [1.0, 0.85] and b_at_4["pass"]
+    assert b_at_4["overloaded"] == [False, False]
+    assert report["search"]["seeds"] == [0, 1] and report["slo"]["ttft_ms"] == 500
+    # Every point's numbers come back from the runs it names.
+    run = RunResult.model_validate(report["runs"][b_at_4["runs"][1]])
+    assert judge_run(run, 1, outcome.config).attainment == 0.85
+    # The file is also a bench results file (summary/plot read its runs).
+    assert len(load_result(path).runs) == len(outcome.runs)
+
+
+def test_a_cut_search_keeps_its_points(tmp_path):
+    path = tmp_path / "cut.json"
+    step = StepRunner({"a": 100.0})
+
+    def runner(label, rate, seed, salt):
+        if rate > 2:
+            raise KeyboardInterrupt  # the user stops the search
+        return step(label, rate, seed, salt)
+
+    with pytest.raises(KeyboardInterrupt):
+        search_goodput(["a"], runner, _config(seeds=(0,)), show_progress=False,
+                       on_point=lambda o: write_report(o.to_json([]), path))
+    report = json.loads(path.read_text())
+    assert report["verdict"].startswith("search incomplete (2 points)")
+    assert [p["rate"] for p in report["points"]] == [1.0, 2.0]
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"seeds": ()}, "at least one seed"),
+    ({"seeds": (1, 1)}, "repeat"),
+    ({"warmup_requests": NUM}, "--warmup-requests"),
+    ({"start_rate": 0.01, "min_rate": 0.1}, "--min-rate <= --start-rate"),
+    ({"rel_tolerance": 0.0}, "--rel-tolerance"),
+    ({"max_points": 0}, "--max-points"),
+    ({"drain_s": 0.0}, "--drain-s"),
+])
+def test_config_errors_say_the_fix(kw, message):
+    with pytest.raises(ValueError, match=message):
+        _config(**kw)
+
+
+def test_config_defaults():
+    config = SearchConfig(slo=SLO, num_requests=200)
+    assert config.seeds == (0, 1, 2) and config.warmup_requests == 20
+    assert config.salt_base and config.salt_base != SearchConfig(slo=SLO).salt_base
+
+
+# Against a fake server of known capacity ------------------------------------------------
+
+
+def _capacity(behavior: FakeBehavior, output_tokens: int) -> float:
+    """Requests per second the slotted fake server completes."""
+    assert behavior.num_slots is not None
+    return behavior.num_slots / (behavior.ttft_s + (output_tokens - 1) * behavior.itl_s)
+
+
+def test_search_finds_the_capacity_of_a_fake_server(fake_server):
+    behavior = FakeBehavior(ttft_s=0.02, itl_s=0.01, num_slots=8)
+    tokens = 9
+    capacity = _capacity(behavior, tokens)  # 80 req/s
+    server = fake_server(behavior)
+    num = 120
+    # Evenly spaced arrivals: the realised rate of 120 Poisson arrivals varies by about
+    # +-9 % from seed to seed, the workload's noise rather than the search's error. A TTFT
+    # target of 200 ms puts the overload check's margin at 50 ms, which the queue of a run
+    # of ~1.5 s at 10 % above capacity exceeds (at 500 ms it would need runs of ~3 s).
+    config = SearchConfig(slo=Slo(ttft_s=0.2), seeds=(0,), num_requests=num,
+                          start_rate=0.75 * capacity,
+                          min_rate=0.1 * capacity, max_rate=4 * capacity, rel_tolerance=0.1,
+                          drain_s=0.5)
+
+    def runner(label, rate, seed, salt):
+        requests = [TraceRequest((i + 1) / rate, 4, tokens, "m", i) for i in range(num)]
+        client = LoadGenConfig(server.url, show_progress=False, prompt_salt=salt,
+                               duration_s=requests[-1].arrival_s + config.drain_s)
+        return run_benchmark(label, requests, client, rate=rate, slo=config.slo)
+
+    outcome = search_goodput(["fake"], runner, config, show_progress=False)
+    goodput = outcome.goodput("fake")
+    assert 0.9 * capacity <= goodput <= 1.1 * capacity, [p.describe() for p in outcome.points]
+    assert any(p.overloaded for p in outcome.points)  # above capacity the queue showed
+
+
+def _main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="weaver")
+    bench.register(parser.add_subparsers())
+    args = parser.parse_args(argv)
+    return args.handler(args)
+
+
+def test_cli_goodput_of_two_fake_servers(fake_server, tmp_path, capsys, monkeypatch):
+    # Service ~ the TTFT (tokens take 1 ms), so the capacity ratio is the slot ratio.
+    small = FakeBehavior(ttft_s=0.05, itl_s=0.001, num_slots=2)
+    large = FakeBehavior(ttft_s=0.05, itl_s=0.001, num_slots=4)
+    ratio = _capacity(large, 4) / _capacity(small, 4)
+    a, b = fake_server(small), fake_server(large)
+    out = tmp_path / "goodput.json"
+    argv = ["bench", "goodput", "--target", f"small={a.url}", "--target", f"large={b.url}",
+            "--model", "m", "--length-scale", "0.01", "--max-model-len", "12",
+            # Near-even gaps (gamma of shape 1000): see the capacity test.
+            "--arrival", "gamma", "--burstiness", "1000", "--num-requests", "40",
+            "--seeds", "0", "--start-rate", "35", "--max-rate", "200", "--rel-tolerance", "0.2",
+            "--max-points", "5", "--drain-s", "0.5", "--ttft-slo-ms", "300",
+            "--no-progress", "--out", str(out)]
+    monkeypatch.setattr("sys.argv", ["weaver", *argv])
+    assert _main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "large: goodput" in printed and "x small" in printed
+    assert "small @ 35 req/s: attainment" in printed  # one line per point
+    report = json.loads(out.read_text())
+    assert next(iter(report)) == "verdict" and report["command"] == ["weaver", *argv]
+    assert report["ratios"]["large"]["pooled"] == pytest.approx(ratio, rel=0.3)
+    assert out.with_suffix(".png").stat().st_size > 0
+    # Both deployments received the same prompts at the same (rate, seed).
+    common = {s["prompt"] for s in small.streams} & {s["prompt"] for s in large.streams}
+    assert len(common) >= 40
+    assert all(run["workload"]["warmup_requests"] == 4 for run in report["runs"])
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--ttft-slo-ms", "100", "--rate", "5"], "--start-rate"),
+    ([], "give --ttft-slo-ms and/or --tpot-slo-ms"),
+    (["--ttft-slo-ms", "100", "--seed", "3"], "--seeds, not --seed"),
+    (["--ttft-slo-ms", "100", "--duration-s", "9"], "--drain-s"),
+    (["--ttft-slo-ms", "100", "--model", "x=2"], "without =RATE"),
+])
+def test_cli_goodput_user_errors(extra, message, capsys):
+    argv = ["bench", "goodput", "--target", "a=http://127.0.0.1:9", "--model", "m", *extra]
+    assert _main(argv) == 2
+    assert message in capsys.readouterr().err

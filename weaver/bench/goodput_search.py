@@ -1,0 +1,453 @@
+"""Goodput found by search: the highest request rate a deployment serves in a steady state
+with >= 90 % of its requests within the SLO (DistServe's goodput; the definitions of
+attainment and goodput are weaver/results/goodput.py's, used here, never restated).
+
+- A **run** sends `num_requests` open-loop arrivals at one rate with one workload seed. Its
+  first `warmup_requests` (by arrival) warm the server up and are left out; attainment is
+  over the rest, the measured requests, and a request outstanding at the run's deadline
+  (last arrival + `drain_s`) is a miss.
+- A run is **overloaded** when it measured a drain rather than a steady state: more than 5 %
+  of its measured requests were still outstanding at the deadline, or their TTFT kept
+  growing (the last third's median TTFT, by arrival, more than twice the first third's and
+  more than max(50 ms, TTFT target / 4) above it). Above capacity a queue builds for as long
+  as the run lasts, so a short run can still pass the SLO there; an overloaded run fails.
+- A **point** is one run per seed at one rate (the same seeds for every deployment); its
+  attainment is the mean over seeds, and it fails when that mean is below 90 % or any of
+  its runs is overloaded.
+- The **search**, per deployment: from `start_rate`, double while the point passes (up to
+  `max_rate`) or halve while it fails (down to `min_rate`), then bisect between the highest
+  passing and the lowest failing rate until (fail - pass) / fail <= `rel_tolerance`, in at
+  most `max_points` points. Goodput is `goodput_rate` over all points; per seed, over that
+  seed's runs, which gives the spread.
+- **Interleaved**: the deployments are searched in rounds; a round gives every deployment
+  still searching its next rate and runs seed-major (seed 0 of every deployment, then
+  seed 1, ...), so slow drift of the machine hits all deployments alike.
+
+The runs themselves come from an injected `DeploymentRunner`, so this module knows nothing
+of HTTP (the CLI, weaver/cli/bench.py, passes one built on `run_benchmark`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    # weaver.results imports pydantic (~0.1 s); `weaver --help` registers the CLI, which
+    # reads SearchConfig's defaults, so the functions below import it where they use it.
+    from weaver.results.goodput import Slo
+    from weaver.results.records import RequestRecord, RunResult
+
+# The overload check (see the module docstring).
+MAX_OUTSTANDING_SHARE = 0.05
+TTFT_GROWTH_FACTOR = 2.0
+MIN_TTFT_GROWTH_S = 0.05
+TTFT_GROWTH_OF_TARGET = 0.25
+
+DeploymentRunner = Callable[[str, float, int, int], "RunResult"]
+"""(label, rate in req/s, workload seed, prompt salt) -> that run's result."""
+
+
+@dataclass
+class SearchConfig:
+    slo: Slo
+    seeds: tuple[int, ...] = (0, 1, 2)
+    num_requests: int = 200  # per run, warm-up included
+    warmup_requests: int | None = None  # None: 10 % of num_requests
+    start_rate: float = 1.0  # req/s
+    min_rate: float = 0.125
+    max_rate: float = 64.0
+    rel_tolerance: float = 0.05
+    max_points: int = 12  # per deployment; a point is len(seeds) runs
+    drain_s: float = 30.0  # a run's deadline is its last arrival + this
+    # Prompt salts are salt_base + 1, + 2, ... None: drawn per search, so that a second
+    # search against a server that stayed up finds none of its prompts in the prefix cache.
+    salt_base: int | None = None
+    # Judge the runs by this model's requests alone (the others are sent all the same:
+    # a hot model's goodput beside a cold model's steady load); None: every request.
+    judged_model: str | None = None
+
+    def __post_init__(self) -> None:
+        self.seeds = tuple(int(seed) for seed in self.seeds)
+        if not self.seeds:
+            raise ValueError("the search needs at least one seed (--seeds 0 1 2)")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"--seeds repeat in {list(self.seeds)}; give each seed once")
+        if self.num_requests < 2:
+            raise ValueError(f"--num-requests must be >= 2 per run, got {self.num_requests}")
+        if self.warmup_requests is None:
+            self.warmup_requests = self.num_requests // 10
+        if not 0 <= self.warmup_requests < self.num_requests:
+            raise ValueError(
+                f"--warmup-requests must be >= 0 and below --num-requests "
+                f"({self.num_requests}), got {self.warmup_requests}"
+            )
+        if not 0 < self.min_rate <= self.start_rate <= self.max_rate < math.inf:
+            raise ValueError(
+                "the rates must satisfy 0 < --min-rate <= --start-rate <= --max-rate, got "
+                f"{self.min_rate}, {self.start_rate}, {self.max_rate} req/s"
+            )
+        if not 0 < self.rel_tolerance < 1:
+            raise ValueError(f"--rel-tolerance must be in (0, 1), got {self.rel_tolerance}")
+        if self.max_points < 1:
+            raise ValueError(f"--max-points must be >= 1, got {self.max_points}")
+        if not self.drain_s > 0:
+            raise ValueError(f"--drain-s must be > 0 s, got {self.drain_s}")
+        if self.salt_base is None:
+            # Spaced by 1000: two searches' salts meet only past 1000 runs.
+            self.salt_base = random.SystemRandom().randrange(1, 2**31) * 1000
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["slo"] = self.slo.to_json()
+        data["seeds"] = list(self.seeds)
+        return data
+
+
+@dataclass(frozen=True)
+class RunVerdict:
+    """One run judged: attainment over its measured requests and whether it was steady."""
+
+    seed: int
+    attainment: float
+    num_measured: int
+    outstanding_share: float  # measured requests unfinished or not sent at the deadline
+    ttft_first_s: float | None  # median TTFT of the first third of measured, by arrival
+    ttft_last_s: float | None  # ... and of the last third
+    overload: str | None = None  # why the run measured a drain; None: a steady state
+
+    @property
+    def overloaded(self) -> bool:
+        return self.overload is not None
+
+
+def measured_records(records: Sequence[RequestRecord], warmup: int) -> list[RequestRecord]:
+    """The records after the first `warmup` arrivals, in arrival order."""
+    ordered = sorted(records, key=lambda r: (r.scheduled_at_s, r.request_id))
+    if len(ordered) <= warmup:
+        raise ValueError(
+            f"a run of {len(ordered)} requests leaves none to measure after {warmup} warm-up "
+            "requests; raise --num-requests or lower --warmup-requests"
+        )
+    return ordered[warmup:]
+
+
+def judge_run(run: RunResult, seed: int, config: SearchConfig) -> RunVerdict:
+    from weaver.results.goodput import attainment
+    from weaver.results.records import RequestStatus
+
+    assert config.warmup_requests is not None  # set by __post_init__
+    measured = measured_records(run.records, config.warmup_requests)
+    if config.judged_model is not None:
+        measured = [r for r in measured if r.model == config.judged_model]
+        if not measured:
+            raise ValueError(f"no measured request of --judged-model {config.judged_model!r}; "
+                             "name one of the --model names")
+    cut = (RequestStatus.UNFINISHED, RequestStatus.NOT_SENT)
+    outstanding = sum(r.status in cut for r in measured) / len(measured)
+    third = len(measured) // 3
+    first = _median_ttft(measured[:third])
+    last = _median_ttft(measured[len(measured) - third :]) if third else None
+    overload = None
+    if outstanding > MAX_OUTSTANDING_SHARE:
+        overload = (f"seed {seed}: {100 * outstanding:.0f} % of the measured requests were "
+                    "outstanding at the deadline")
+    elif first is not None and last is not None and _ttft_grows(first, last, config.slo):
+        overload = (f"seed {seed}: median TTFT grew from {1000 * first:.0f} ms (first third) "
+                    f"to {1000 * last:.0f} ms (last third)")
+    return RunVerdict(
+        seed=seed,
+        attainment=attainment(measured, config.slo),
+        num_measured=len(measured),
+        outstanding_share=outstanding,
+        ttft_first_s=first,
+        ttft_last_s=last,
+        overload=overload,
+    )
+
+
+def _median_ttft(records: Sequence[RequestRecord]) -> float | None:
+    ttfts = [r.ttft_s for r in records if r.ttft_s is not None]
+    return statistics.median(ttfts) if ttfts else None
+
+
+def _ttft_grows(first_s: float, last_s: float, slo: Slo) -> bool:
+    # The absolute margin keeps jitter on a millisecond TTFT from reading as growth; with no
+    # TTFT target (a TPOT-only SLO) the floor alone applies.
+    target_share = 0.0 if math.isinf(slo.ttft_s) else TTFT_GROWTH_OF_TARGET * slo.ttft_s
+    margin = max(MIN_TTFT_GROWTH_S, target_share)
+    return last_s > TTFT_GROWTH_FACTOR * first_s and last_s - first_s > margin
+
+
+@dataclass
+class Point:
+    """One deployment at one rate: a run per seed."""
+
+    label: str
+    rate: float
+    verdicts: list[RunVerdict]  # in the order of SearchConfig.seeds
+    run_indices: list[int]  # into SearchOutcome.runs, same order
+
+    @property
+    def attainments(self) -> list[float]:
+        return [v.attainment for v in self.verdicts]
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.attainments)
+
+    @property
+    def overloaded(self) -> bool:
+        # Any: an overloaded run's attainment is that of a drain, and it would lift the mean.
+        return any(v.overloaded for v in self.verdicts)
+
+    @property
+    def passed(self) -> bool:
+        from weaver.results.goodput import passes
+
+        return passes(self.mean) and not self.overloaded
+
+    def describe(self) -> str:
+        shares = self.attainments
+        text = (f"{self.label} @ {self.rate:.4g} req/s: attainment {100 * self.mean:.1f} % "
+                f"(min {100 * min(shares):.1f}, max {100 * max(shares):.1f}) "
+                f"{'pass' if self.passed else 'FAIL'}")
+        reasons = [v.overload for v in self.verdicts if v.overload]
+        return text + (f" (overloaded: {'; '.join(reasons)})" if reasons else "")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "rate": self.rate,
+            "seeds": [v.seed for v in self.verdicts],
+            "attainment": self.attainments,
+            "mean": self.mean,
+            "min": min(self.attainments),
+            "max": max(self.attainments),
+            "overloaded": [v.overloaded for v in self.verdicts],
+            "overload": [v.overload for v in self.verdicts],
+            "outstanding_share": [v.outstanding_share for v in self.verdicts],
+            "ttft_first_third_s": [v.ttft_first_s for v in self.verdicts],
+            "ttft_last_third_s": [v.ttft_last_s for v in self.verdicts],
+            "pass": self.passed,
+            "runs": self.run_indices,
+        }
+
+
+def _goodput_share(attainment_share: float, overloaded: bool) -> float:
+    """What a point or run enters goodput_rate with: an overloaded one as a failure."""
+    return 0.0 if overloaded else attainment_share
+
+
+def next_rate(points: Sequence[Point], config: SearchConfig) -> float | None:
+    """One deployment's next rate to test, or None when its search is over."""
+    if len(points) >= config.max_points:
+        return None
+    if not points:
+        return config.start_rate
+    passing = sorted(p.rate for p in points if p.passed)
+    failing = sorted(p.rate for p in points if not p.passed)
+    if not failing:
+        top = passing[-1]
+        return None if top >= config.max_rate else min(2 * top, config.max_rate)
+    high = failing[0]
+    below = [rate for rate in passing if rate < high]
+    if not below:
+        return None if high <= config.min_rate else max(high / 2, config.min_rate)
+    low = below[-1]  # nothing was tested between low and high: the midpoint is new
+    if (high - low) / high <= config.rel_tolerance:
+        return None
+    return (low + high) / 2
+
+
+@dataclass
+class SearchOutcome:
+    """What a search measured so far; `complete` once every deployment's search ended."""
+
+    labels: list[str]  # the first is the baseline
+    config: SearchConfig
+    points: list[Point] = field(default_factory=list)
+    runs: list[RunResult] = field(default_factory=list)
+    complete: bool = False
+
+    def points_of(self, label: str) -> list[Point]:
+        return [p for p in self.points if p.label == label]
+
+    def goodput(self, label: str) -> float | None:
+        """None until the deployment has a point."""
+        from weaver.results.goodput import goodput_rate
+
+        mine = self.points_of(label)
+        if not mine:
+            return None
+        return goodput_rate((p.rate, _goodput_share(p.mean, p.overloaded)) for p in mine)
+
+    def seed_goodputs(self, label: str) -> dict[int, float]:
+        from weaver.results.goodput import goodput_rate
+
+        mine = self.points_of(label)
+        if not mine:
+            return {}
+        return {
+            seed: goodput_rate(
+                (p.rate, _goodput_share(p.verdicts[i].attainment, p.verdicts[i].overloaded))
+                for p in mine
+            )
+            for i, seed in enumerate(self.config.seeds)
+        }
+
+    def capped(self, label: str) -> bool:
+        """True when the deployment passed at max_rate: its goodput may be higher."""
+        return any(p.passed and p.rate >= self.config.max_rate for p in self.points_of(label))
+
+    def ratios(self) -> dict[str, dict[str, Any]]:
+        """Each deployment's goodput over the baseline's: pooled (goodput over mean
+        attainments) and seed-paired (a seed's goodput over the baseline's at that seed)."""
+        base = self.labels[0]
+        base_all, base_seeds = self.goodput(base), self.seed_goodputs(base)
+        out = {}
+        for label in self.labels[1:]:
+            mine, seeds = self.goodput(label), self.seed_goodputs(label)
+            paired = {
+                seed: _ratio(seeds.get(seed), base_seeds.get(seed)) for seed in self.config.seeds
+            }
+            known = [r for r in paired.values() if r is not None]
+            out[label] = {
+                "baseline": base,
+                "pooled": _ratio(mine, base_all),
+                "per_seed": {str(seed): r for seed, r in paired.items()},
+                "min": min(known, default=None),
+                "max": max(known, default=None),
+            }
+        return out
+
+    def verdict(self) -> str:
+        base = self.labels[0]
+        ratios = self.ratios()
+        parts = []
+        for label in self.labels[1:] or [base]:
+            rate = self.goodput(label)
+            if rate is None:
+                parts.append(f"{label}: not measured yet")
+                continue
+            text = f"{label}: goodput {self._rate_text(label, rate)}"
+            if label == base:
+                seeds = self.seed_goodputs(label).values()
+                text += f" (seed range {min(seeds):.3g}-{max(seeds):.3g} req/s)"
+            elif ratios[label]["pooled"] is None:
+                text += f", {base} has none to compare with"
+            else:
+                ratio = ratios[label]
+                spread = ("" if ratio["min"] is None else
+                          f" (seed range {ratio['min']:.2f}-{ratio['max']:.2f}x)")
+                text += f" = {ratio['pooled']:.2f}x {base}{spread}"
+            parts.append(text)
+        slo = self.config.slo.describe()
+        state = "" if self.complete else f"search incomplete ({len(self.points)} points): "
+        return f"{state}{'; '.join(parts)} at {slo}"
+
+    def _rate_text(self, label: str, rate: float) -> str:
+        if self.capped(label):
+            return f">= {rate:.3g} req/s (passes at --max-rate)"
+        if rate == 0.0:
+            return f"0 req/s (fails at {min(p.rate for p in self.points_of(label)):.3g} req/s)"
+        return f"{rate:.3g} req/s"
+
+    def to_json(self, command: Sequence[str]) -> dict[str, Any]:
+        """The results file; it opens with its verdict and ends with every run's records."""
+        from weaver.results.records import SCHEMA_VERSION, machine_info, utc_now
+
+        goodput = {}
+        for label in self.labels:
+            seeds = self.seed_goodputs(label)
+            goodput[label] = {
+                "rate": self.goodput(label),
+                "per_seed": {str(seed): rate for seed, rate in seeds.items()},
+                "min": min(seeds.values(), default=None),
+                "max": max(seeds.values(), default=None),
+                "capped_at_max_rate": self.capped(label),
+                "num_points": len(self.points_of(label)),
+            }
+        return {
+            "verdict": self.verdict(),
+            "goodput": goodput,
+            "ratios": self.ratios(),
+            "slo": self.config.slo.to_json(),
+            "search": {**self.config.to_json(), "labels": self.labels,
+                       "complete": self.complete},
+            "points": [p.to_json() for p in self.points],
+            "command": list(command),
+            "machine": machine_info(),
+            # With these two and `runs`, `weaver bench summary/plot` read this file too.
+            "schema_version": SCHEMA_VERSION,
+            "created_at": utc_now(),
+            "runs": [run.model_dump(mode="json") for run in self.runs],
+        }
+
+
+def _ratio(value: float | None, base: float | None) -> float | None:
+    return None if value is None or not base else value / base
+
+
+def search_goodput(
+    labels: Sequence[str],
+    runner: DeploymentRunner,
+    config: SearchConfig,
+    *,
+    on_point: Callable[[SearchOutcome], None] | None = None,
+    show_progress: bool = True,
+) -> SearchOutcome:
+    """Search every deployment's goodput, interleaved; `on_point` sees the outcome after
+    each new point (the CLI saves it there, so a cut search keeps what it measured)."""
+    from tqdm.auto import tqdm
+
+    labels = list(labels)
+    if not labels:
+        raise ValueError("the search needs at least one deployment")
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"deployment labels repeat in {labels}; give each its own")
+    outcome = SearchOutcome(labels, config)
+    salts: dict[tuple[float, int], int] = {}
+    bound = len(labels) * len(config.seeds) * config.max_points
+    with tqdm(total=bound, desc="goodput runs (at most)", disable=not show_progress) as bar:
+        while True:
+            plan = {label: next_rate(outcome.points_of(label), config) for label in labels}
+            plan = {label: rate for label, rate in plan.items() if rate is not None}
+            if not plan:
+                break
+            verdicts: dict[str, list[tuple[RunVerdict, int]]] = {label: [] for label in plan}
+            for seed in config.seeds:  # seed-major: drift hits every deployment alike
+                for label, rate in plan.items():
+                    # The same (rate, seed) sends the same prompts to every deployment, and
+                    # no prompt twice to one: a repeat would be served from its prefix cache.
+                    assert config.salt_base is not None  # set by __post_init__
+                    salt = salts.setdefault((rate, seed), config.salt_base + len(salts) + 1)
+                    run = runner(label, rate, seed, salt)
+                    outcome.runs.append(run)
+                    verdicts[label].append((judge_run(run, seed, config), len(outcome.runs) - 1))
+                    bar.update(1)
+            for label, rate in plan.items():
+                point = Point(label, rate, [v for v, _ in verdicts[label]],
+                              [i for _, i in verdicts[label]])
+                outcome.points.append(point)
+                bar.write(point.describe())  # above the bar, which stays at the bottom
+                if on_point is not None:
+                    on_point(outcome)
+        bar.total = bar.n  # the search ended below its bound
+        bar.refresh()
+    outcome.complete = True
+    return outcome
+
+
+def write_report(report: dict[str, Any], path: str | Path) -> Path:
+    """Write `SearchOutcome.to_json`'s results (keys stay in their order: verdict first)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1), encoding="utf-8")
+    return path
