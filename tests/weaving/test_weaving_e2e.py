@@ -3,8 +3,8 @@
 One server hosts six engines: `ref` (SmolLM2, dedicated: weaving off), `hot` (the same
 model weaving into `cold` with `offload_ratio: auto`: local first, and remote once its
 local KV is full, while weaving pays: weaver/weaving/placement.py), `hot-all` (every
-sequence remote), `cold` (a random-weight Llama of another shape: 3 layers, 6 q / 1 kv heads, head 64, against
-SmolLM2's 30 layers, 9 q / 3 kv heads), and `mux-a`, `mux-b` (SmolLM2 twice, colocated in a
+sequence remote), `cold` (a random-weight Llama of another shape: 3 layers, 6 q / 1 kv
+heads, head 64, against SmolLM2's 30 layers, 9 q / 3 kv heads), and `mux-a`, `mux-b` (SmolLM2 twice, colocated in a
 spatial-temporal mux group, taking turns step by step: weaver/mux/, their KV in one pool
 the gateway hosts, quotas moved by ADBS: weaver/server/mux_pool.py). The SmolLM2 engines
 have the same capped local KV (16 usable blocks of 32 tokens; `mux-b` brings 48 to the
