@@ -4,15 +4,15 @@ One server hosts six engines: `ref` (SmolLM2, dedicated: weaving off), `hot` (th
 model weaving into `cold` with `offload_ratio: auto`: local first, and remote once its
 local KV is full, while weaving pays: weaver/weaving/placement.py), `hot-all` (every
 sequence remote), `cold` (a random-weight Llama of another shape: 3 layers, 6 q / 1 kv
-heads, head 64, against SmolLM2's 30 layers, 9 q / 3 kv heads), and `mux-a`, `mux-b` (SmolLM2 twice, colocated in a
-spatial-temporal mux group, taking turns step by step: weaver/mux/, their KV in one pool
-the gateway hosts, quotas moved by ADBS: weaver/server/mux_pool.py). The SmolLM2 engines
-have the same capped local KV (16 usable blocks of 32 tokens; `mux-b` brings 48 to the
-pool, so `mux-a` can borrow up to 32 more) and a small prefill chunk (64 tokens), so long
-prompts span several chunks and the batch is KV-bound. Tests run in file order; the last
-ones kill the cold engine and stop the server. Engine restarts are off here, so a killed
-cold engine stays down and its pairs stay degraded; restarts and re-attachment are pinned
-in tests/server/test_serve_e2e.py.
+heads, head 64, against SmolLM2's 30 layers, 9 q / 3 kv heads), and `mux-a`, `mux-b`
+(SmolLM2 twice, colocated in a spatial-temporal mux group, taking turns step by step:
+weaver/mux/, their KV in one pool the gateway hosts, quotas moved by ADBS:
+weaver/server/mux_pool.py). The SmolLM2 engines have the same capped local KV (16 usable
+blocks of 32 tokens; `mux-b` brings 48 to the pool, so `mux-a` can borrow up to 32 more)
+and a small prefill chunk (64 tokens), so long prompts span several chunks and the batch
+is KV-bound. Tests run in file order; the last ones kill the cold engine and stop the
+server. Engine restarts are off here, so a killed cold engine stays down and its pairs
+stay degraded; restarts and re-attachment are pinned in tests/server/test_serve_e2e.py.
 """
 
 from __future__ import annotations
