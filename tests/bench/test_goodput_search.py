@@ -352,3 +352,16 @@ def test_cli_goodput_user_errors(extra, message, capsys):
     argv = ["bench", "goodput", "--target", "a=http://127.0.0.1:9", "--model", "m", *extra]
     assert _main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_judged_model_is_judged_alone():
+    """--judged-model: a hot model's misses decide, whatever the other model's requests."""
+    run = _run("a", 10.0, [0.01] * NUM)
+    for record in run.records[::2]:  # every other request is the cold model's, all missing
+        record.model, record.status, record.ttft_s, record.e2e_s = (
+            "cold", RequestStatus.ERROR, None, None)
+    assert judge_run(run, 0, _config(seeds=(0,))).attainment == pytest.approx(0.5)
+    judged = judge_run(run, 0, _config(seeds=(0,), judged_model="m"))
+    assert judged.attainment == 1.0 and judged.num_measured == NUM // 2
+    with pytest.raises(ValueError, match="--judged-model"):
+        judge_run(run, 0, _config(seeds=(0,), judged_model="nobody"))

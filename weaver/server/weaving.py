@@ -162,7 +162,7 @@ class WeavingSupervisor:
         key = f"{plan.hot}->{plan.cold}"
         self.state[key].update(status="ok", reason=None)
         self._reconnect_failures.pop(key, None)
-        logger.info("weaving %s -> %s connected (%d remote blocks, ratio %.2f)",
+        logger.info("weaving %s -> %s connected (%d remote blocks, ratio %s)",
                     plan.hot, plan.cold, plan.num_remote_blocks, plan.offload_ratio)
 
     async def reconnect(self, name: str) -> None:

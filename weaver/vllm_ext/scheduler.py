@@ -321,12 +321,21 @@ class WeaverScheduler(Scheduler):
         return self.weaver_pool.lock if self.weaver_pool is not None else contextlib.nullcontext()
 
     def update_from_output(self, *args: Any, **kwargs: Any):
-        ran = self._weaver_batch() if self.weaver_placement is not None else None
+        adaptive = isinstance(self.weaver_placement, AdaptivePlacement)
+        ran = self._weaver_batch() if adaptive else None
         with self._pool_lock():
             outputs = super().update_from_output(*args, **kwargs)
         if ran is not None:
             self._weaver_step_ended(*ran)
         return outputs
+
+    def finish_requests(self, *args: Any, **kwargs: Any):
+        with self._pool_lock():
+            return super().finish_requests(*args, **kwargs)
+
+    def reset_prefix_cache(self, *args: Any, **kwargs: Any):
+        with self._pool_lock():
+            return super().reset_prefix_cache(*args, **kwargs)
 
     # --- adaptive placement (offload_ratio: auto) -----------------------------------------
     def _weaver_batch(self) -> tuple[int, int]:
@@ -336,8 +345,6 @@ class WeaverScheduler(Scheduler):
 
     def _weaver_step_starts(self) -> None:
         placement = self.weaver_placement
-        if not isinstance(placement, AdaptivePlacement):
-            return
         now = time.monotonic()
         if now >= self._weaver_next_load:
             self._weaver_next_load = now + PAIR_LOAD_INTERVAL_S
@@ -349,7 +356,7 @@ class WeaverScheduler(Scheduler):
 
     def _weaver_step_ended(self, num_local: int, num_remote: int) -> None:
         started, self._weaver_step_started = self._weaver_step_started, None
-        if started is None or not isinstance(self.weaver_placement, AdaptivePlacement):
+        if started is None:
             return
         self.weaver_placement.observe_step(time.monotonic() - started, num_local, num_remote,
                                            self.kv_cache_manager.local_was_full)
@@ -369,7 +376,7 @@ class WeaverScheduler(Scheduler):
     def schedule(self, *args: Any, **kwargs: Any):
         if self.weaver_link is not None:
             self.weaver_link.tick()
-        if self.weaver_placement is not None:
+        if isinstance(self.weaver_placement, AdaptivePlacement):
             self._weaver_step_starts()
         if self.weaver_pool is not None:
             with self.weaver_pool.lock:
