@@ -347,6 +347,11 @@ def test_cli_goodput_of_two_fake_servers(fake_server, tmp_path, capsys, monkeypa
     (["--ttft-slo-ms", "100", "--seed", "3"], "--seeds, not --seed"),
     (["--ttft-slo-ms", "100", "--duration-s", "9"], "--drain-s"),
     (["--ttft-slo-ms", "100", "--model", "x=2"], "without =RATE"),
+    (["--ttft-slo-ms", "100", "--slo-scale", "10,5"], "not both"),
+    (["--slo-scale", "10"], "TTFT_X,TPOT_X"),
+    (["--slo-scale", "10,5"], "--judged-model"),
+    (["--slo-scale", "10,5", "--judged-model", "m", "--isolated", "x=20,5"],
+     "no isolated latency of 'm'"),
 ])
 def test_cli_goodput_user_errors(extra, message, capsys):
     argv = ["bench", "goodput", "--target", "a=http://127.0.0.1:9", "--model", "m", *extra]
@@ -365,3 +370,15 @@ def test_a_judged_model_is_judged_alone():
     assert judged.attainment == 1.0 and judged.num_measured == NUM // 2
     with pytest.raises(ValueError, match="--judged-model"):
         judge_run(run, 0, _config(seeds=(0,), judged_model="nobody"))
+
+
+def test_an_slo_scaled_from_isolated_latencies():
+    """--slo-scale: 10x the isolated TTFT at the mean prompt, 5x the isolated TPOT."""
+    parser = argparse.ArgumentParser(prog="weaver")
+    bench.register(parser.add_subparsers())
+    args = parser.parse_args([
+        "bench", "goodput", "--target", "a=http://127.0.0.1:9", "--model", "m",
+        "--trace", "uniform:100-100:8-8", "--slo-scale", "10,5", "--judged-model", "m",
+        "--isolated", "m=20,5"])
+    slo = bench._goodput_slo(args, bench._WorkloadBuilder(args))
+    assert slo.ttft_s == pytest.approx(0.2) and slo.tpot_s == pytest.approx(0.025)

@@ -17,6 +17,7 @@ from weaver.offload.protocol import OffloadTask
 from weaver.offload.receiver import OffloadReceiver
 from weaver.offload.reference_attention import paged_decode_attention_reference
 from weaver.offload.shm import ShmRegion
+from weaver.weaving.cold import ColdWeaving
 
 
 def _reference_executor(task: OffloadTask) -> None:
@@ -47,14 +48,15 @@ def main() -> int:
         executor = _reference_executor
     region = ShmRegion.create(layout, spec["name"], shm_dir=spec["shm_dir"])
     receiver = OffloadReceiver(region, executor)
+    cold = ColdWeaving({spec["name"]: receiver})  # the cold engine's idle poller
     if spec["poller"]:
-        receiver.start_idle_poller()
+        cold.start_idle_poller()
     print("READY", file=protocol)
     for line in sys.stdin:
         if line.strip() == "close":
             break
     served = receiver.stats.num_served
-    receiver.close()
+    cold.close()
     print(f"CLOSED served={served}", file=protocol)
     return 0
 

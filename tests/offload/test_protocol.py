@@ -110,7 +110,7 @@ class Channel:
 def shm_channel(name: str) -> Iterator[Channel]:
     layout = layout_for("shm")
     owner = ShmRegion.create(layout, name)
-    receiver = OffloadReceiver(owner, reference_executor, idle_wait_s=0.02)
+    receiver = OffloadReceiver(owner, reference_executor)
     sender = OffloadSender(ShmRegion.attach(layout, name))
     try:
         yield Channel(sender, receiver, owner, torch.device("cpu"), layout)

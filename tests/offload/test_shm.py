@@ -36,6 +36,7 @@ from weaver.offload.shm import (
     region_paths,
 )
 from weaver.processes import is_process_alive
+from weaver.weaving.cold import ColdWeaving
 
 SHAPE = HotAttentionShape(
     num_layers=2, num_q_heads=4, num_kv_heads=2, head_size=32, block_size=32, dtype="float32"
@@ -178,16 +179,18 @@ def test_attacher_process_exit_leaves_region_in_place(shm_name):
 @contextlib.contextmanager
 def channel_pair(name, executor=reference_executor, *, poller=True, receiver=True):
     owner = ShmRegion.create(CHANNEL_LAYOUT, name)
-    recv = OffloadReceiver(owner, executor, idle_wait_s=0.02) if receiver else None
-    if recv is not None and poller:
-        recv.start_idle_poller()
+    recv = OffloadReceiver(owner, executor) if receiver else None
+    # The cold engine's idle poller (weaver/weaving/cold.py), over this one region.
+    cold = ColdWeaving({name: recv}) if recv is not None else None
+    if cold is not None and poller:
+        cold.start_idle_poller()
     sender = OffloadSender(ShmRegion.attach(CHANNEL_LAYOUT, name))
     try:
         yield sender, recv, owner
     finally:
         sender.close()
-        if recv is not None:
-            recv.close()
+        if cold is not None:
+            cold.close()
         else:
             owner.close()
 

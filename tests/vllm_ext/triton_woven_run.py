@@ -91,17 +91,19 @@ class TritonDecodeExecutor:
 def run_cold(plan, protocol) -> None:
     from weaver.offload.receiver import OffloadReceiver
     from weaver.offload.shm import ShmRegion
+    from weaver.weaving.cold import ColdWeaving
 
     region = ShmRegion.create(plan.layout(), plan.region_name)
     receiver = OffloadReceiver(region, TritonDecodeExecutor(plan.shape))
-    receiver.start_idle_poller()
+    cold = ColdWeaving({plan.region_name: receiver})  # the cold engine's idle poller
+    cold.start_idle_poller()
     print("READY", file=protocol)
     for line in sys.stdin:
         if line.strip() == "close":
             break
     stats = receiver.stats
     served, failed = stats.num_served, stats.num_failed
-    receiver.close()
+    cold.close()
     print(f"CLOSED served={served} failed={failed}", file=protocol)
 
 

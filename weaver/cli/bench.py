@@ -251,6 +251,10 @@ def _register_goodput(commands: argparse._SubParsersAction) -> None:
                    help="at most this many rates per deployment (default: %(default)s)")
     g.add_argument("--drain-s", type=float, default=SearchConfig.drain_s,
                    help="a run's deadline is its last arrival + this (default: %(default)s)")
+    g.add_argument("--slo-scale", default=None, metavar="TTFT_X,TPOT_X",
+                   help="the SLO as multiples of the judged model's isolated TTFT (at the "
+                   "workload's mean prompt) and TPOT, from --isolated-from (a low-load run) "
+                   "or --isolated (MuxServe's way), instead of --ttft-slo-ms/--tpot-slo-ms")
     g.add_argument("--judged-model", default=None, metavar="NAME",
                    help="judge each run by this model's requests alone (the other models' "
                    "load is still sent): e.g. a hot model's goodput beside a cold model's "
@@ -524,13 +528,13 @@ def _goodput_handler(args: argparse.Namespace) -> int:
     from weaver.bench.goodput_search import SearchConfig, search_goodput, write_report
 
     targets = _targets(args)
+    builder = _WorkloadBuilder(args)
     config = SearchConfig(
-        slo=_goodput_slo(args), seeds=tuple(args.seeds), num_requests=args.num_requests,
+        slo=_goodput_slo(args, builder), seeds=tuple(args.seeds), num_requests=args.num_requests,
         warmup_requests=args.warmup_requests, start_rate=args.start_rate,
         min_rate=args.min_rate, max_rate=args.max_rate, rel_tolerance=args.rel_tolerance,
         max_points=args.max_points, drain_s=args.drain_s, judged_model=args.judged_model,
     )
-    builder = _WorkloadBuilder(args)
     if any(model.rate is not None for model in builder.models):
         raise ValueError("goodput searches the total rate: give --model NAME without =RATE "
                          "(--power-law-alpha splits the rate among the models)")
@@ -556,7 +560,7 @@ def _goodput_handler(args: argparse.Namespace) -> int:
     return 0
 
 
-def _goodput_slo(args: argparse.Namespace):
+def _goodput_slo(args: argparse.Namespace, builder: _WorkloadBuilder):
     if args.rate:
         raise ValueError("goodput searches the rate itself: give --start-rate, --min-rate and "
                          "--max-rate instead of --rate")
@@ -567,9 +571,39 @@ def _goodput_slo(args: argparse.Namespace):
         raise ValueError("goodput sets each run's deadline to its last arrival + --drain-s; "
                          "give --drain-s instead of --duration-s")
     slo = slo_of(args)
+    if args.slo_scale is not None:
+        if slo is not None:
+            raise ValueError("give the SLO either in ms (--ttft-slo-ms/--tpot-slo-ms) or as "
+                             "--slo-scale, not both")
+        return _scaled_slo(args, builder)
     if slo is None:
-        raise ValueError("goodput needs an SLO: give --ttft-slo-ms and/or --tpot-slo-ms")
+        raise ValueError("goodput needs an SLO: give --ttft-slo-ms and/or --tpot-slo-ms, or "
+                         "--slo-scale with --isolated-from")
     return slo
+
+
+def _scaled_slo(args: argparse.Namespace, builder: _WorkloadBuilder):
+    """--slo-scale: multiples of the judged model's isolated latencies; its TTFT at the
+    workload's mean prompt length."""
+    from weaver.results.goodput import Slo
+
+    try:
+        ttft_x, tpot_x = (float(x) for x in args.slo_scale.split(","))
+    except ValueError:
+        raise ValueError(f"--slo-scale {args.slo_scale!r}: expected TTFT_X,TPOT_X, "
+                         "e.g. 10,5") from None
+    isolated = _isolated(args)
+    if args.judged_model is None or isolated is None:
+        raise ValueError("--slo-scale needs --judged-model (whose latencies it scales) and "
+                         "--isolated-from RESULTS.json (a low-load run) or --isolated")
+    if args.judged_model not in isolated:
+        raise ValueError(f"no isolated latency of {args.judged_model!r}; have "
+                         f"{sorted(isolated)}")
+    estimate = isolated[args.judged_model]
+    _, requests, _ = builder.build(args.start_rate, args.seeds[0])
+    prompts = [r.input_tokens for r in requests if r.model == args.judged_model] or [0]
+    ttft = estimate.ttft_base_s + estimate.ttft_per_input_token_s * sum(prompts) / len(prompts)
+    return Slo.scaled(ttft, estimate.tpot_s, ttft_x, tpot_x)
 
 
 def _goodput_runner(args: argparse.Namespace, builder: _WorkloadBuilder,

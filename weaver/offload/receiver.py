@@ -1,5 +1,6 @@
-"""The cold side of one offload region: serve tasks at poll points and from an idle
-poller (protocol.py), over any transport.
+"""The cold side of one offload region: serve tasks at poll points (protocol.py), over any
+transport. Between the cold model's steps its regions are served by one idle poller over
+all of them, ColdWeaving's (weaver/weaving/cold.py), which calls `poll(by_idle_poller=True)`.
 
 A poll point runs between the cold model's own operators, so its idle case must cost
 next to nothing: one int64 compare on CPU, one kernel that returns at once on CUDA.
@@ -34,7 +35,6 @@ class ReceiverStats:
     num_failed: int = 0
     num_served_at_poll_points: int = 0
     num_served_by_idle_poller: int = 0
-    num_idle_wakeups: int = 0
     total_busy_s: float = 0.0
     # Split by where the task was served: at poll points the time lands inside one of
     # the cold model's own steps (what its TPOT pays); by the idle poller it does not.
@@ -49,25 +49,18 @@ class OffloadReceiver:
     executor: what serves a task: a host callable writing task.out (CPU; e.g. the vLLM
     CPU kernel executor) or a device executor (CUDA); if it has a release() method,
     close() calls it before the region is unmapped.
-    idle_wait_s: the idle poller's longest sleep between heartbeats; tasks wake it at once.
     """
 
-    def __init__(self, transport: Transport, executor: object, *,
-                 idle_wait_s: float = 0.05) -> None:
+    def __init__(self, transport: Transport, executor: object) -> None:
         if not transport.is_owner:
             raise ValueError("OffloadReceiver needs the region's owner (the transport that "
                              "created the region)")
-        if idle_wait_s <= 0:
-            raise ValueError(f"idle_wait_s must be > 0, got {idle_wait_s}")
         self._transport = transport
         self._layout = transport.layout
         self._executor = executor
-        self._idle_wait_s = idle_wait_s
         self._views: RegionViews | None = RegionViews.over(transport)
-        # One lock: a poll point (model thread) only tries it; the idle thread blocks on it.
+        # One lock: a poll point (model thread) only tries it; close() waits for it.
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._stop_event = threading.Event()
         self.stats = ReceiverStats()
         transport.write_word(OWNER_PID_OFFSET, os.getpid())
         transport.write_word(HEARTBEAT_OFFSET, time.monotonic(), "d")
@@ -99,7 +92,7 @@ class OffloadReceiver:
         """Serve a pending task now if no other thread is serving; True if one was served
         (on the host: a device transport's kernel serves without telling the host).
 
-        Called between every cold operator. by_idle_poller: the caller is an idle loop
+        Called between every cold operator. by_idle_poller: the caller is the idle poller
         (which also takes the engine's step lock), not a poll point; it only changes the
         stats.
         """
@@ -112,32 +105,18 @@ class OffloadReceiver:
         finally:
             self._lock.release()
 
-    def start_idle_poller(self) -> None:
-        if self._thread is not None:
-            return
-        self._stop_event.clear()
-        self._thread = threading.Thread(
-            target=self._idle_loop, name=f"weaver-offload-{self._transport.name}", daemon=True
-        )
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Stop the idle poller (poll() keeps working)."""
-        thread = self._thread
-        if thread is None:
-            return
-        self._stop_event.set()
-        self._transport.wake_waiters()
-        thread.join()
-        self._thread = None
+    def heartbeat(self) -> None:
+        """Stamp the region's heartbeat word (the idle poller does, every pass)."""
+        if self._views is not None:
+            self._transport.write_word(HEARTBEAT_OFFSET, time.monotonic(), "d")
 
     def close(self) -> None:
-        """Tell the hot side we are going (its waits fail fast), stop, remove the region."""
+        """Tell the hot side we are going (its waits fail fast), remove the region. The idle
+        poller serving it must have left it (ColdWeaving.remove and close see to that)."""
         if self._views is None:
             return
         self._transport.write_word(STATUS_OFFSET, int(RegionStatus.CLOSING))
         self._transport.wake_waiters()
-        self.stop()
         release = getattr(self._executor, "release", None)
         with self._lock:
             if release is not None:
@@ -148,20 +127,6 @@ class OffloadReceiver:
         self._transport.close()
 
     # --- internals ----------------------------------------------------------------
-    def _idle_loop(self) -> None:
-        transport = self._transport
-        while not self._stop_event.is_set():
-            woke = transport.wait_for_task(self._idle_wait_s)
-            if self._stop_event.is_set():
-                break
-            transport.write_word(HEARTBEAT_OFFSET, time.monotonic(), "d")
-            if woke:
-                self.stats.num_idle_wakeups += 1
-            if not transport.may_have_task():
-                continue
-            with self._lock:
-                self._serve_locked(by_idle_poller=True)
-
     def _serve_locked(self, *, by_idle_poller: bool) -> bool:
         start = time.monotonic()
 

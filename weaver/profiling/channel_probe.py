@@ -29,6 +29,7 @@ from weaver.offload.reference_attention import paged_decode_attention_reference
 from weaver.offload.sender import OffloadSender
 from weaver.offload.shm import ShmRegion
 from weaver.profiling.probe_config import ProbeConfig
+from weaver.weaving.cold import ColdWeaving
 
 logger = logging.getLogger(__name__)
 
@@ -62,18 +63,21 @@ def _cold_main(config: ProbeConfig, make_executor: ExecutorFactory, name: str,
                results: mp.Queue, stop: mp_sync.Event) -> None:
     region = ShmRegion.create(config.layout, name, shm_dir=config.shm_dir)
     receiver = OffloadReceiver(region, make_executor(config.shape))
+    # The cold engine's own idle poller (one thread over its regions, under its step lock).
+    cold = ColdWeaving({name: receiver})
     try:
         start = time.perf_counter()
         for _ in range(config.num_idle_polls):
             receiver.poll()
         idle_poll_ns = (time.perf_counter() - start) / config.num_idle_polls * 1e9
-        receiver.start_idle_poller()
+        cold.start_idle_poller()
         results.put({"idle_poll_ns": idle_poll_ns})
         stop.wait()
-        receiver.stop()  # join the idle thread so its counters are final
-        results.put({"receiver_stats": asdict(receiver.stats)})
+        cold.stop_idle_poller()  # join the idle thread so its counters are final
+        results.put({"receiver_stats": {**asdict(receiver.stats),
+                                        "num_idle_wakeups": cold.num_idle_wakeups}})
     finally:
-        receiver.close()
+        cold.close()
 
 
 def _get_from(cold: mp.Process, results: mp.Queue, timeout_s: float) -> dict:

@@ -4,8 +4,9 @@
 A cold worker creates and owns one region per hot model weaving into it. Tasks are served
 - at poll points, right after each of the cold model's own operators (poll_points.py) and
   between the chunks of a split operator, on the model's thread, inside its step;
-- between steps, by an idle poller thread that sleeps on the regions' doorbells, so an
-  idle cold engine still answers within a bounded delay.
+- between steps, by the one idle poller thread over all the regions, which sleeps on their
+  doorbells, so an idle cold engine still answers within a bounded delay (the only idle
+  poller: `weaver offload-probe` and the tests drive this one too).
 
 The cold model's own steps and the offloaded tasks never run at the same time: vLLM's CPU
 kernels share scratch buffers across threads (running both at once crashed the worker),
@@ -32,7 +33,9 @@ from weaver.weaving.plan import PairPlan
 
 logger = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 0.05  # the idle poller's longest sleep; a task's doorbell wakes it at once
+# The idle poller's longest sleep over all regions (its heartbeat period); a task's
+# doorbell wakes it at once.
+IDLE_WAIT_S = 0.05
 LOAD_PUBLISH_S = 0.25  # how often the cold TPOT factor is written to the regions
 
 
@@ -71,6 +74,7 @@ class ColdWeaving:
         self.inflation = ColdInflation(self.step_meter, self._task_s_in_steps)
         self._next_publish = 0.0
         self.num_idle_served = 0
+        self.num_idle_wakeups = 0  # doorbells that woke the idle poller
         self._stop = threading.Event()
         self._receivers_changed = threading.Event()  # the idle poller re-reads the set
         self._idle_pass = threading.Lock()  # held by the idle poller over one pass
@@ -164,7 +168,10 @@ class ColdWeaving:
                 return
             # Sleeps on the region's doorbell (no busy-wait: the machine's other engine
             # needs the core); a published task wakes it at once.
-            if not receiver.wait_for_task(wait_s) and not receiver.has_pending():
+            woke = receiver.wait_for_task(wait_s)
+            receiver.heartbeat()
+            self.num_idle_wakeups += woke
+            if not woke and not receiver.has_pending():
                 continue
             with self.step_lock:
                 if receiver.poll(by_idle_poller=True):
@@ -181,8 +188,8 @@ class ColdWeaving:
         return [{"region": name, **vars(receiver.stats)}
                 for name, receiver in self.receivers.items()]
 
-    def close(self) -> None:
-        """Stop the idle poller, then close (and unlink) every region; safe to call twice."""
+    def stop_idle_poller(self) -> None:
+        """Stop the idle poller (poll points keep working); its counters are final then."""
         self._stop.set()
         self._receivers_changed.set()
         if self._idle_thread is not None:
@@ -190,6 +197,10 @@ class ColdWeaving:
                 receiver.transport.wake_waiters()
             self._idle_thread.join(timeout=5)
             self._idle_thread = None
+
+    def close(self) -> None:
+        """Stop the idle poller, then close (and unlink) every region; safe to call twice."""
+        self.stop_idle_poller()
         for receiver in self.receivers.values():
             receiver.close()
         self.receivers = {}
