@@ -148,3 +148,26 @@ def test_overflow_offload_goes_remote_only_when_local_is_full(lin):
     engine.run()
     assert len(finished) == 4
     assert [r.is_remote for r in reqs] == [False, False, True, True]
+
+
+def test_auto_placement_is_the_engines_own_local_first_and_feeds_on_the_steps(lin):
+    """offload_ratio auto in the simulator: the hot scheduler's AdaptivePlacement, local
+    first and remote once local is full, fed each simulated step."""
+    from weaver.weaving.placement import AdaptivePlacement
+
+    engine = Engine()
+    hot, finished = make_server(lin, 8, "hot")  # room for two requests of 40 + 20 tokens
+    cold, _ = make_server(lin, 100, "cold")
+    hot_inst, cold_inst = Instance(engine, "gpu0", [hot]), Instance(engine, "gpu1", [cold])
+    hot.remote = SeqSet(BlockPool(8 * lin.BLOCK_BYTES), BLOCK, lin.BLOCK_BYTES)
+    hot.offload_ratio, hot.offload_policy = "auto", "ratio"
+    hot.placement = AdaptivePlacement()
+    hot.offload = OffloadCostModel(hot.perf, hot.perf, LinkModel(1e9, 1e-5))
+    hot.remote_instance = cold_inst
+    reqs = [request(40, 20, 0.0, "hot", i) for i in range(4)]
+    submit(engine, hot_inst, reqs)
+    engine.run()
+    assert len(finished) == 4
+    assert [r.is_remote for r in reqs] == [False, False, True, True]
+    report = hot.placement.report()
+    assert report["hot_woven_step_s"] is not None and report["weaving_active"]

@@ -81,7 +81,8 @@ def default_plan(config: SimConfig) -> Plan:
     return Plan(gpus, hot_cold_pairs(config, gpus, config.weaving.offload_ratio))
 
 
-def hot_cold_pairs(config: SimConfig, gpus: list[GpuPlan], ratio: float) -> list[WeavePair]:
+def hot_cold_pairs(config: SimConfig, gpus: list[GpuPlan],
+                   ratio: float | str) -> list[WeavePair]:
     """Pair the GPU with the highest per-replica load with the one with the lowest, and so
     on inwards, while the hot side's load exceeds the cold side's."""
     def load(i: int) -> float:

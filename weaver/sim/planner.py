@@ -6,8 +6,8 @@
    of a GPU are packed together (first-fit decreasing on demand), the rest get replicas,
    and spare GPUs go greedily to the model with the highest demand per replica.
 3. The best candidates by estimate are simulated under `muxserve`; the best plan then
-   tries weaving (hot GPUs paired with the least loaded ones) with several offload
-   policies and ratios.
+   tries weaving (hot GPUs paired with the least loaded ones) at two fixed offload ratios
+   and with the engine's adaptive placement (`offload_ratio: auto`).
 The plan with the highest simulated goodput wins (ties: higher token throughput); a woven
 plan must beat the plain one by more than 1 %. The dedicated placement (GPUs dealt
 round-robin by rate) is simulated as the baseline.
@@ -25,12 +25,15 @@ from weaver.sim.engine import Engine
 from weaver.sim.plan import GpuPlan, MuxPlan, Plan, default_plan, hot_cold_pairs
 from weaver.sim.runner import simulate
 from weaver.sim.workload import mean_lengths
+from weaver.weaving.placement import AUTO
 
 logger = logging.getLogger(__name__)
 
 SMALL_DEMAND_THRESHOLDS = (0.0, 0.25, 0.5, 0.9)
 # (offload policy, offload ratio) pairs tried on the best placement.
-WEAVING_CHOICES = (("fixed", 0.25), ("fixed", 0.5), ("overflow", 0.5))
+# (simulated offload policy, offload_ratio): two fixed shares, and the engine's adaptive
+# placement ("auto", weaver/weaving/placement.py), which a written plan serves as such.
+WEAVING_CHOICES = (("fixed", 0.25), ("fixed", 0.5), ("ratio", AUTO))
 MIN_WEAVING_GAIN = 0.01  # a woven plan must beat the plain one by this share
 MAX_PACKED_DEMAND = 0.9  # leave headroom on shared GPUs: queueing grows near saturation
 MIN_KV_SHARE = 0.2  # a shared GPU keeps at least this share of its memory for KV
