@@ -1,10 +1,13 @@
 """offload_ratio auto (weaver/weaving/placement.py AdaptivePlacement) on sequences of the
-inputs the hot scheduler feeds it: step times and batches, KV-capped or not, and the
-pair's load. The sequences are synthetic, shaped like the two regimes weaving meets: a
-batch capped by KV whose step time barely grows with it (weaving pays), and one whose
-step time grows with every sequence (a compute-bound engine: weaving cannot pay)."""
+inputs the hot scheduler feeds it: each step's time, its local and remote sequences and
+whether it ran decodes only, and the pair's load. The sequences are synthetic, shaped like
+the two regimes weaving meets: a step time dominated by a fixed cost (weights read once
+per step: a larger batch is nearly free, weaving pays) and one that grows with every
+sequence (a compute-bound engine: weaving cannot pay)."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 
@@ -14,19 +17,30 @@ from weaver.weaving.placement import (
     PairLoad,
     Placement,
     RatioPlacement,
+    StepTimeModel,
     placement_for,
 )
 
 BOTH = [Placement.LOCAL, Placement.REMOTE]
 
 
-def feed(placement: AdaptivePlacement, steps, start: float = 0.0, step_gap: float = 0.1):
-    """(step_s, num_local, num_remote, kv_capped) per step; update() after each."""
-    now = start
-    changes = []
-    for step_s, num_local, num_remote, capped in steps:
-        placement.observe_step(step_s, num_local, num_remote, capped)
-        now += step_gap
+def steps(fixed: float, per_local: float, per_remote: float, batches, decode_only=True):
+    """Steps of a linear cost model over the given (local, remote) batches."""
+    return [(fixed + per_local * nl + per_remote * nr, nl, nr, decode_only)
+            for nl, nr in batches]
+
+
+# Local batches of 3-4 (KV-capped), then woven ones growing to 4 + 6.
+LOCAL_BATCHES = [(3, 0), (4, 0)] * 6
+WOVEN_BATCHES = [(4, r) for r in itertools.chain(range(1, 7), range(6, 0, -1))] * 2
+
+
+def feed(placement: AdaptivePlacement, sequence, start: float = 0.0, gap: float = 0.1):
+    """Observe each step and update() after it; the (time, is_open) of every change."""
+    now, changes = start, []
+    for step_s, num_local, num_remote, decode_only in sequence:
+        placement.observe_step(step_s, num_local, num_remote, decode_only)
+        now += gap
         if placement.update(now):
             changes.append((now, placement.is_open))
     return now, changes
@@ -39,46 +53,65 @@ def test_auto_is_local_first_and_spills_while_open():
     assert placement.order(5, 3) == BOTH  # never remote first: local while it has room
 
 
+def test_the_step_time_model_recovers_its_costs_and_waits_for_distinct_batches():
+    model = StepTimeModel()
+    for step_s, nl, nr, _ in steps(0.030, 0.002, 0.004, [(4, 0)] * 10):
+        model.add(nl, nr, step_s)
+    assert model.coefficients(min_samples=8) is None  # one batch: costs cannot be told apart
+    for step_s, nl, nr, _ in steps(0.030, 0.002, 0.004, LOCAL_BATCHES + WOVEN_BATCHES):
+        model.add(nl, nr, step_s)
+    assert model.coefficients(min_samples=8) == pytest.approx((0.030, 0.002, 0.004))
+    # 4 local + 6 remote: 10 / 0.062 tokens/s against 4 / 0.038.
+    assert model.gain(4, 6, min_samples=8) == pytest.approx((10 / 0.062) / (4 / 0.038))
+
+
 def test_weaving_that_pays_stays_on():
-    # KV-capped at 4 local sequences, 40 ms a step; woven steps of 8 take 46 ms: x1.74 the
-    # tokens/s, within a 60 ms target, the cold model at x1.04.
+    # Weights dominate the step (30 ms); a sequence adds 2 ms locally, 4 ms remotely.
     placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=0.060))
     placement.observe_pair(PairLoad(cold_inflation=1.04, offload_wait_s=0.002))
-    feed(placement, [(0.040, 4, 0, True)] * 10)
-    _, changes = feed(placement, [(0.046, 4, 4, True)] * 30, start=1.0)
+    _, changes = feed(placement, steps(0.030, 0.002, 0.004, LOCAL_BATCHES + WOVEN_BATCHES))
     assert changes == [] and placement.is_open
     report = placement.report()
-    assert report["weaving_active"] and report["woven_tokens_per_s"] > 1.7 * report[
-        "capped_tokens_per_s"]
+    assert report["weaving_active"] and report["woven_gain"] > 1.2
 
 
-def test_a_compute_bound_batch_steps_aside_when_woven_steps_serve_no_more_tokens():
-    # Step time grows with the batch (10 ms a sequence): 8 sequences take twice as long as
-    # 4, so tokens/s stay flat while every token is slower (a loose TPOT target, so the
-    # throughput check is what decides).
+def test_a_compute_bound_batch_steps_aside_when_the_woven_batch_serves_no_more_tokens():
+    # Every sequence costs 10 ms and a remote one 11 ms: the larger batch serves fewer
+    # tokens/s (a loose TPOT target, so the throughput check is what decides).
     placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=1.0))
-    feed(placement, [(0.040, 4, 0, True)] * 10)
-    now, changes = feed(placement, [(0.080, 4, 4, True)] * 10, start=1.0)
+    now, changes = feed(placement, steps(0.001, 0.010, 0.011, LOCAL_BATCHES + WOVEN_BATCHES))
     assert changes and changes[0][1] is False
     assert not placement.is_open and placement.order(4, 0) == [Placement.LOCAL]
     assert "tokens/s" in placement.reason and placement.num_step_asides == 1
-    # It stays aside for the cool-down, then tries again and measures afresh.
+    # It stays aside for the cool-down, then tries again.
     assert not placement.update(now + 1.0)
     assert placement.update(now + placement.targets.cooldown_s + 0.1)
-    assert placement.is_open and placement.report()["woven_tokens_per_s"] is None
+    assert placement.is_open
 
 
-def test_woven_steps_over_the_hot_tpot_target_step_aside():
+def test_prompt_chunks_do_not_enter_the_step_time_model():
+    placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=1.0))
+    feed(placement, steps(0.030, 0.002, 0.004, LOCAL_BATCHES + WOVEN_BATCHES,
+                          decode_only=False))
+    assert placement.model.coefficients(placement.targets.min_samples) is None
+    assert placement.is_open
+
+
+def test_woven_steps_over_the_hot_tpot_target_on_average_step_aside():
     placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=0.050))
-    feed(placement, [(0.030, 4, 0, True)] * 10)
-    _, changes = feed(placement, [(0.055, 4, 6, True)] * 10, start=1.0)
+    feed(placement, steps(0.030, 0.002, 0.004, LOCAL_BATCHES))
+    # One slow step (a long prompt chunk) is not a TPOT; a run of them is.
+    _, changes = feed(placement, [(0.200, 4, 2, False)] + steps(0.030, 0.002, 0.004,
+                                                                 [(4, 2)] * 5), start=5.0)
+    assert changes == []
+    _, changes = feed(placement, [(0.060, 4, 6, False)] * 40, start=10.0)
     assert changes and not placement.is_open and "TPOT target" in placement.reason
 
 
 def test_the_default_hot_target_is_relative_to_local_only_steps():
     placement = AdaptivePlacement(AdaptiveTargets(hot_budget=1.25))
     assert placement.hot_tpot_target_s is None
-    feed(placement, [(0.040, 4, 0, False)] * 20)
+    feed(placement, [(0.040, 4, 0, True)] * 100)
     assert placement.hot_tpot_target_s == pytest.approx(0.050)
 
 
@@ -90,14 +123,6 @@ def test_a_spent_cold_budget_steps_aside_at_once_and_holds_while_it_stays_spent(
     assert not placement.update(10.0)  # cooled down, but the cold model is still slowed
     placement.observe_pair(PairLoad(cold_inflation=1.02))
     assert placement.update(10.5) and placement.is_open
-
-
-def test_not_kv_capped_steps_give_no_throughput_baseline():
-    # An engine that never fills its local pool has no KV-capped steps: nothing to compare,
-    # and since the scheduler only goes remote on overflow, nothing goes remote either.
-    placement = AdaptivePlacement()
-    feed(placement, [(0.040, 3, 0, False)] * 30)
-    assert placement.report()["capped_tokens_per_s"] is None and placement.is_open
 
 
 def test_targets_and_ratios_are_checked():

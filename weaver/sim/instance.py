@@ -271,18 +271,16 @@ class ModelServer:
                 return target
         return None
 
-    def observe_step(self, step_s: float, now: float) -> None:
+    def observe_step(self, plan: StepPlan, step_s: float, now: float) -> None:
         """An adaptive placement's live measurements, as the hot scheduler takes them: the
-        step's time and batch, and whether the local pool held requests back. The cold
-        model's TPOT growth is not fed here (the simulator charges it to the cold device,
-        Instance._inflate), so the simulated policy decides on the hot side's measures."""
+        step's time and batch, and whether it ran decodes only. The cold model's TPOT growth
+        is not fed here (the simulator charges it to the cold device, Instance._inflate),
+        so the simulated policy decides on the hot side's measures."""
         placement = self.placement
         if not isinstance(placement, AdaptivePlacement) or self.remote is None:
             return
-        waiting = self.waiting[0] if self.waiting else None
-        capped = waiting is not None and not self.local.can_take(
-            blocks_for(self._context_to_build(waiting), self.cfg.block_size))
-        placement.observe_step(step_s, self.local.num_seqs, self.remote.num_seqs, capped)
+        placement.observe_step(step_s, self.local.num_seqs, self.remote.num_seqs,
+                               not plan.chunks)
         placement.update(now)
 
     def can_admit(self) -> bool:
@@ -497,7 +495,7 @@ class Instance:
                 break
             tried.add(job.server.name)  # e.g. its quota shrank: let another model run
         dt = self._begin(job)
-        job.server.observe_step(dt, now)
+        job.server.observe_step(job.plan, dt, now)
         self.is_busy = True
         return [self.engine.event(now + dt, f"{self.name}.step",
                                   lambda t, job=job: self._end_step(job, t))]

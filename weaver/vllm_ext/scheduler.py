@@ -109,9 +109,6 @@ class RoutingKVCacheManager:
         self.num_placed_remote = 0  # requests ever placed remotely (a Prometheus counter)
         self._logged_remote_gone = False
         self.peak_running_remote = 0
-        # A new request found the local pool full since the last schedule(): the batch is
-        # capped by KV (what AdaptivePlacement weighs weaving against).
-        self.local_was_full = False
 
     def _pool(self, request_id: str) -> KVCacheManager:
         return self.remote if self.placed.get(request_id) is Placement.REMOTE else self.local
@@ -139,8 +136,6 @@ class RoutingKVCacheManager:
                     self.peak_running_remote = max(self.peak_running_remote,
                                                    self.num_running_remote)
                 return blocks
-            if choice is Placement.LOCAL:
-                self.local_was_full = True
         return None
 
     def _remote_is_available(self) -> bool:
@@ -322,7 +317,7 @@ class WeaverScheduler(Scheduler):
 
     def update_from_output(self, *args: Any, **kwargs: Any):
         adaptive = isinstance(self.weaver_placement, AdaptivePlacement)
-        ran = self._weaver_batch() if adaptive else None
+        ran = self._weaver_batch(*args, **kwargs) if adaptive else None
         with self._pool_lock():
             outputs = super().update_from_output(*args, **kwargs)
         if ran is not None:
@@ -338,10 +333,14 @@ class WeaverScheduler(Scheduler):
             return super().reset_prefix_cache(*args, **kwargs)
 
     # --- adaptive placement (offload_ratio: auto) -----------------------------------------
-    def _weaver_batch(self) -> tuple[int, int]:
-        """(local, remote) requests in the step that just ran."""
+    def _weaver_batch(self, scheduler_output: Any, *args: Any,
+                      **kwargs: Any) -> tuple[int, int, bool]:
+        """(local, remote) requests in the step that just ran, and whether it ran decodes
+        only (one token each: no prompt chunk in it)."""
         num_remote = self.kv_cache_manager.num_running_remote
-        return len(self.running) - num_remote, num_remote
+        is_decode_only = (scheduler_output.total_num_scheduled_tokens
+                          == len(scheduler_output.num_scheduled_tokens))
+        return len(self.running) - num_remote, num_remote, is_decode_only
 
     def _weaver_step_starts(self) -> None:
         placement = self.weaver_placement
@@ -352,14 +351,14 @@ class WeaverScheduler(Scheduler):
             if placement.update(now):
                 logger.warning("weaving %s: %s", self._weaver_hot, placement.reason)
         self._weaver_step_started = now
-        self.kv_cache_manager.local_was_full = False
 
-    def _weaver_step_ended(self, num_local: int, num_remote: int) -> None:
+    def _weaver_step_ended(self, num_local: int, num_remote: int,
+                           is_decode_only: bool) -> None:
         started, self._weaver_step_started = self._weaver_step_started, None
         if started is None:
             return
         self.weaver_placement.observe_step(time.monotonic() - started, num_local, num_remote,
-                                           self.kv_cache_manager.local_was_full)
+                                           is_decode_only)
 
     def _weaver_read_pair_load(self, placement: AdaptivePlacement) -> None:
         if self.weaver_rpc is None:

@@ -13,9 +13,10 @@ turn, for a newly admitted (or preempted and re-admitted) sequence.
   "never" and "always" remote.
 - `AdaptivePlacement` (`offload_ratio: auto`): local first; remote only when the local pool
   cannot hold the sequence (the batch is capped by KV right now) and weaving pays, judged
-  from live measurements (`PairLoad`): the hot step time against its TPOT target, the cold
-  model's TPOT growth against its budget, and whether the woven steps really serve more
-  tokens per second than the KV-capped local-only ones. When weaving does not pay it steps
+  from live measurements: the hot steps' mean time against its TPOT target, the cold
+  model's TPOT growth against its budget (`PairLoad`), and whether the woven batch serves
+  more tokens per second than its local part alone would, by a step-time model fitted on
+  recent decode steps (`StepTimeModel`). When weaving does not pay it steps
   aside (no new remote sequences; the running ones finish where they are) for a cool-down,
   then tries again, and says why (`state`).
 
@@ -27,8 +28,11 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from dataclasses import dataclass
 from enum import Enum
+
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +78,12 @@ class AdaptiveTargets:
     hot_budget: float = 1.25
     # The cold model's TPOT may grow by at most this factor over its TPOT with no offload.
     cold_budget: float = 1.10
-    # Woven steps must serve this much more tokens/s than the KV-capped local-only ones.
+    # The woven batch must serve this much more tokens/s than the local-only batch it
+    # grows from, by the fitted step-time model.
     min_gain: float = 1.05
     cooldown_s: float = 20.0  # how long weaving stays aside before it is tried again
-    min_samples: int = 8  # steps of each kind before their throughput is compared
+    min_samples: int = 8  # decode steps before the step-time model is trusted
+    min_tpot_samples: int = 20  # woven steps before their mean is held to the TPOT target
 
     def __post_init__(self) -> None:
         if self.hot_tpot_s is not None and not self.hot_tpot_s > 0:
@@ -98,7 +104,7 @@ class PairLoad:
 class _Ewma:
     """An exponentially weighted mean with a sample count."""
 
-    def __init__(self, alpha: float = 0.2) -> None:
+    def __init__(self, alpha: float) -> None:
         self.alpha = alpha
         self.value: float | None = None
         self.num = 0
@@ -107,6 +113,48 @@ class _Ewma:
         self.value = sample if self.value is None else \
             self.value + self.alpha * (sample - self.value)
         self.num += 1
+
+
+# A step's mean over about 20 steps: what a sequence's TPOT averages, prefill steps included.
+STEP_ALPHA = 0.05
+STEP_MODEL_WINDOW = 256  # recent decode-only steps the step-time model is fitted on
+
+
+class StepTimeModel:
+    """Decode step time as fixed cost + a cost per local and per remote sequence, fitted by
+    least squares over recent decode-only steps (prefill chunks would blur it). It answers
+    what a batch's tokens/s would be, so a woven batch is judged against the local-only
+    batch it grew from at the same moment, not against steps measured under other loads."""
+
+    def __init__(self, window: int = STEP_MODEL_WINDOW) -> None:
+        self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self._coefficients: tuple[float, float, float] | None = None
+
+    def add(self, num_local: int, num_remote: int, step_s: float) -> None:
+        self.samples.append((num_local, num_remote, step_s))
+        self._coefficients = None
+
+    def coefficients(self, min_samples: int) -> tuple[float, float, float] | None:
+        """(fixed, per local, per remote) seconds; None until the steps tell them apart."""
+        if self._coefficients is None and len(self.samples) >= min_samples:
+            data = np.asarray(self.samples, dtype=float)
+            design = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
+            if np.linalg.matrix_rank(design) == 3:
+                fit, *_ = np.linalg.lstsq(design, data[:, 2], rcond=None)
+                self._coefficients = (float(fit[0]), float(fit[1]), float(fit[2]))
+        return self._coefficients
+
+    def gain(self, num_local: int, num_remote: int, min_samples: int) -> float | None:
+        """tokens/s of (num_local + num_remote) over tokens/s of num_local alone."""
+        fit = self.coefficients(min_samples)
+        if fit is None or num_local < 1 or num_remote < 1:
+            return None
+        fixed, per_local, per_remote = fit
+        alone = fixed + per_local * num_local
+        woven = alone + per_remote * num_remote
+        if alone <= 0 or woven <= 0:
+            return None  # a fit without meaning (noise on too few distinct batches)
+        return ((num_local + num_remote) / woven) / (num_local / alone)
 
 
 class AdaptivePlacement:
@@ -121,10 +169,13 @@ class AdaptivePlacement:
         self.reason = "weaving: spill to the cold pool when the local KV is full"
         self.num_step_asides = 0
         self._closed_until = -math.inf
-        self._local_step = _Ewma()  # step time of local-only steps (s)
-        self._capped_rate = _Ewma()  # tokens/s of KV-capped local-only steps
-        self._woven_rate = _Ewma()  # tokens/s of steps with remote sequences
-        self._woven_step = _Ewma()
+        self._local_step = _Ewma(STEP_ALPHA)  # step time of local-only steps (s)
+        self._woven_step = _Ewma(STEP_ALPHA)  # step time of steps with remote sequences
+        # The recent woven batch: its local and remote sequences.
+        self._woven_local = _Ewma(STEP_ALPHA)
+        self._woven_remote = _Ewma(STEP_ALPHA)
+        self.model = StepTimeModel()
+        self.gain: float | None = None  # the woven batch's predicted tokens/s gain
         self.load = PairLoad()
 
     @property
@@ -139,19 +190,19 @@ class AdaptivePlacement:
 
     # --- measurements -------------------------------------------------------------------
     def observe_step(self, step_s: float, num_local: int, num_remote: int,
-                     kv_capped: bool) -> None:
-        """One finished hot step: its wall time and the decode batch it ran. `kv_capped`:
-        requests were waiting because the local pool was full."""
+                     is_decode_only: bool = True) -> None:
+        """One finished hot step: its wall time, the requests it ran, and whether it ran
+        decodes only (no prompt chunk)."""
         if step_s <= 0 or num_local + num_remote == 0:
             return
-        rate = (num_local + num_remote) / step_s
         if num_remote == 0:
             self._local_step.add(step_s)
-            if kv_capped:
-                self._capped_rate.add(rate)
         else:
             self._woven_step.add(step_s)
-            self._woven_rate.add(rate)
+            self._woven_local.add(num_local)
+            self._woven_remote.add(num_remote)
+        if is_decode_only:
+            self.model.add(num_local, num_remote, step_s)
 
     def observe_pair(self, load: PairLoad) -> None:
         self.load = load
@@ -165,7 +216,7 @@ class AdaptivePlacement:
             if not was_open:
                 self.is_open = True
                 self.reason = "weaving resumed: the cool-down passed and nothing forbids it"
-                self._woven_rate, self._woven_step = _Ewma(), _Ewma()  # measure afresh
+                self._woven_step = _Ewma(STEP_ALPHA)  # its TPOT is measured afresh
             return not was_open
         if was_open:
             self.is_open = False
@@ -187,26 +238,27 @@ class AdaptivePlacement:
             return None  # cooled down: try again, and measure
         target = self.hot_tpot_target_s
         woven = self._woven_step
-        if target is not None and woven.num >= t.min_samples and woven.value > target:
-            return (f"stepped aside: woven hot steps take {1000 * woven.value:.1f} ms, over "
-                    f"the TPOT target {1000 * target:.1f} ms")
-        capped, rate = self._capped_rate, self._woven_rate
-        if capped.num >= t.min_samples and rate.num >= t.min_samples \
-                and rate.value < t.min_gain * capped.value:
-            return (f"stepped aside: woven steps serve {rate.value:.1f} tokens/s, under "
-                    f"x{t.min_gain:.2f} the {capped.value:.1f} of KV-capped local steps")
+        if target is not None and woven.num >= t.min_tpot_samples and woven.value > target:
+            return (f"stepped aside: woven hot steps take {1000 * woven.value:.1f} ms on "
+                    f"average, over the TPOT target {1000 * target:.1f} ms")
+        if self._woven_remote.num:
+            self.gain = self.model.gain(round(self._woven_local.value),
+                                        round(self._woven_remote.value), t.min_samples)
+            if self.gain is not None and self.gain < t.min_gain:
+                return (f"stepped aside: the woven batch serves x{self.gain:.2f} the tokens/s "
+                        f"of its local part alone, under x{t.min_gain:.2f}")
         return None
 
     def report(self) -> dict[str, float | int | str | bool | None]:
         """The policy's state, for /metrics and the log."""
-        target = self.hot_tpot_target_s
+        fit = self.model.coefficients(self.targets.min_samples)
         return {"policy": AUTO, "weaving_active": self.is_open, "reason": self.reason,
                 "step_asides": self.num_step_asides,
-                "hot_tpot_target_s": target,
+                "hot_tpot_target_s": self.hot_tpot_target_s,
                 "hot_local_step_s": self._local_step.value,
                 "hot_woven_step_s": self._woven_step.value,
-                "capped_tokens_per_s": self._capped_rate.value,
-                "woven_tokens_per_s": self._woven_rate.value,
+                "woven_gain": self.gain,
+                "step_model_s": None if fit is None else list(fit),
                 "cold_inflation": self.load.cold_inflation,
                 "offload_wait_s": self.load.offload_wait_s}
 
