@@ -1,9 +1,7 @@
 """offload_ratio auto (weaver/weaving/placement.py AdaptivePlacement) on sequences of the
 inputs the hot scheduler feeds it: each step's time, its local and remote sequences and
-whether it ran decodes only, and the pair's load. The sequences are synthetic, shaped like
-the two regimes weaving meets: a step time dominated by a fixed cost (weights read once
-per step: a larger batch is nearly free, weaving pays) and one that grows with every
-sequence (a compute-bound engine: weaving cannot pay)."""
+whether it ran decodes only, and the pair's load (synthetic sequences: a step time of a
+fixed cost plus a cost per sequence, the shape of a decode step)."""
 
 from __future__ import annotations
 
@@ -50,7 +48,7 @@ def test_auto_is_local_first_and_spills_while_open():
     placement = placement_for("auto")
     assert isinstance(placement, AdaptivePlacement)
     assert placement.order(0, 0) == BOTH
-    assert placement.order(5, 3) == BOTH  # never remote first: local while it has room
+    assert placement.order(5, 3) == BOTH  # never remote first; no cap until TPOT says so
 
 
 def test_the_step_time_model_recovers_its_costs_and_waits_for_distinct_batches():
@@ -65,28 +63,45 @@ def test_the_step_time_model_recovers_its_costs_and_waits_for_distinct_batches()
     assert model.gain(4, 6, min_samples=8) == pytest.approx((10 / 0.062) / (4 / 0.038))
 
 
-def test_weaving_that_pays_stays_on():
+def test_weaving_within_the_tpot_target_stays_on_uncapped():
     # Weights dominate the step (30 ms); a sequence adds 2 ms locally, 4 ms remotely.
     placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=0.060))
     placement.observe_pair(PairLoad(cold_inflation=1.04, offload_wait_s=0.002))
     _, changes = feed(placement, steps(0.030, 0.002, 0.004, LOCAL_BATCHES + WOVEN_BATCHES))
-    assert changes == [] and placement.is_open
+    assert changes == [] and placement.is_open and placement.remote_cap is None
     report = placement.report()
     assert report["weaving_active"] and report["woven_gain"] > 1.2
 
 
-def test_a_compute_bound_batch_steps_aside_when_the_woven_batch_serves_no_more_tokens():
-    # Every sequence costs 10 ms and a remote one 11 ms: the larger batch serves fewer
-    # tokens/s (a loose TPOT target, so the throughput check is what decides).
-    placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=1.0))
-    now, changes = feed(placement, steps(0.001, 0.010, 0.011, LOCAL_BATCHES + WOVEN_BATCHES))
-    assert changes and changes[0][1] is False
-    assert not placement.is_open and placement.order(4, 0) == [Placement.LOCAL]
-    assert "tokens/s" in placement.reason and placement.num_step_asides == 1
-    # It stays aside for the cool-down, then tries again.
-    assert not placement.update(now + 1.0)
-    assert placement.update(now + placement.targets.cooldown_s + 0.1)
-    assert placement.is_open
+def test_woven_steps_over_the_target_cap_the_remote_sequences_then_the_cap_grows_back():
+    placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=0.050))
+    feed(placement, steps(0.030, 0.002, 0.004, LOCAL_BATCHES))
+    # A compute-bound batch: 4 local + 8 remote take 70 ms, over the 50 ms target.
+    _, changes = feed(placement, [(0.070, 4, 8, True)] * 25, start=2.0)
+    assert changes == [] and placement.is_open
+    assert placement.remote_cap == 6  # 3/4 of the 8 running
+    assert placement.order(4, 6) == [Placement.LOCAL]  # full: new requests wait
+    assert placement.order(4, 5) == BOTH
+    # At the cap, woven steps well under the target: one more each update.
+    feed(placement, [(0.040, 4, 6, True)] * 25, start=10.0)
+    assert placement.remote_cap > 6
+
+
+def test_a_cap_that_falls_to_zero_steps_aside_then_resumes_with_one():
+    placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=0.050, cooldown_s=5.0))
+    now, changes = feed(placement, [(0.080, 4, 1, True)] * 25)
+    assert changes and not placement.is_open and placement.order(4, 0) == [Placement.LOCAL]
+    assert "TPOT target" in placement.reason and placement.num_step_asides == 1
+    assert not placement.update(now + 1.0)  # the cool-down
+    assert placement.update(now + 5.1) and placement.is_open and placement.remote_cap == 1
+
+
+def test_one_slow_prompt_step_is_not_a_tpot():
+    placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=0.050))
+    # 200 ms once, then 40 ms steps: over any 20 steps the mean is under 50 ms.
+    _, changes = feed(placement, [(0.200, 4, 2, False)] + steps(0.024, 0.002, 0.004,
+                                                                 [(4, 2)] * 25))
+    assert changes == [] and placement.remote_cap is None
 
 
 def test_prompt_chunks_do_not_enter_the_step_time_model():
@@ -94,18 +109,6 @@ def test_prompt_chunks_do_not_enter_the_step_time_model():
     feed(placement, steps(0.030, 0.002, 0.004, LOCAL_BATCHES + WOVEN_BATCHES,
                           decode_only=False))
     assert placement.model.coefficients(placement.targets.min_samples) is None
-    assert placement.is_open
-
-
-def test_woven_steps_over_the_hot_tpot_target_on_average_step_aside():
-    placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=0.050))
-    feed(placement, steps(0.030, 0.002, 0.004, LOCAL_BATCHES))
-    # One slow step (a long prompt chunk) is not a TPOT; a run of them is.
-    _, changes = feed(placement, [(0.200, 4, 2, False)] + steps(0.030, 0.002, 0.004,
-                                                                 [(4, 2)] * 5), start=5.0)
-    assert changes == []
-    _, changes = feed(placement, [(0.060, 4, 6, False)] * 40, start=10.0)
-    assert changes and not placement.is_open and "TPOT target" in placement.reason
 
 
 def test_the_default_hot_target_is_relative_to_local_only_steps():

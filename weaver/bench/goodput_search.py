@@ -50,6 +50,8 @@ TTFT_GROWTH_FACTOR = 2.0
 MIN_TTFT_GROWTH_S = 0.05
 TTFT_GROWTH_OF_TARGET = 0.25
 
+_NO_ITL = {"records": {"__all__": {"itl_s"}}}
+
 DeploymentRunner = Callable[[str, float, int, int], "RunResult"]
 """(label, rate in req/s, workload seed, prompt salt) -> that run's result."""
 
@@ -387,7 +389,9 @@ class SearchOutcome:
             # With these two and `runs`, `weaver bench summary/plot` read this file too.
             "schema_version": SCHEMA_VERSION,
             "created_at": utc_now(),
-            "runs": [run.model_dump(mode="json") for run in self.runs],
+            # Each request's streamed gaps (itl_s) are left out: the summaries keep their
+            # statistics, and they would make a search's file ten times larger.
+            "runs": [run.model_dump(mode="json", exclude=_NO_ITL) for run in self.runs],
         }
 
 

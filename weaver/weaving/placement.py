@@ -13,12 +13,12 @@ turn, for a newly admitted (or preempted and re-admitted) sequence.
   "never" and "always" remote.
 - `AdaptivePlacement` (`offload_ratio: auto`): local first; remote only when the local pool
   cannot hold the sequence (the batch is capped by KV right now) and weaving pays, judged
-  from live measurements: the hot steps' mean time against its TPOT target, the cold
-  model's TPOT growth against its budget (`PairLoad`), and whether the woven batch serves
-  more tokens per second than its local part alone would, by a step-time model fitted on
-  recent decode steps (`StepTimeModel`). When weaving does not pay it steps
-  aside (no new remote sequences; the running ones finish where they are) for a cool-down,
-  then tries again, and says why (`state`).
+  from live measurements: the hot steps' mean time against its TPOT target sets how many
+  sequences may be remote, and the cold model's TPOT growth is held to its budget
+  (`PairLoad`). When weaving does not pay it steps aside (no new remote sequences; the
+  running ones finish where they are) for a cool-down, then tries again, and says why
+  (`reason`, `report`). A step-time model fitted on recent decode steps (`StepTimeModel`)
+  reports how many more tokens per second the woven batch serves than its local part.
 
 Plain Python: the hot engine's scheduler (weaver/vllm_ext/scheduler.py), the simulator and
 the planner use these classes unchanged.
@@ -78,9 +78,6 @@ class AdaptiveTargets:
     hot_budget: float = 1.25
     # The cold model's TPOT may grow by at most this factor over its TPOT with no offload.
     cold_budget: float = 1.10
-    # The woven batch must serve this much more tokens/s than the local-only batch it
-    # grows from, by the fitted step-time model.
-    min_gain: float = 1.05
     cooldown_s: float = 20.0  # how long weaving stays aside before it is tried again
     min_samples: int = 8  # decode steps before the step-time model is trusted
     min_tpot_samples: int = 20  # woven steps before their mean is held to the TPOT target
@@ -88,9 +85,9 @@ class AdaptiveTargets:
     def __post_init__(self) -> None:
         if self.hot_tpot_s is not None and not self.hot_tpot_s > 0:
             raise ValueError(f"the hot TPOT target must be > 0 s, got {self.hot_tpot_s}")
-        if self.hot_budget < 1 or self.cold_budget < 1 or self.min_gain < 1:
-            raise ValueError("hot_budget, cold_budget and min_gain are factors >= 1, got "
-                             f"{self.hot_budget}, {self.cold_budget}, {self.min_gain}")
+        if self.hot_budget < 1 or self.cold_budget < 1:
+            raise ValueError("hot_budget and cold_budget are factors >= 1, got "
+                             f"{self.hot_budget}, {self.cold_budget}")
 
 
 @dataclass(frozen=True)
@@ -102,7 +99,8 @@ class PairLoad:
 
 
 class _Ewma:
-    """An exponentially weighted mean with a sample count."""
+    """An exponentially weighted mean with a sample count; the plain mean of the first
+    1 / alpha samples, so that the first one does not weigh as much as all the rest."""
 
     def __init__(self, alpha: float) -> None:
         self.alpha = alpha
@@ -110,13 +108,16 @@ class _Ewma:
         self.num = 0
 
     def add(self, sample: float) -> None:
-        self.value = sample if self.value is None else \
-            self.value + self.alpha * (sample - self.value)
         self.num += 1
+        weight = max(self.alpha, 1.0 / self.num)
+        self.value = sample if self.value is None else \
+            self.value + weight * (sample - self.value)
 
 
 # A step's mean over about 20 steps: what a sequence's TPOT averages, prefill steps included.
 STEP_ALPHA = 0.05
+REMOTE_CAP_DECREASE = 0.75  # the remote cap after woven steps ran over the TPOT target
+REMOTE_CAP_HEADROOM = 0.9  # the cap grows while woven steps stay under this share of it
 STEP_MODEL_WINDOW = 256  # recent decode-only steps the step-time model is fitted on
 
 
@@ -158,7 +159,14 @@ class StepTimeModel:
 
 
 class AdaptivePlacement:
-    """`offload_ratio: auto`: local first, remote on overflow while weaving pays."""
+    """`offload_ratio: auto`: local first, remote on overflow while weaving pays.
+
+    How many sequences may be remote is a cap moved by the hot steps' mean time against the
+    TPOT target, additive increase and multiplicative decrease (as TCP finds a link's rate):
+    none at first (the remote pool fills as far as demand goes), then, once the woven steps
+    run over the target, 3/4 of the remote sequences running, one more each update the steps
+    stay under 90 % of it. A cap that falls to 0, or a cold model over its budget, steps
+    weaving aside for the cool-down; then it resumes with a cap of one."""
 
     may_spill = True
 
@@ -168,12 +176,14 @@ class AdaptivePlacement:
         self.is_open = True
         self.reason = "weaving: spill to the cold pool when the local KV is full"
         self.num_step_asides = 0
+        self.remote_cap: int | None = None  # most remote sequences at once; None: no cap
         self._closed_until = -math.inf
         self._local_step = _Ewma(STEP_ALPHA)  # step time of local-only steps (s)
         self._woven_step = _Ewma(STEP_ALPHA)  # step time of steps with remote sequences
         # The recent woven batch: its local and remote sequences.
         self._woven_local = _Ewma(STEP_ALPHA)
         self._woven_remote = _Ewma(STEP_ALPHA)
+        self._num_remote = 0  # remote sequences in the last step
         self.model = StepTimeModel()
         self.gain: float | None = None  # the woven batch's predicted tokens/s gain
         self.load = PairLoad()
@@ -186,7 +196,10 @@ class AdaptivePlacement:
         return None if base is None else self.targets.hot_budget * base
 
     def order(self, num_running_local: int, num_running_remote: int) -> list[Placement]:
-        return [Placement.LOCAL, Placement.REMOTE] if self.is_open else [Placement.LOCAL]
+        cap = self.remote_cap
+        if self.is_open and (cap is None or num_running_remote < cap):
+            return [Placement.LOCAL, Placement.REMOTE]
+        return [Placement.LOCAL]
 
     # --- measurements -------------------------------------------------------------------
     def observe_step(self, step_s: float, num_local: int, num_remote: int,
@@ -195,12 +208,16 @@ class AdaptivePlacement:
         decodes only (no prompt chunk)."""
         if step_s <= 0 or num_local + num_remote == 0:
             return
+        self._num_remote = num_remote
         if num_remote == 0:
             self._local_step.add(step_s)
         else:
-            self._woven_step.add(step_s)
             self._woven_local.add(num_local)
             self._woven_remote.add(num_remote)
+            # Over the cap, the batch is still the one the cap was cut for: its steps say
+            # nothing of the smaller batch to come.
+            if self.remote_cap is None or num_remote <= self.remote_cap:
+                self._woven_step.add(step_s)
         if is_decode_only:
             self.model.add(num_local, num_remote, step_s)
 
@@ -209,51 +226,60 @@ class AdaptivePlacement:
 
     # --- the decision ---------------------------------------------------------------------
     def update(self, now: float) -> bool:
-        """Re-decide whether new sequences may go remote; True if that changed."""
-        reason = self._why_not(now)
-        was_open = self.is_open
-        if reason is None:
-            if not was_open:
-                self.is_open = True
-                self.reason = "weaving resumed: the cool-down passed and nothing forbids it"
-                self._woven_step = _Ewma(STEP_ALPHA)  # its TPOT is measured afresh
-            return not was_open
-        if was_open:
-            self.is_open = False
-            self.reason = reason
-            self.num_step_asides += 1
-            self._closed_until = now + self.targets.cooldown_s
-            return True
-        return False
-
-    def _why_not(self, now: float) -> str | None:
+        """Re-decide how many sequences may be remote; True if weaving stepped aside or
+        resumed."""
         t = self.targets
-        if not self.is_open and now < self._closed_until:
-            return self.reason
-        inflation = self.load.cold_inflation
-        if inflation is not None and inflation > t.cold_budget:
-            return (f"stepped aside: the cold model's TPOT is x{inflation:.2f} its own, over "
-                    f"its budget x{t.cold_budget:.2f}")
-        if not self.is_open:
-            return None  # cooled down: try again, and measure
-        target = self.hot_tpot_target_s
-        woven = self._woven_step
-        if target is not None and woven.num >= t.min_tpot_samples and woven.value > target:
-            return (f"stepped aside: woven hot steps take {1000 * woven.value:.1f} ms on "
-                    f"average, over the TPOT target {1000 * target:.1f} ms")
         if self._woven_remote.num:
             self.gain = self.model.gain(round(self._woven_local.value),
                                         round(self._woven_remote.value), t.min_samples)
-            if self.gain is not None and self.gain < t.min_gain:
-                return (f"stepped aside: the woven batch serves x{self.gain:.2f} the tokens/s "
-                        f"of its local part alone, under x{t.min_gain:.2f}")
+        if not self.is_open:
+            if now < self._closed_until or self._cold_over_budget() is not None:
+                return False
+            self.is_open, self.remote_cap = True, 1
+            self.reason = "weaving resumed: the cool-down passed; one remote sequence at first"
+            self._woven_step = _Ewma(STEP_ALPHA)  # its TPOT is measured afresh
+            return True
+        reason = self._cold_over_budget() or self._adjust_cap()
+        if reason is None:
+            return False
+        self.is_open, self.reason = False, reason
+        self.num_step_asides += 1
+        self._closed_until = now + t.cooldown_s
+        return True
+
+    def _cold_over_budget(self) -> str | None:
+        inflation, budget = self.load.cold_inflation, self.targets.cold_budget
+        if inflation is not None and inflation > budget:
+            return (f"stepped aside: the cold model's TPOT is x{inflation:.2f} its own, over "
+                    f"its budget x{budget:.2f}")
+        return None
+
+    def _adjust_cap(self) -> str | None:
+        """Move the remote cap by the woven steps' mean time; a reason to step aside when
+        it reaches 0."""
+        target, woven = self.hot_tpot_target_s, self._woven_step
+        if target is None or woven.num < self.targets.min_tpot_samples:
+            return None
+        if woven.value > target:
+            self.remote_cap = int(REMOTE_CAP_DECREASE * self._num_remote)
+            self._woven_step = _Ewma(STEP_ALPHA)  # judge the smaller batch afresh
+            if self.remote_cap == 0:
+                return (f"stepped aside: woven hot steps take {1000 * woven.value:.1f} ms on "
+                        f"average, over the TPOT target {1000 * target:.1f} ms, with "
+                        f"{self._num_remote} remote sequence(s)")
+            self.reason = (f"weaving: at most {self.remote_cap} remote sequences (woven steps "
+                           f"took {1000 * woven.value:.1f} ms, target {1000 * target:.1f})")
+        elif woven.value < REMOTE_CAP_HEADROOM * target and self.remote_cap is not None \
+                and self._num_remote >= self.remote_cap:
+            self.remote_cap += 1
+            self.reason = f"weaving: at most {self.remote_cap} remote sequences"
         return None
 
     def report(self) -> dict[str, float | int | str | bool | None]:
         """The policy's state, for /metrics and the log."""
         fit = self.model.coefficients(self.targets.min_samples)
         return {"policy": AUTO, "weaving_active": self.is_open, "reason": self.reason,
-                "step_asides": self.num_step_asides,
+                "step_asides": self.num_step_asides, "remote_cap": self.remote_cap,
                 "hot_tpot_target_s": self.hot_tpot_target_s,
                 "hot_local_step_s": self._local_step.value,
                 "hot_woven_step_s": self._woven_step.value,
