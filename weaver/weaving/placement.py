@@ -261,12 +261,13 @@ class AdaptivePlacement:
         if target is None or woven.num < self.targets.min_tpot_samples:
             return None
         if woven.value > target:
-            self.remote_cap = int(REMOTE_CAP_DECREASE * self._num_remote)
+            running = round(self._woven_remote.value)  # the recent woven batch's remote part
+            self.remote_cap = int(REMOTE_CAP_DECREASE * running)
             self._woven_step = _Ewma(STEP_ALPHA)  # judge the smaller batch afresh
             if self.remote_cap == 0:
                 return (f"stepped aside: woven hot steps take {1000 * woven.value:.1f} ms on "
                         f"average, over the TPOT target {1000 * target:.1f} ms, with "
-                        f"{self._num_remote} remote sequence(s)")
+                        f"{running} remote sequence(s)")
             self.reason = (f"weaving: at most {self.remote_cap} remote sequences (woven steps "
                            f"took {1000 * woven.value:.1f} ms, target {1000 * target:.1f})")
         elif woven.value < REMOTE_CAP_HEADROOM * target and self.remote_cap is not None \
