@@ -107,7 +107,7 @@ def test_the_pair_under_vllm_serve_gets_the_weaving_deployments_engines(bench, t
     shape = attention_shape_of({"num_attention_heads": 9, "num_key_value_heads": 3,
                                 "hidden_size": 576, "num_hidden_layers": 30}, "float32", 32)
     plan = plugin_hot_plan("hot", "bench", shape, hot_block["remote_kv_gib"], 1024, 64,
-                           0.66, 3.0, "shm")
+                           {"offload_ratio": 0.66, "timeout_s": 3.0}, "shm")
     assert plan.num_remote_blocks == 189  # exactly the lent blocks, as under weaver serve
     cold_block = json.loads(bench.vllm_serve_args("cold", 99, 189, 0.66, {"lm_head": 16})[-1])
     assert cold_block["weaver"]["split"] == {"lm_head": 16}
