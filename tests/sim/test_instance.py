@@ -134,19 +134,27 @@ def test_seq_set_block_accounting_matches_ceil(lin):
                                   if r is not joined[2])
 
 
-def test_overflow_offload_goes_remote_only_when_local_is_full(lin):
+def _woven_four_requests(lin, offload_ratio, offload_policy, placement=None):
+    """A hot server with room for two requests of 40 + 20 tokens and 8 lent blocks, given
+    four at once; returns them, with the hot server, once all finished."""
     engine = Engine()
-    hot, finished = make_server(lin, 8, "hot")  # room for two requests of 40 + 20 tokens
+    hot, finished = make_server(lin, 8, "hot")
     cold, _ = make_server(lin, 100, "cold")
     hot_inst, cold_inst = Instance(engine, "gpu0", [hot]), Instance(engine, "gpu1", [cold])
     hot.remote = SeqSet(BlockPool(8 * lin.BLOCK_BYTES), BLOCK, lin.BLOCK_BYTES)
-    hot.offload_ratio, hot.offload_policy = 1.0, "overflow"
+    hot.offload_ratio, hot.offload_policy = offload_ratio, offload_policy
+    hot.placement = placement
     hot.offload = OffloadCostModel(hot.perf, hot.perf, LinkModel(1e9, 1e-5))
     hot.remote_instance = cold_inst
     reqs = [request(40, 20, 0.0, "hot", i) for i in range(4)]
     submit(engine, hot_inst, reqs)
     engine.run()
     assert len(finished) == 4
+    return reqs, hot
+
+
+def test_overflow_offload_goes_remote_only_when_local_is_full(lin):
+    reqs, _ = _woven_four_requests(lin, 1.0, "overflow")
     assert [r.is_remote for r in reqs] == [False, False, True, True]
 
 
@@ -155,19 +163,7 @@ def test_auto_placement_is_the_engines_own_local_first_and_feeds_on_the_steps(li
     first and remote once local is full, fed each simulated step."""
     from weaver.weaving.placement import AdaptivePlacement
 
-    engine = Engine()
-    hot, finished = make_server(lin, 8, "hot")  # room for two requests of 40 + 20 tokens
-    cold, _ = make_server(lin, 100, "cold")
-    hot_inst, cold_inst = Instance(engine, "gpu0", [hot]), Instance(engine, "gpu1", [cold])
-    hot.remote = SeqSet(BlockPool(8 * lin.BLOCK_BYTES), BLOCK, lin.BLOCK_BYTES)
-    hot.offload_ratio, hot.offload_policy = "auto", "ratio"
-    hot.placement = AdaptivePlacement()
-    hot.offload = OffloadCostModel(hot.perf, hot.perf, LinkModel(1e9, 1e-5))
-    hot.remote_instance = cold_inst
-    reqs = [request(40, 20, 0.0, "hot", i) for i in range(4)]
-    submit(engine, hot_inst, reqs)
-    engine.run()
-    assert len(finished) == 4
+    reqs, hot = _woven_four_requests(lin, "auto", "ratio", AdaptivePlacement())
     assert [r.is_remote for r in reqs] == [False, False, True, True]
     report = hot.placement.report()
     assert report["hot_woven_step_s"] is not None and report["weaving_active"]
