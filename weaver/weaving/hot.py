@@ -36,6 +36,7 @@ from weaver.offload.layout import COLD_INFLATION_OFFSET
 from weaver.offload.protocol import OffloadError, OffloadTicket, TaskBatch, WaitStatus
 from weaver.offload.sender import OffloadSender
 from weaver.offload.shm import ShmRegion, host_wait_policy
+from weaver.weaving.placement import Ewma
 from weaver.weaving.plan import PairPlan
 
 logger = logging.getLogger(__name__)
@@ -201,7 +202,7 @@ class HotWeaving:
         self.remote_kv = remote_kv if remote_kv is not None else RegionKV(sender)
         self.stats = HotWeavingStats()
         self.degraded_reason: str | None = None
-        self.wait_ewma_s: float | None = None  # recent wait for a remote task
+        self.recent_wait = Ewma(WAIT_EWMA_ALPHA)  # the wait for a remote task, recently
         self._slot_split: _SlotSplit | None = None
         self._lock = threading.Lock()
 
@@ -311,9 +312,7 @@ class HotWeaving:
         self.stats.num_offloaded_rows += len(rows.tokens)
         if result.status is not WaitStatus.PENDING:  # a device wait's host time is no wait
             self.stats.wait_seconds.append(result.wait_s)
-            previous = self.wait_ewma_s
-            self.wait_ewma_s = result.wait_s if previous is None else \
-                previous + WAIT_EWMA_ALPHA * (result.wait_s - previous)
+            self.recent_wait.add(result.wait_s)
         return True
 
     def settle_step(self) -> None:
@@ -340,7 +339,7 @@ class HotWeaving:
         TPOT factor its side publishes, and the recent offload wait."""
         inflation = float(self.sender.transport.read_word(COLD_INFLATION_OFFSET, "d"))
         return {"cold_inflation": inflation if inflation > 0 else None,
-                "offload_wait_s": self.wait_ewma_s}
+                "offload_wait_s": self.recent_wait.value}
 
     def drain_stats(self) -> dict[str, Any]:
         with self._lock:

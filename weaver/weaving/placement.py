@@ -26,15 +26,12 @@ the planner use these classes unchanged.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections import deque
 from dataclasses import dataclass
 from enum import Enum
 
 import numpy as np
-
-logger = logging.getLogger(__name__)
 
 _EPSILON = 1e-9  # so that r · n landing exactly on an integer counts as reached
 AUTO = "auto"  # the offload_ratio value that selects AdaptivePlacement
@@ -98,7 +95,7 @@ class PairLoad:
     offload_wait_s: float | None = None  # recent mean wait for a remote task
 
 
-class _Ewma:
+class Ewma:
     """An exponentially weighted mean with a sample count; the plain mean of the first
     1 / alpha samples, so that the first one does not weigh as much as all the rest."""
 
@@ -168,21 +165,18 @@ class AdaptivePlacement:
     stay under 90 % of it. A cap that falls to 0, or a cold model over its budget, steps
     weaving aside for the cool-down; then it resumes with a cap of one."""
 
-    may_spill = True
-
     def __init__(self, targets: AdaptiveTargets | None = None) -> None:
         self.targets = targets or AdaptiveTargets()
-        self.offload_ratio = AUTO  # what a log line or /metrics shows as the ratio
         self.is_open = True
         self.reason = "weaving: spill to the cold pool when the local KV is full"
         self.num_step_asides = 0
         self.remote_cap: int | None = None  # most remote sequences at once; None: no cap
         self._closed_until = -math.inf
-        self._local_step = _Ewma(STEP_ALPHA)  # step time of local-only steps (s)
-        self._woven_step = _Ewma(STEP_ALPHA)  # step time of steps with remote sequences
+        self._local_step = Ewma(STEP_ALPHA)  # step time of local-only steps (s)
+        self._woven_step = Ewma(STEP_ALPHA)  # step time of steps with remote sequences
         # The recent woven batch: its local and remote sequences.
-        self._woven_local = _Ewma(STEP_ALPHA)
-        self._woven_remote = _Ewma(STEP_ALPHA)
+        self._woven_local = Ewma(STEP_ALPHA)
+        self._woven_remote = Ewma(STEP_ALPHA)
         self._num_remote = 0  # remote sequences in the last step
         self.model = StepTimeModel()
         self.gain: float | None = None  # the woven batch's predicted tokens/s gain
@@ -237,7 +231,7 @@ class AdaptivePlacement:
                 return False
             self.is_open, self.remote_cap = True, 1
             self.reason = "weaving resumed: the cool-down passed; one remote sequence at first"
-            self._woven_step = _Ewma(STEP_ALPHA)  # its TPOT is measured afresh
+            self._woven_step = Ewma(STEP_ALPHA)  # its TPOT is measured afresh
             return True
         reason = self._cold_over_budget() or self._adjust_cap()
         if reason is None:
@@ -263,7 +257,7 @@ class AdaptivePlacement:
         if woven.value > target:
             running = round(self._woven_remote.value)  # the recent woven batch's remote part
             self.remote_cap = int(REMOTE_CAP_DECREASE * running)
-            self._woven_step = _Ewma(STEP_ALPHA)  # judge the smaller batch afresh
+            self._woven_step = Ewma(STEP_ALPHA)  # judge the smaller batch afresh
             if self.remote_cap == 0:
                 return (f"stepped aside: woven hot steps take {1000 * woven.value:.1f} ms on "
                         f"average, over the TPOT target {1000 * target:.1f} ms, with "
