@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 
 from weaver.results.goodput import Slo, attainment, goodput_rate
+from weaver.results.metrics import by_model
 from weaver.results.records import ALL_MODELS, LatencyStats, RunResult
 
 
@@ -104,10 +105,7 @@ def goodput_lines(runs: Sequence[RunResult], slo: Slo) -> list[str]:
     for run in runs:
         if run.rate is None:
             continue
-        by_model: dict[str, list] = {ALL_MODELS: list(run.records)}
-        for record in run.records:
-            by_model.setdefault(record.model, []).append(record)
-        for model, records in by_model.items():
+        for model, records in {ALL_MODELS: run.records, **by_model(run.records)}.items():
             points.setdefault((run.label, model), []).append(
                 (run.rate, attainment(records, slo)))
     lines = [f"goodput (highest rate with >= 90 % of requests within {slo.describe()}):"]

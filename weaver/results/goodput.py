@@ -18,7 +18,7 @@ low load (MuxServe's way, Duan et al., ICML 2024, Sec. 5.1): `Slo.scaled`.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from weaver.results.records import RequestRecord, RequestStatus
@@ -100,13 +100,3 @@ def goodput_rate(points: Iterable[tuple[float, float]],
             break
         best = rate
     return best
-
-
-def attainment_by_model(records: Sequence[RequestRecord],
-                        slos: Mapping[str, Slo]) -> dict[str, float]:
-    """Attainment per model, each against its own SLO (models without one are skipped)."""
-    groups: dict[str, list[RequestRecord]] = {}
-    for record in records:
-        groups.setdefault(record.model, []).append(record)
-    return {model: attainment(mine, slos[model])
-            for model, mine in sorted(groups.items()) if model in slos}
