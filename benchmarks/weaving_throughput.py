@@ -9,7 +9,7 @@ other, each in its own `weaver serve`:
 - upper-bound: a dedicated hot engine whose own KV is LOCAL + REMOTE blocks: what the
                extra memory would give with no offload cost;
 - weaving-vllm (asked for with --deployments): the weaving pair as two plain `vllm serve`
-               processes with Weaver's plugin (README, "Weaving under plain vllm serve"),
+               processes with Weaver's plugin (docs/weaving.md, "Weaving under plain vllm serve"),
                no gateway: the same engines, hooks and cores, each server's front end on
                the frontend core; the load generator sends each model's requests to its
                own server.

@@ -13,7 +13,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from weaver.patches.registry import PatchTargetMissing
+from .registry import PatchTargetMissing
 
 
 def install(before: Callable[[Any], None], after: Callable[[Any], None]) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from weaver.patches.registry import PatchTargetMissing
+from .registry import PatchTargetMissing
 
 
 def attach(client: Any, recorder: Any) -> bool:

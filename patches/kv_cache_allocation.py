@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from weaver.patches.registry import PatchTargetMissing
+
+from .registry import PatchTargetMissing
 
 # pool_of(vllm_config) -> the engine's pool section or None; initialize(runner, section,
 # allocate) -> vLLM's kv caches, where allocate() runs vLLM's own initialisation.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from weaver.patches.registry import PatchTargetMissing
+from .registry import PatchTargetMissing
 
 
 def install(scheduler: Any, routing: Any) -> None:

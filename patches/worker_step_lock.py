@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from weaver.patches.registry import PatchTargetMissing
+from .registry import PatchTargetMissing
 
 STEP_METHODS = ("execute_model", "sample_tokens")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from weaver.patches.worker_step_lock import rebind_step_methods, step_methods, uninstall
+from .worker_step_lock import rebind_step_methods, step_methods, uninstall
 
 __all__ = ["install", "uninstall"]
 

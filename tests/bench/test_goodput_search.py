@@ -14,8 +14,10 @@ from bench_fake_server import FakeBehavior
 from weaver.bench.goodput_search import (
     Point,
     SearchConfig,
+    goodput_grid,
     judge_run,
     next_rate,
+    regrade,
     search_goodput,
     write_report,
 )
@@ -219,7 +221,7 @@ def test_ratios_seed_spread_and_results_file(tmp_path):
     assert list(report)[-1] == "runs" and len(report["runs"]) == len(outcome.runs)
     assert path.read_text().startswith('{\n "verdict": "b: goodput 4 req/s')
     assert report["goodput"]["b"] == {"rate": 4.0, "per_seed": {"0": 4.0, "1": 2.0},
-                                      "min": 2.0, "max": 4.0, "capped_at_max_rate": False,
+                                      "min": 2.0, "max": 4.0, "lower_bound": False,
                                       "num_points": 4}
     b_at_4 = next(p for p in report["points"] if p["label"] == "b" and p["rate"] == 4.0)
     assert b_at_4["attainment"] == [1.0, 0.85] and b_at_4["pass"]
@@ -230,6 +232,34 @@ def test_ratios_seed_spread_and_results_file(tmp_path):
     assert judge_run(run, 1, outcome.config).attainment == 0.85
     # The file is also a bench results file (summary/plot read its runs).
     assert len(load_result(path).runs) == len(outcome.runs)
+
+
+def test_a_search_judged_again_under_other_slos():
+    """Each request's TTFT is rate / 10 s (flat within a run): TTFT <= 0.5 s holds up to
+    5 req/s, <= 1 s up to 10; deployment b is half as fast."""
+    def runner(label: str, rate: float, seed: int, salt: int) -> RunResult:
+        return _run(label, rate, [rate / (10 if label == "a" else 20)] * NUM)
+
+    outcome = search_goodput(["b", "a"], runner, _config(seeds=(0, 1), max_rate=16.0,
+                                                          rel_tolerance=0.1),
+                             show_progress=False)
+    report = json.loads(json.dumps(outcome.to_json(["weaver", "bench", "goodput"])))
+    same = regrade(report, SLO)
+    assert [same.goodput(label) for label in ("a", "b")] == [outcome.goodput("a"),
+                                                           outcome.goodput("b")]
+    # Only the rates the search tested are there: at TTFT <= 0.7 s a passes up to 7 req/s
+    # and b up to 14, so their goodputs are the highest tested rates below: 6 and 12.
+    looser = regrade(report, Slo(ttft_s=0.7))
+    assert (looser.goodput("a"), looser.goodput("b")) == (6.0, 12.0)
+    assert not looser.capped("a") and not looser.capped("b")
+    # At TTFT <= 1 s both pass at every rate tested: lower bounds.
+    loosest = regrade(report, Slo(ttft_s=1.0))
+    assert loosest.capped("a") and loosest.capped("b")
+    grid = goodput_grid(report, [500, 1000], [1000])
+    assert [cell["slo"] for cell in grid["grid"]] == [{"ttft_ms": 500, "tpot_ms": 1000},
+                                                     {"ttft_ms": 1000, "tpot_ms": 1000}]
+    assert grid["verdict"].startswith("over 2 SLOs") and "a: 0." in grid["verdict"]
+    assert grid["table"][0].split()[-2:] == ["b", "a"]
 
 
 def test_a_cut_search_keeps_its_points(tmp_path):

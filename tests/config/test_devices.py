@@ -137,7 +137,7 @@ def test_a_stated_budget_must_hold_weights_kv_and_lent_memory():
 
 @pytest.mark.parametrize("name", ["gpu_two_gpus.yaml", "gpu_one_gpu.yaml"])
 def test_gpu_examples_fit_an_80_gib_gpu_and_say_what_each_engine_gets(name, tmp_path, capsys):
-    """The README's GPU examples, through `weaver config --engines` with two 80 GiB GPUs and
+    """The GPU examples of docs/gpus.md, through `weaver config --engines` with two 80 GiB GPUs and
     stand-in model directories (the config.json of the real models' shapes; weights not
     needed by the command)."""
     from weaver.cli.main import main

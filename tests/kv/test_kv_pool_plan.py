@@ -63,11 +63,11 @@ def test_plan_travels_as_json_in_additional_config():
 
     from weaver.vllm_ext.additional_config import make_additional_config, pool_section
 
-    config = json.loads(json.dumps(make_additional_config(None, [], pool=(plan(), "cold"))))
+    config = json.loads(json.dumps(make_additional_config(pool=(plan(), "cold"))))
 
     class VllmConfig:
         additional_config = config
 
     assert pool_section(VllmConfig) == (plan(), "cold")
     with pytest.raises(ValueError, match="no tenant"):
-        make_additional_config(None, [], pool=(plan(), "nobody"))
+        make_additional_config(pool=(plan(), "nobody"))

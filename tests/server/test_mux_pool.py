@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from weaver.config.deployment import parse_deployment
 from weaver.kv.owner import HostedPool
-from weaver.server.mux_pool import MuxPoolCollector, plan_mux_pool, plan_mux_pools, pool_sections
+from weaver.server.mux_pool import MuxPoolCollector, MuxPools, plan_mux_pool, plan_mux_pools
 from weaver.vllm_ext.additional_config import pool_of
 from weaver.vllm_ext.engine.app import engine_cli_args
 
@@ -53,7 +53,7 @@ def test_the_pool_is_the_models_own_budgets_and_each_keeps_one_sequence(tmp_path
     assert plan.num_pages == a.quota_pages + b.quota_pages
     assert a.min_quota_pages == b.min_quota_pages == 16 * pages_per_block  # 512 tokens
     assert (a.first_block_id, b.first_block_id) == (1, 1)  # vLLM's block 0 is its null block
-    assert set(pool_sections(deployment, {"pair": plan})) == {"a", "b"}
+    assert set(MuxPools(deployment, {"pair": plan}).pool_of) == {"a", "b"}
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -75,12 +75,12 @@ def test_prefix_caching_is_refused_in_a_unified_group():
 
 
 def test_an_engine_of_the_group_leases_the_whole_pool_without_prefix_caching(tmp_path):
-    from weaver.server.weaving import additional_configs
+    from weaver.server.features import engine_configs, serve_features
 
     deployment = group_deployment()
     dirs = dict.fromkeys("abc", model_dir(tmp_path))
     pools = plan_mux_pools(deployment, dirs)
-    configs = additional_configs(deployment, [], pool_sections(deployment, pools))
+    configs = engine_configs(deployment, serve_features(deployment, dirs, pools))
     plan, tenant = pool_of(configs["a"])
     assert tenant == "a" and plan == pools["pair"] and pool_of(configs["c"]) is None
     args = engine_cli_args(deployment.model("a"), dirs["a"], configs["a"])

@@ -330,13 +330,13 @@ def test_the_model_is_down_only_when_a_whole_phase_is():
 
 def test_each_engine_gets_the_connector_of_its_phase_and_answers_to_the_models_name(tmp_path):
     from weaver.config.deployment import parse_deployment
-    from weaver.server.weaving import additional_configs
+    from weaver.server.features import engine_configs, serve_features
     from weaver.vllm_ext.engine.app import engine_cli_args
 
     deployment = parse_deployment({
         "models": [{"name": n, "model": "smollm2"} for n in ("p0", "d0", "ref")],
         "phase_split": [{"model": "chat", "prefill": ["p0"], "decode": ["d0"]}]})
-    configs = additional_configs(deployment, [])
+    configs = engine_configs(deployment, serve_features(deployment, {}, {}))
     for name, role in (("p0", "kv_producer"), ("d0", "kv_consumer")):
         args = engine_cli_args(deployment.model(name), tmp_path, configs[name])
         assert args[args.index("--served-model-name") + 1] == "chat"

@@ -36,7 +36,7 @@ def main() -> int:
     llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256,
               max_num_seqs=NUM_PROMPTS, kv_cache_memory_bytes=1 << 26,
               worker_extension_cls="weaver.vllm_ext.worker.WeaverWorkerExtension",
-              additional_config=make_additional_config(None, [], chunks))
+              additional_config=make_additional_config(split_chunks=chunks))
     opened = None
     if chunks:
         plan = PairPlan(hot="h", cold="c", region_name=region_name(shm_prefix, "h", "c"),

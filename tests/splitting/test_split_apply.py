@@ -17,13 +17,13 @@ def test_explicit_chunks_reach_additional_config():
     spec = ModelSpec(name="c", model="m", role="cold", split={"gate_up": 4, "qkv": 1})
     chunks = split_chunks_for(spec)
     assert chunks == {"gate_up": 4}
-    config = make_additional_config(None, [], chunks)
+    config = make_additional_config(split_chunks=chunks)
 
     class VllmConfig:
         additional_config = config
 
     assert split_section(VllmConfig) == {"chunks": {"gate_up": 4}}
-    assert make_additional_config(None, [], {"qkv": 1}) == {}
+    assert make_additional_config(split_chunks={"qkv": 1}) == {}
 
 
 def test_split_only_on_cold_models():

@@ -77,7 +77,7 @@ def main() -> int:
               kv_cache_memory_bytes=KV_BUDGET_BYTES, **blocks,
               enable_prefix_caching=cached, scheduler_cls=SCHEDULER,
               worker_extension_cls="weaver.vllm_ext.worker.WeaverWorkerExtension",
-              additional_config=make_additional_config(None, [], pool=pool))
+              additional_config=make_additional_config(pool=pool))
     if cached:  # a shared 40-token prefix (one full block) and 1 to 8 tokens of their own
         prompts = [{"prompt_token_ids": list(range(100, 140)) + list(range(10 + i, 11 + 2 * i))}
                    for i in range(NUM_PROMPTS)]

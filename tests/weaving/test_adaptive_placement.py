@@ -10,6 +10,7 @@ import itertools
 import pytest
 
 from weaver.weaving.placement import (
+    COLD_CUT_HOLD_S,
     AdaptivePlacement,
     AdaptiveTargets,
     PairLoad,
@@ -118,14 +119,35 @@ def test_the_default_hot_target_is_relative_to_local_only_steps():
     assert placement.hot_tpot_target_s == pytest.approx(0.050)
 
 
-def test_a_spent_cold_budget_steps_aside_at_once_and_holds_while_it_stays_spent():
+def test_a_spent_cold_budget_cuts_the_remote_sequences_once_per_cold_window():
     placement = AdaptivePlacement(AdaptiveTargets(cold_budget=1.10, cooldown_s=5.0))
+    feed(placement, [(0.040, 4, 8, True)] * 5)
+    placement.observe_pair(PairLoad(cold_inflation=1.12))
+    assert not placement.update(1.0) and placement.is_open
+    assert placement.remote_cap == 6 and "budget" in placement.reason  # 3/4 of the 8
+    # Still over budget, but the cold side has not measured the smaller batch yet.
+    feed(placement, [(0.040, 4, 6, True)] * 5, start=1.0)
+    assert placement.remote_cap == 6
+    placement.observe_step(0.040, 4, 6)
+    assert not placement.update(1.0 + COLD_CUT_HOLD_S + 0.1) and placement.remote_cap == 4
+
+
+def test_a_spent_cold_budget_with_one_remote_sequence_steps_aside_and_holds_while_spent():
+    placement = AdaptivePlacement(AdaptiveTargets(cold_budget=1.10, cooldown_s=5.0))
+    placement.observe_step(0.040, 4, 1)
     placement.observe_pair(PairLoad(cold_inflation=1.25))
     assert placement.update(0.0) and not placement.is_open
-    assert "budget" in placement.reason
+    assert "budget" in placement.reason and placement.num_step_asides == 1
     assert not placement.update(10.0)  # cooled down, but the cold model is still slowed
     placement.observe_pair(PairLoad(cold_inflation=1.02))
-    assert placement.update(10.5) and placement.is_open
+    assert placement.update(10.5) and placement.is_open and placement.remote_cap == 1
+
+
+def test_a_cold_budget_is_not_cut_for_when_nothing_runs_remote():
+    placement = AdaptivePlacement(AdaptiveTargets(cold_budget=1.10))
+    placement.observe_step(0.040, 4, 0)
+    placement.observe_pair(PairLoad(cold_inflation=1.25))  # a window that saw older tasks
+    assert not placement.update(0.0) and placement.is_open and placement.remote_cap is None
 
 
 def test_targets_and_ratios_are_checked():

@@ -35,7 +35,8 @@ def plot_goodput(report: Mapping[str, Any], out_path: str | os.PathLike[str]) ->
             continue
         found = goodputs.get(label) or {}
         goodput = found.get("rate")
-        at_least = ">= " if found.get("capped_at_max_rate") else ""  # passed at --max-rate
+        # passed at the highest rate tested (the key's older name in earlier files)
+        at_least = ">= " if found.get("lower_bound", found.get("capped_at_max_rate")) else ""
         text = label if goodput is None else f"{label}: goodput {at_least}{goodput:.3g} req/s"
         rates = [p["rate"] for p in mine]
         means = [100 * p["mean"] for p in mine]

@@ -33,7 +33,7 @@ import json
 import math
 import random
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -305,8 +305,10 @@ class SearchOutcome:
         }
 
     def capped(self, label: str) -> bool:
-        """True when the deployment passed at max_rate: its goodput may be higher."""
-        return any(p.passed and p.rate >= self.config.max_rate for p in self.points_of(label))
+        """True when the deployment passed at the highest rate it was tested at (--max-rate,
+        or the last before --max-points ran out): its goodput is a lower bound."""
+        mine = self.points_of(label)
+        return bool(mine) and max(mine, key=lambda p: p.rate).passed
 
     def ratios(self) -> dict[str, dict[str, Any]]:
         """Each deployment's goodput over the baseline's: pooled (goodput over mean
@@ -356,7 +358,7 @@ class SearchOutcome:
 
     def _rate_text(self, label: str, rate: float) -> str:
         if self.capped(label):
-            return f">= {rate:.3g} req/s (passes at --max-rate)"
+            return f">= {rate:.3g} req/s (passes at the highest rate tested)"
         if rate == 0.0:
             return f"0 req/s (fails at {min(p.rate for p in self.points_of(label)):.3g} req/s)"
         return f"{rate:.3g} req/s"
@@ -373,7 +375,7 @@ class SearchOutcome:
                 "per_seed": {str(seed): rate for seed, rate in seeds.items()},
                 "min": min(seeds.values(), default=None),
                 "max": max(seeds.values(), default=None),
-                "capped_at_max_rate": self.capped(label),
+                "lower_bound": self.capped(label),
                 "num_points": len(self.points_of(label)),
             }
         return {
@@ -447,6 +449,83 @@ def search_goodput(
         bar.refresh()
     outcome.complete = True
     return outcome
+
+
+def regrade(report: Mapping[str, Any], slo: Slo) -> SearchOutcome:
+    """A search's runs judged again against another SLO, at the rates the search tested
+    (so a looser SLO's goodput may be a lower bound: `capped`); how much a ratio owes to
+    the choice of SLO."""
+    from weaver.results.records import RunResult
+
+    search = dict(report["search"])
+    labels = search.pop("labels")
+    search.pop("complete", None)
+    search["slo"] = slo
+    config = SearchConfig(**search)
+    runs = [RunResult.model_validate(run) for run in report["runs"]]
+    outcome = SearchOutcome(labels, config, runs=runs, complete=True)
+    for point in report["points"]:
+        verdicts = [judge_run(runs[i], seed, config)
+                    for i, seed in zip(point["runs"], point["seeds"], strict=True)]
+        outcome.points.append(Point(point["label"], point["rate"], verdicts, point["runs"]))
+    return outcome
+
+
+def goodput_grid(report: Mapping[str, Any], ttft_slo_ms: Sequence[float],
+                 tpot_slo_ms: Sequence[float]) -> dict[str, Any]:
+    """Each deployment's goodput and ratio under every (TTFT, TPOT) target pair, from one
+    search's runs (`regrade`); a verdict that gives the range of each ratio over the grid,
+    then a printable table, then the grid."""
+    from weaver.results.goodput import Slo
+
+    cells = []
+    for ttft_ms in ttft_slo_ms:
+        for tpot_ms in tpot_slo_ms:
+            outcome = regrade(report, Slo.from_ms(ttft_ms=ttft_ms, tpot_ms=tpot_ms))
+            ratios = outcome.ratios()
+            cells.append({
+                "slo": {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms},
+                "goodput": {label: {"rate": outcome.goodput(label),
+                                    "lower_bound": outcome.capped(label)}
+                            for label in outcome.labels},
+                "ratios": {label: {key: ratio[key] for key in ("pooled", "min", "max")}
+                           for label, ratio in ratios.items()},
+            })
+    labels = list(report["search"]["labels"])
+    base, others = labels[0], labels[1:]
+    parts = []
+    for label in others:
+        pooled = [c["ratios"][label]["pooled"] for c in cells]
+        known = [r for r in pooled if r is not None]
+        text = (f"{label}: {min(known):.2f}-{max(known):.2f}x {base}" if known
+                else f"{label}: no ratio")
+        if len(known) < len(pooled):
+            text += (f" ({len(pooled) - len(known)} of {len(pooled)} SLOs without a ratio: "
+                     f"{base} failed at the lowest rate tested)")
+        parts.append(text)
+    verdict = (f"over {len(cells)} SLOs (TTFT {', '.join(f'{t:g}' for t in ttft_slo_ms)} ms "
+               f"x TPOT {', '.join(f'{t:g}' for t in tpot_slo_ms)} ms): " + "; ".join(parts))
+    header = "TTFT ms  TPOT ms  " + "  ".join(f"{label:>20}" for label in labels)
+    table = [header]
+    for cell in cells:
+        texts = []
+        for label in labels:
+            found = cell["goodput"][label]
+            rate = found["rate"]
+            if rate is None:
+                text = "-"
+            elif rate == 0:  # failed at every rate tested
+                text = f"<{min(p['rate'] for p in report['points'] if p['label'] == label):.3g}"
+            else:
+                text = f"{'>=' if found['lower_bound'] else ''}{rate:.3g}"
+            ratio = cell["ratios"].get(label, {}).get("pooled")
+            if ratio is not None:
+                text += f" ({ratio:.2f}x)"
+            texts.append(f"{text:>20}")
+        table.append(f"{cell['slo']['ttft_ms']:>7g}  {cell['slo']['tpot_ms']:>7g}  "
+                     + "  ".join(texts))
+    return {"verdict": verdict, "table": table, "source_verdict": report.get("verdict"),
+            "labels": labels, "grid": cells}
 
 
 def write_report(report: dict[str, Any], path: str | Path) -> Path:

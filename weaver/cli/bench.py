@@ -5,6 +5,8 @@
                         ...` is short for `weaver bench run --config D ...`
   weaver bench compare  send the same workload to several servers, print ratios
   weaver bench goodput  search each deployment's goodput (max rate within the SLO), ratios
+  weaver bench goodput-grid
+                        a goodput search's ratios again under a grid of SLOs
   weaver bench summary  print tables from saved results
   weaver bench plot     draw TPOT-vs-rate and throughput figures from saved results
 """
@@ -45,6 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _register_run(commands)
     _register_compare(commands)
     _register_goodput(commands)
+    _register_goodput_grid(commands)
     _register_summary(commands)
     _register_plot(commands)
 
@@ -261,6 +264,25 @@ def _register_goodput(commands: argparse._SubParsersAction) -> None:
                    "steady traffic (default: every request)")
     g.add_argument("--plot", type=Path, default=None, metavar="PNG",
                    help="attainment-vs-rate figure (default: --out with .png)")
+
+
+def _register_goodput_grid(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "goodput-grid", help="a goodput search's ratios again under a grid of SLOs",
+        description="Judge the runs of a `weaver bench goodput` results file again under every "
+        "combination of the TTFT and TPOT targets given, and print each deployment's goodput "
+        "and ratio to the baseline, so that no single choice of SLO carries a claim. Only "
+        "the rates the search tested are there: where a deployment passes at the highest "
+        "of them its goodput is a lower bound (>=).",
+    )
+    parser.add_argument("result", type=Path, help="a `weaver bench goodput` results JSON")
+    parser.add_argument("--ttft-slo-ms", type=float, nargs="+", required=True,
+                        metavar="MS", help="TTFT targets, in ms")
+    parser.add_argument("--tpot-slo-ms", type=float, nargs="+", required=True,
+                        metavar="MS", help="TPOT targets, in ms")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="also write the grid as JSON here (it opens with its verdict)")
+    parser.set_defaults(handler=_goodput_grid_handler)
 
 
 def _register_summary(commands: argparse._SubParsersAction) -> None:
@@ -557,6 +579,21 @@ def _goodput_handler(args: argparse.Namespace) -> int:
     save(outcome)
     print(outcome.verdict())
     print(f"results: {out}\nplot: {plot}")
+    return 0
+
+
+def _goodput_grid_handler(args: argparse.Namespace) -> int:
+    import json
+
+    from weaver.bench.goodput_search import goodput_grid, write_report
+
+    report = json.loads(args.result.read_text(encoding="utf-8"))
+    grid = goodput_grid(report, args.ttft_slo_ms, args.tpot_slo_ms)
+    print(grid["verdict"])
+    for row in grid["table"]:
+        print(row)
+    if args.out is not None:
+        print(f"wrote {write_report(grid, args.out)}")
     return 0
 
 

@@ -102,14 +102,14 @@ def _check_devices(deployment, gpus, models_dir: Path | None) -> None:
 
 def _describe_engines(deployment, gpus, models_dir: Path | None) -> str:
     from weaver.config.devices import place_engines
-    from weaver.server.mux_pool import plan_mux_pools, pool_sections
-    from weaver.server.weaving import additional_configs, weaving_plans
+    from weaver.server.features import engine_configs, serve_features
+    from weaver.server.mux_pool import plan_mux_pools
     from weaver.vllm_ext.engine.app import engine_cli_args
 
     dirs = _model_dirs(deployment, models_dir, strict=True)
     placements = place_engines(deployment, dirs, gpus)
-    configs = additional_configs(deployment, weaving_plans(deployment, dirs),
-                                 pool_sections(deployment, plan_mux_pools(deployment, dirs)))
+    configs = engine_configs(deployment, serve_features(deployment, dirs,
+                                                        plan_mux_pools(deployment, dirs)))
     lines = []
     for spec in deployment.models:
         placement = placements[spec.name]

@@ -30,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "that dies or hangs is restarted (its model answers 503 with Retry-After "
             "meanwhile); the first Ctrl-C or SIGTERM drains (in-flight requests finish, new "
             "ones get 503), a second one stops at once. Limits, deadlines and the restart "
-            "policy are in the deployment file (README, 'Operating it'). "
+            "policy are in the deployment file (docs/operating.md). "
             "`weaver serve MODEL [vLLM flags]` serves one model as `vllm serve MODEL "
             "[flags]` would: MODEL is a Hugging Face id, a directory or a prepared name, "
             "and every flag after it is vLLM's own, checked by vLLM's parser before "

@@ -346,7 +346,7 @@ class Deployment(BaseModel):
                     raise ValueError(
                         f"{where}: {name!r} is on {spec.device}; a phase split moves KV "
                         "through shared memory between cpu engines so far (on GPUs, vLLM's "
-                        "NixlConnector is the way: see README, 'Prefill and decode apart')")
+                        "NixlConnector is the way: see docs/phase-split.md)")
             first = by_name[split.prefill[0]]
             for name in split.engines[1:]:
                 spec = by_name[name]

@@ -25,22 +25,20 @@ import uvicorn
 
 from weaver.config.deployment import Deployment, ModelSpec
 from weaver.config.devices import EnginePlacement, place_engines
-from weaver.kv.owner import HostedPool
 from weaver.kv.pool_plan import PoolPlan
+from weaver.server.features import (
+    ServeFeature,
+    engine_configs,
+    features_health,
+    refresh_features,
+    serve_features,
+)
 from weaver.server.gateway import Gateway, GatewayConfig, ModelLimits
 from weaver.server.inflight import Aborted
 from weaver.server.metrics import GatewayMetrics
-from weaver.server.mux import MuxTurnsCollector, remove_turn_tables
-from weaver.server.mux_pool import MuxPoolCollector, plan_mux_pools, pool_sections
-from weaver.server.phase_split import phase_split_backends, remove_left_segments
+from weaver.server.mux_pool import plan_mux_pools
+from weaver.server.phase_split import phase_split_backends
 from weaver.server.supervisor import SupervisedEngine
-from weaver.server.weaving import (
-    WeavingMetrics,
-    WeavingSupervisor,
-    additional_configs,
-    remove_leftover_regions,
-    weaving_plans,
-)
 
 if TYPE_CHECKING:
     import psutil
@@ -80,7 +78,7 @@ async def _start_engine(spec: ModelSpec, model_path: Path, stack: contextlib.Asy
 @dataclass
 class Engines:
     handles: dict[str, SupervisedEngine]
-    weaving: WeavingSupervisor | None
+    features: list[ServeFeature]
 
 
 @dataclass(frozen=True)
@@ -117,32 +115,18 @@ def check_engine_flags(deployment: Deployment, checked: CheckedEngines) -> None:
 
 async def start_engines(settings: ServeSettings, checked: CheckedEngines,
                         stack: contextlib.AsyncExitStack) -> Engines:
-    """Start every engine of the deployment (as check_engines placed them), connect its
-    weaving pairs, then watch each engine (restarted when it dies or hangs: the
-    deployment's serving.restart); everything is closed by `stack`, also when start-up
-    fails half-way."""
+    """Start every engine of the deployment (as check_engines placed them) with what its
+    features write for it, let each feature set up before and link after (weaving pairs),
+    then watch each engine (restarted when it dies or hangs: the deployment's
+    serving.restart); everything is closed by `stack`, also when start-up fails
+    half-way."""
     deployment = settings.deployment
     paths, placements = checked.paths, checked.placements
-    plans = weaving_plans(deployment, paths)
-    mux_pools = checked.mux_pools
-    configs = additional_configs(deployment, plans, pool_sections(deployment, mux_pools))
-    # Registered first so it runs last: regions whose owner died are unlinked after
-    # every engine has stopped.
-    stack.callback(remove_leftover_regions, plans)
-    if deployment.phase_split:
-        stack.callback(remove_left_segments)
-    if deployment.mux:
-        collector = MuxTurnsCollector(deployment)
-        settings.metrics.registry.register(collector)
-        stack.callback(remove_turn_tables, deployment)
-        stack.callback(collector.close)
-    if mux_pools:
-        # Hosted here, before the engines that map it, and closed after they stopped.
-        hosted = {}
-        for group, plan in mux_pools.items():
-            hosted[group] = HostedPool(plan)
-            stack.callback(hosted[group].close)
-        settings.metrics.registry.register(MuxPoolCollector(hosted))
+    features = serve_features(deployment, paths, checked.mux_pools)
+    configs = engine_configs(deployment, features)
+    # Set up first, so that what each feature reclaims runs after every engine stopped.
+    for feature in features:
+        feature.set_up(stack, settings.metrics.registry)
     # One engine starts at a time: vLLM builds an engine synchronously anyway, and each
     # engine's processes inherit the environment set for it alone (cpu_cores, visible
     # GPUs), also when one restarts while another does.
@@ -151,8 +135,8 @@ async def start_engines(settings: ServeSettings, checked: CheckedEngines,
     def opener(spec: ModelSpec) -> Callable:
         async def open_one(engine_stack: contextlib.AsyncExitStack):
             async with start_lock:
-                # A cold engine that died left its regions behind; its successor makes new ones.
-                remove_leftover_regions([p for p in plans if p.cold == spec.name])
+                for feature in features:
+                    feature.before_engine_start(spec.name)
                 return await _start_engine(spec, paths[spec.name], engine_stack,
                                            configs[spec.name], placements[spec.name])
         return open_one
@@ -169,18 +153,13 @@ async def start_engines(settings: ServeSettings, checked: CheckedEngines,
         stack.push_async_callback(engine.close)
         await engine.start()
     logger.info("%d engines ready in %.1f s", len(engines), time.monotonic() - started)
-    supervisor = None
-    if plans:
-        supervisor = WeavingSupervisor(plans, engines, WeavingMetrics(settings.metrics.registry))
-        stack.push_async_callback(supervisor.close)
-        await supervisor.connect()
-        for engine in engines.values():
-            engine.on_restarted = supervisor.reconnect
+    for feature in features:
+        await feature.after_start(engines, stack)
     # Registered last so it runs first: no restart may begin while the server shuts down.
     stack.push_async_callback(_stop_watching, engines)
     for engine in engines.values():
         engine.watch()
-    return Engines(engines, supervisor)
+    return Engines(engines, features)
 
 
 async def _stop_watching(engines: dict[str, SupervisedEngine]) -> None:
@@ -212,13 +191,13 @@ async def run_server(settings: ServeSettings, checked: CheckedEngines) -> None:
         engines = await start_engines(settings, checked, stack)
         backends = engines.handles
         _hand_signals_to_uvicorn()
-        weaving = engines.weaving
+        features = engines.features
         gateway = Gateway(
             gateway_backends(settings, backends),
             gateway_config(settings),
             settings.metrics,
-            extra_health=weaving.health if weaving else None,
-            before_metrics=weaving.refresh if weaving else None,
+            extra_health=lambda: features_health(features),
+            before_metrics=lambda: refresh_features(features),
         )
         config = uvicorn.Config(
             gateway,

@@ -1,5 +1,6 @@
-"""A deployment's colocated groups in the gateway: each engine's `weaver.mux` block, their
-turn tables' counters in /metrics, and the tables removed when the server stops.
+"""A deployment's colocated groups in the serve lifecycle (`Colocation`): each engine's
+`weaver.mux` block, their turn tables' counters in /metrics, and the tables removed when
+the server stops.
 
 The engines write the counters (weaver/mux/table.py); this collector reads them at each
 scrape, so a scrape never waits on an engine.
@@ -7,14 +8,18 @@ scrape, so a scrape never waits on an engine.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily
-from prometheus_client.registry import Collector
+from prometheus_client.registry import Collector, CollectorRegistry
 
 from weaver.config.deployment import Deployment
 from weaver.mux.table import GroupLayout, TurnTable, remove_table, table_path
 from weaver.mux.turns import Mode
+from weaver.server.features import ServeFeature
+from weaver.vllm_ext.additional_config import mux_section
 from weaver.vllm_ext.mux_gate import MuxMembership
 from weaver.weaving.plan import default_shm_prefix
 
@@ -100,3 +105,22 @@ class MuxTurnsCollector(Collector):
 def remove_turn_tables(deployment: Deployment) -> None:
     for layout in group_layouts(deployment):
         remove_table(layout.group)
+
+
+class Colocation(ServeFeature):
+    """The deployment's colocated groups (MuxServe, Mux-Temporal)."""
+
+    def __init__(self, deployment: Deployment) -> None:
+        self.deployment = deployment
+
+    def engine_section(self, model: str) -> dict[str, Any]:
+        block = mux_block(self.deployment, model)
+        return mux_section(block) if block is not None else {}
+
+    def set_up(self, stack: contextlib.AsyncExitStack, registry: CollectorRegistry) -> None:
+        if not self.deployment.mux:
+            return
+        collector = MuxTurnsCollector(self.deployment)
+        registry.register(collector)
+        stack.callback(remove_turn_tables, self.deployment)
+        stack.callback(collector.close)

@@ -16,19 +16,23 @@ one max_model_len sequence of a model.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import secrets
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
+from prometheus_client.registry import Collector, CollectorRegistry
 
 from weaver.config.deployment import Deployment, ModelSpec, MuxGroupSpec
 from weaver.kv.owner import HostedPool
 from weaver.kv.pages import TenantShape
 from weaver.kv.pool_plan import PoolPlan, PoolTenantPlan
 from weaver.offload.naming import region_name
+from weaver.server.features import ServeFeature
+from weaver.vllm_ext.additional_config import pool_section_for
 from weaver.weaving.plan import GiB, check_fills_pages, default_shm_prefix, tenant_shape
 
 
@@ -81,11 +85,28 @@ def plan_mux_pools(deployment: Deployment,
             for group in deployment.mux if group.unified_kv}
 
 
-def pool_sections(deployment: Deployment,
-                  pools: Mapping[str, PoolPlan]) -> dict[str, tuple[PoolPlan, str]]:
-    """Model -> (its group's pool, its tenant there): the engine's `weaver.pool` block."""
-    return {model: (pools[group.name], model)
-            for group in deployment.mux if group.name in pools for model in group.models}
+class MuxPools(ServeFeature):
+    """The unified KV pools of the colocated groups that keep one: hosted here before any
+    engine starts (the engines map them), closed after every engine has stopped."""
+
+    def __init__(self, deployment: Deployment, pools: Mapping[str, PoolPlan]) -> None:
+        self.pools = dict(pools)  # group -> plan
+        # model -> its group's pool: the engine's `weaver.pool` block, itself its tenant
+        self.pool_of = {model: self.pools[group.name] for group in deployment.mux
+                        if group.name in self.pools for model in group.models}
+
+    def engine_section(self, model: str) -> dict[str, Any]:
+        plan = self.pool_of.get(model)
+        return pool_section_for(plan, model) if plan is not None else {}
+
+    def set_up(self, stack: contextlib.AsyncExitStack, registry: CollectorRegistry) -> None:
+        if not self.pools:
+            return
+        hosted = {}
+        for group, plan in self.pools.items():
+            hosted[group] = HostedPool(plan)
+            stack.callback(hosted[group].close)
+        registry.register(MuxPoolCollector(hosted))
 
 
 class MuxPoolCollector(Collector):

@@ -25,6 +25,7 @@ whole.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -37,10 +38,12 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from weaver.config.deployment import PhaseSplitSpec
+from weaver.config.deployment import Deployment, PhaseSplitSpec
 from weaver.kv.staging import read_report, remove_segment, remove_segments
 from weaver.server.errors import error_body
+from weaver.server.features import ServeFeature
 from weaver.server.gateway import replay_body, send_json
+from weaver.vllm_ext.additional_config import phase_split_section
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +72,23 @@ def remove_left_segments() -> None:
     if removed:
         logger.warning("removed %d KV staging segment(s) left by requests cut short",
                        len(removed))
+
+
+class PhaseSplit(ServeFeature):
+    """The phase splits in the serve lifecycle: each engine told the model it serves and its
+    phase, and the staging segments of requests cut short reclaimed at the end. (The
+    gateway's routes to them are `phase_split_backends`.)"""
+
+    def __init__(self, deployment: Deployment) -> None:
+        self.deployment = deployment
+
+    def engine_section(self, model: str) -> dict[str, Any]:
+        found = self.deployment.phase_split_of(model)
+        return phase_split_section(found[0].model, found[1]) if found else {}
+
+    def set_up(self, stack: contextlib.AsyncExitStack, registry: CollectorRegistry) -> None:
+        if self.deployment.phase_split:
+            stack.callback(remove_left_segments)
 
 
 class PhaseSplitMetrics:

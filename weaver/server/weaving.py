@@ -20,8 +20,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from weaver.config.deployment import Deployment, Role
-from weaver.kv.pool_plan import PoolPlan
 from weaver.offload.naming import region_paths
+from weaver.server.features import ServeFeature
+from weaver.vllm_ext.additional_config import hot_section, pool_section_for
 from weaver.weaving import series
 from weaver.weaving.plan import PairPlan, default_shm_prefix, plan_pairs
 
@@ -101,31 +102,58 @@ def weaving_plans(deployment: Deployment, model_dirs: Mapping[str, Path]) -> lis
     return plan_pairs(deployment, dict(model_dirs), default_shm_prefix())
 
 
-def additional_configs(deployment: Deployment, plans: list[PairPlan],
-                       mux_pools: Mapping[str, tuple[PoolPlan, str]] | None = None,
-                       ) -> dict[str, dict]:
-    """Each engine's `weaver` block: its pairs, split plan, unified pool (a cold model's,
-    or its colocated group's from `mux_pools`: weaver/server/mux_pool.py), mux group and
-    the phase it runs of a phase-split model."""
-    from weaver.server.mux import mux_block
-    from weaver.splitting.deploy import split_chunks_for
-    from weaver.vllm_ext.additional_config import make_additional_config
+class Weaving(ServeFeature):
+    """The deployment's weaving pairs in the serve lifecycle: each hot engine's plan and
+    each unified cold pool in the engines' blocks, the pairs linked once every engine is
+    up (and again after a restart), their regions reclaimed when an owner died."""
 
-    configs = {}
-    for spec in deployment.models:
-        hot = next((p for p in plans if p.hot == spec.name), None)
-        colds = [p for p in plans if p.cold == spec.name]
-        if spec.role is Role.HOT and hot is None:
-            raise ValueError(f"hot model {spec.name!r} is in no weaving entry; add one or "
-                             "make it dedicated")
-        pool = next(((p.pool, spec.name) for p in colds if p.pool is not None),
-                    (mux_pools or {}).get(spec.name))
-        phase_split = deployment.phase_split_of(spec.name)
-        configs[spec.name] = make_additional_config(hot, colds, split_chunks_for(spec), pool,
-                                                    mux_block(deployment, spec.name),
-                                                    (phase_split[0].model, phase_split[1])
-                                                    if phase_split else None)
-    return configs
+    def __init__(self, deployment: Deployment, plans: list[PairPlan]) -> None:
+        for spec in deployment.models:
+            if spec.role is Role.HOT and not any(p.hot == spec.name for p in plans):
+                raise ValueError(f"hot model {spec.name!r} is in no weaving entry; add one or "
+                                 "make it dedicated")
+        self.plans = plans
+        self.supervisor: WeavingSupervisor | None = None
+        self._registry: CollectorRegistry | None = None
+
+    @classmethod
+    def plan(cls, deployment: Deployment, model_dirs: Mapping[str, Path]) -> Weaving:
+        return cls(deployment, weaving_plans(deployment, model_dirs))
+
+    def engine_section(self, model: str) -> dict[str, Any]:
+        hot = next((p for p in self.plans if p.hot == model), None)
+        pool = next((p.pool for p in self.plans if p.cold == model and p.pool is not None),
+                    None)
+        return {**(hot_section(hot) if hot is not None else {}),
+                **(pool_section_for(pool, model) if pool is not None else {})}
+
+    def set_up(self, stack: contextlib.AsyncExitStack, registry: CollectorRegistry) -> None:
+        self._registry = registry
+        # Runs once every engine has stopped: regions whose owner died are unlinked.
+        stack.callback(remove_leftover_regions, self.plans)
+
+    def before_engine_start(self, model: str) -> None:
+        # A cold engine that died left its regions behind; its successor makes new ones.
+        remove_leftover_regions([p for p in self.plans if p.cold == model])
+
+    async def after_start(self, engines: Mapping[str, Any],
+                          stack: contextlib.AsyncExitStack) -> None:
+        if not self.plans:
+            return
+        assert self._registry is not None, "set_up runs before after_start"
+        supervisor = WeavingSupervisor(self.plans, engines, WeavingMetrics(self._registry))
+        self.supervisor = supervisor
+        stack.push_async_callback(supervisor.close)
+        await supervisor.connect()
+        for engine in engines.values():
+            engine.on_restarted = supervisor.reconnect
+
+    def health(self) -> dict[str, Any]:
+        return self.supervisor.health() if self.supervisor is not None else {}
+
+    async def refresh(self) -> None:
+        if self.supervisor is not None:
+            await self.supervisor.refresh()
 
 
 class WeavingSupervisor:

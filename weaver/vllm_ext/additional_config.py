@@ -28,11 +28,6 @@ def hot_plan(vllm_config: Any) -> PairPlan | None:
     return PairPlan.from_dict(data) if data else None
 
 
-def cold_plans(vllm_config: Any) -> list[PairPlan]:
-    section = (getattr(vllm_config, "additional_config", None) or {}).get(KEY) or {}
-    return [PairPlan.from_dict(d) for d in section.get("cold", [])]
-
-
 def split_section(vllm_config: Any) -> dict:
     """A cold engine's operator split plan, ``{"chunks": {op: n}}``; {} for any other."""
     section = (getattr(vllm_config, "additional_config", None) or {}).get(KEY) or {}
@@ -62,29 +57,54 @@ def phase_split_of(additional_config: dict) -> tuple[str, str] | None:
     return (data["model"], data["phase"]) if data else None
 
 
-def make_additional_config(hot: PairPlan | None, cold: list[PairPlan],
-                           split_chunks: dict[str, int] | None = None,
-                           pool: tuple[PoolPlan, str] | None = None,
-                           mux: dict | None = None,
-                           phase_split: tuple[str, str] | None = None) -> dict:
-    """`mux`: a colocated engine's group block (weaver/vllm_ext/mux_gate.py);
-    `phase_split`: the model a phase-split engine serves and its phase there."""
-    section: dict[str, Any] = {}
-    if hot is not None:
-        section["hot"] = hot.to_dict()
-    if cold:
-        section["cold"] = [p.to_dict() for p in cold]
+# Each feature of `weaver serve` writes its own keys of the block (weaver/server/features.py);
+# these build them, so that the format the engine reads is written in one place.
+def hot_section(plan: PairPlan) -> dict[str, Any]:
+    """A hot engine's weaving plan (read back by `hot_plan`)."""
+    return {"hot": plan.to_dict()}
+
+
+def split_section_for(split_chunks: dict[str, int]) -> dict[str, Any]:
+    """An engine's operator split plan; {} when nothing is split."""
     if split_chunks and any(n > 1 for n in split_chunks.values()):
-        section["split"] = {"chunks": dict(split_chunks)}
-    if pool is not None:
-        plan, tenant = pool
-        plan.tenant(tenant)  # ValueError now rather than in the engine
-        section["pool"] = {"plan": plan.to_dict(), "tenant": tenant}
-    if mux is not None:
-        section["mux"] = dict(mux)
-    if phase_split is not None:
-        model, phase = phase_split
-        if phase not in ("prefill", "decode"):
-            raise ValueError(f"phase {phase!r} is not 'prefill' or 'decode'")
-        section["phase_split"] = {"model": model, "phase": phase}
-    return {KEY: section} if section else {}
+        return {"split": {"chunks": dict(split_chunks)}}
+    return {}
+
+
+def pool_section_for(plan: PoolPlan, tenant: str) -> dict[str, Any]:
+    """The unified KV pool an engine keeps its KV in, as `tenant`."""
+    plan.tenant(tenant)  # ValueError now rather than in the engine
+    return {"pool": {"plan": plan.to_dict(), "tenant": tenant}}
+
+
+def mux_section(block: dict) -> dict[str, Any]:
+    """A colocated engine's group block (weaver/vllm_ext/mux_gate.py)."""
+    return {"mux": dict(block)}
+
+
+def phase_split_section(model: str, phase: str) -> dict[str, Any]:
+    """The model a phase-split engine serves, and its phase there."""
+    if phase not in ("prefill", "decode"):
+        raise ValueError(f"phase {phase!r} is not 'prefill' or 'decode'")
+    return {"phase_split": {"model": model, "phase": phase}}
+
+
+def merge_sections(*sections: dict[str, Any]) -> dict:
+    """One engine's `additional_config` from the sections its features wrote."""
+    merged: dict[str, Any] = {}
+    for section in sections:
+        clash = merged.keys() & section.keys()
+        if clash:
+            raise ValueError(f"two features wrote the engine's {sorted(clash)} section")
+        merged.update(section)
+    return {KEY: merged} if merged else {}
+
+
+def make_additional_config(hot: PairPlan | None = None,
+                           split_chunks: dict[str, int] | None = None,
+                           pool: tuple[PoolPlan, str] | None = None) -> dict:
+    """The block of one engine with these parts (engines started by hand: tests, the
+    profilers)."""
+    return merge_sections(hot_section(hot) if hot is not None else {},
+                          split_section_for(split_chunks or {}),
+                          pool_section_for(*pool) if pool is not None else {})

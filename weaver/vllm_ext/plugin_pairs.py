@@ -142,7 +142,7 @@ def complete_engine_config(vllm_config: Any) -> None:
     weaving = plugin_weaving(vllm_config.additional_config)
     if weaving is None:
         return
-    from weaver.vllm_ext.plugin_metrics import register_pair_collector
+    from weaver.weaving.plugin_metrics import register_pair_collector
 
     served = vllm_config.model_config.served_model_name
     model = served if isinstance(served, str) else served[0]

@@ -20,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-WINDOW_S = 2.0  # the span the factor is measured over
+WINDOW_S = 5.0  # the span the factor is measured over: ~50 cold steps on this CPU
 MIN_BUSY_SHARE = 0.05  # a cold model stepping less than this share of the window is idle
 
 

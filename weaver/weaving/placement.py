@@ -13,10 +13,10 @@ turn, for a newly admitted (or preempted and re-admitted) sequence.
   "never" and "always" remote.
 - `AdaptivePlacement` (`offload_ratio: auto`): local first; remote only when the local pool
   cannot hold the sequence (the batch is capped by KV right now) and weaving pays, judged
-  from live measurements: the hot steps' mean time against its TPOT target sets how many
-  sequences may be remote, and the cold model's TPOT growth is held to its budget
-  (`PairLoad`). When weaving does not pay it steps aside (no new remote sequences; the
-  running ones finish where they are) for a cool-down, then tries again, and says why
+  from live measurements: the hot steps' mean time against its TPOT target and the cold
+  model's TPOT growth against its budget (`PairLoad`) set how many sequences may be
+  remote. When weaving does not pay (that number falls to 0) it steps aside (no new remote
+  sequences; the running ones finish where they are) for a cool-down, then tries again, and says why
   (`reason`, `report`). A step-time model fitted on recent decode steps (`StepTimeModel`)
   reports how many more tokens per second the woven batch serves than its local part.
 
@@ -115,6 +115,10 @@ class Ewma:
 STEP_ALPHA = 0.05
 REMOTE_CAP_DECREASE = 0.75  # the remote cap after woven steps ran over the TPOT target
 REMOTE_CAP_HEADROOM = 0.9  # the cap grows while woven steps stay under this share of it
+# After a cut for the cold budget, the next one waits this long: the cold side measures its
+# factor over a window (weaver/weaving/cold_load.py WINDOW_S), which must see the smaller
+# batch before it can say whether the cut was enough.
+COLD_CUT_HOLD_S = 6.0
 STEP_MODEL_WINDOW = 256  # recent decode-only steps the step-time model is fitted on
 
 
@@ -158,12 +162,15 @@ class StepTimeModel:
 class AdaptivePlacement:
     """`offload_ratio: auto`: local first, remote on overflow while weaving pays.
 
-    How many sequences may be remote is a cap moved by the hot steps' mean time against the
-    TPOT target, additive increase and multiplicative decrease (as TCP finds a link's rate):
-    none at first (the remote pool fills as far as demand goes), then, once the woven steps
-    run over the target, 3/4 of the remote sequences running, one more each update the steps
-    stay under 90 % of it. A cap that falls to 0, or a cold model over its budget, steps
-    weaving aside for the cool-down; then it resumes with a cap of one."""
+    How many sequences may be remote is a cap, additive increase and multiplicative
+    decrease (as TCP finds a link's rate): none at first (the remote pool fills as far as
+    demand goes); 3/4 of the remote sequences running once the woven steps' mean time runs
+    over the TPOT target, or once the cold model's TPOT runs over its budget (then not
+    again until the cold side has measured the smaller batch); one more each update the
+    woven steps stay under 90 % of the target. A cap that falls to 0 steps weaving aside
+    for the cool-down; then it resumes with a cap of one, if the cold model is within its
+    budget. One noisy reading of the cold factor costs a quarter of the remote sequences,
+    not all of them."""
 
     def __init__(self, targets: AdaptiveTargets | None = None) -> None:
         self.targets = targets or AdaptiveTargets()
@@ -172,6 +179,7 @@ class AdaptivePlacement:
         self.num_step_asides = 0
         self.remote_cap: int | None = None  # most remote sequences at once; None: no cap
         self._closed_until = -math.inf
+        self._cold_cut_held_until = -math.inf
         self._local_step = Ewma(STEP_ALPHA)  # step time of local-only steps (s)
         self._woven_step = Ewma(STEP_ALPHA)  # step time of steps with remote sequences
         # The recent woven batch: its local and remote sequences.
@@ -233,7 +241,7 @@ class AdaptivePlacement:
             self.reason = "weaving resumed: the cool-down passed; one remote sequence at first"
             self._woven_step = Ewma(STEP_ALPHA)  # its TPOT is measured afresh
             return True
-        reason = self._cold_over_budget() or self._adjust_cap()
+        reason = self._cut_for_cold(now) or self._adjust_cap()
         if reason is None:
             return False
         self.is_open, self.reason = False, reason
@@ -244,8 +252,27 @@ class AdaptivePlacement:
     def _cold_over_budget(self) -> str | None:
         inflation, budget = self.load.cold_inflation, self.targets.cold_budget
         if inflation is not None and inflation > budget:
-            return (f"stepped aside: the cold model's TPOT is x{inflation:.2f} its own, over "
-                    f"its budget x{budget:.2f}")
+            return (f"the cold model's TPOT is x{inflation:.2f} its own, over its budget "
+                    f"x{budget:.2f}")
+        return None
+
+    def _cut_for_cold(self, now: float) -> str | None:
+        """Cut the remote cap when the cold model is over its budget; a reason to step aside
+        when the cut leaves none."""
+        over = self._cold_over_budget()
+        if over is None or now < self._cold_cut_held_until or self._num_remote == 0:
+            return None
+        self._cold_cut_held_until = now + COLD_CUT_HOLD_S
+        return self._cut(self._num_remote, over)
+
+    def _cut(self, num_running_remote: int, why: str) -> str | None:
+        """The remote cap to 3/4 of the sequences running remote; a reason to step aside
+        when that is none."""
+        self.remote_cap = int(REMOTE_CAP_DECREASE * num_running_remote)
+        self._woven_step = Ewma(STEP_ALPHA)  # judge the smaller batch afresh
+        if self.remote_cap == 0:
+            return f"stepped aside: {why}, with {num_running_remote} remote sequence(s)"
+        self.reason = f"weaving: at most {self.remote_cap} remote sequences ({why})"
         return None
 
     def _adjust_cap(self) -> str | None:
@@ -255,16 +282,11 @@ class AdaptivePlacement:
         if target is None or woven.num < self.targets.min_tpot_samples:
             return None
         if woven.value > target:
-            running = round(self._woven_remote.value)  # the recent woven batch's remote part
-            self.remote_cap = int(REMOTE_CAP_DECREASE * running)
-            self._woven_step = Ewma(STEP_ALPHA)  # judge the smaller batch afresh
-            if self.remote_cap == 0:
-                return (f"stepped aside: woven hot steps take {1000 * woven.value:.1f} ms on "
-                        f"average, over the TPOT target {1000 * target:.1f} ms, with "
-                        f"{running} remote sequence(s)")
-            self.reason = (f"weaving: at most {self.remote_cap} remote sequences (woven steps "
-                           f"took {1000 * woven.value:.1f} ms, target {1000 * target:.1f})")
-        elif woven.value < REMOTE_CAP_HEADROOM * target and self.remote_cap is not None \
+            # The recent woven batch's remote part.
+            return self._cut(round(self._woven_remote.value),
+                             f"woven hot steps take {1000 * woven.value:.1f} ms on average, "
+                             f"over the TPOT target {1000 * target:.1f} ms")
+        if woven.value < REMOTE_CAP_HEADROOM * target and self.remote_cap is not None \
                 and self._num_remote >= self.remote_cap:
             self.remote_cap += 1
             self.reason = f"weaving: at most {self.remote_cap} remote sequences"

@@ -1,6 +1,6 @@
 """The weaving counters' Prometheus series (name without `_total`, help, labels), as both
 exporters publish them: the gateway under `weaver serve` (weaver/server/weaving.py) and
-each server's own /metrics under plain `vllm serve` (weaver/vllm_ext/plugin_metrics.py)."""
+each server's own /metrics under plain `vllm serve` (weaver/weaving/plugin_metrics.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The pair's series in a plain `vllm serve`'s /metrics (weaver/vllm_ext/plugin_metrics.py),
+"""The pair's series in a plain `vllm serve`'s /metrics (weaver/weaving/plugin_metrics.py),
 read from the counters each side publishes in the rendezvous directory."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from weaver.vllm_ext.plugin_metrics import PairStatsCollector
 from weaver.weaving import rendezvous
+from weaver.weaving.plugin_metrics import PairStatsCollector
 
 
 @pytest.fixture(autouse=True)
