@@ -9,7 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from weaver.results.goodput import Slo, attainment, goodput_rate, meets_slo
+from weaver.results.goodput import Slo, attainment, goodput_rate, mean_tpot_max_rate, meets_slo
 from weaver.results.metrics import slo_summary
 from weaver.results.records import RequestRecord, RequestStatus
 from weaver.sim.config import load_config, packaged_configs
@@ -79,3 +79,11 @@ def test_the_simulator_and_the_bench_judge_the_same_records_alike():
         mine = [bench_record(r) for r in records if r["model"] == model]
         bench = slo_summary(mine, bench_duration_s(mine), slo=slo)
         assert bench.slo_attainment == share  # exactly: one function decides
+
+
+def test_the_papers_max_rate_reads_mean_tpot_alone_and_is_monotone():
+    # Mean TPOT (s) per rate; 4 req/s passes again after 3 failed (noise): not counted.
+    points = [(1.0, 0.05), (2.0, 0.09), (3.0, 0.12), (4.0, 0.08)]
+    assert mean_tpot_max_rate(points, tpot_s=0.1) == 2.0
+    assert mean_tpot_max_rate(points, tpot_s=0.2) == 4.0
+    assert mean_tpot_max_rate([(1.0, None), (2.0, 0.01)], tpot_s=0.1) == 0.0  # none finished

@@ -167,3 +167,5 @@ def test_auto_placement_is_the_engines_own_local_first_and_feeds_on_the_steps(li
     assert [r.is_remote for r in reqs] == [False, False, True, True]
     report = hot.placement.report()
     assert report["hot_woven_step_s"] is not None and report["weaving_active"]
+    # The cold device's TPOT factor is fed too: its own model runs nothing, so 1.0.
+    assert report["cold_inflation"] == 1.0

@@ -23,6 +23,32 @@ def test_roofline_profile_round_trips_through_json(tmp_path, device):
     assert json.loads(path.read_text())["shape"]["num_kv_heads"] == 8
 
 
+# (device, HBM GB/s, bf16 dense TFLOP/s, memory GB) from the vendors' datasheets.
+# (40, 80 and 48 "GB" are GiB.)
+DATASHEETS = [("A100-40GB", 1555, 312, 42.95), ("A100-80GB", 2039, 312, 85.90),
+              ("H100-80GB", 3350, 989, 85.90), ("H200", 4800, 989, 141.0),
+              ("L40S", 864, 362, 51.54)]
+
+
+@pytest.mark.parametrize(("name", "gbps", "tflops", "memory_gb"), DATASHEETS)
+def test_each_devices_roofline_follows_its_datasheet(name, gbps, tflops, memory_gb):
+    device = get_device(name)
+    assert device.memory_bytes / 1e9 == pytest.approx(memory_gb, rel=1e-3)
+    shape = get_shape("llama-3-8b")
+    profile = roofline_profile(shape, device)
+    # A batch-1 decode with no context reads the weights once at 80 % of the bandwidth,
+    # plus the step overhead (2 ms) and each layer's attention overhead (5 us).
+    weights_s = shape.params_bytes / (0.8 * gbps * 1e9)
+    overheads_s = 2e-3 + shape.num_layers * 5e-6
+    assert profile.decode_s[0][0] == pytest.approx(weights_s + overheads_s, rel=1e-6)
+    # A long prefill is compute-bound at 60 % of peak.
+    n = profile.prefill_tokens[-1]
+    flops = 2 * shape.num_params * n + 2 * shape.num_layers * shape.num_heads \
+        * shape.head_size * n**2
+    assert profile.prefill_s[-1] == pytest.approx(flops / (0.6 * tflops * 1e12) + 2e-3,
+                                                  rel=1e-6)
+
+
 def test_llama3_8b_shape_numbers():
     shape = get_shape("llama-3-8b")
     assert 8.0e9 < shape.num_params < 8.1e9

@@ -76,6 +76,9 @@ def test_sweep_prints_the_ratio_beside_the_paper(tmp_path, profile_path, capsys)
     sweep = json.loads((tmp_path / "out" / "sw" / "sweep.json").read_text())
     assert len(sweep["points"]) == 4
     assert sweep["max_rate_rps"]["dedicated"] == 5  # rate 20 overloads one GPU
+    # Both definitions, side by side: the paper's reads mean TPOT alone.
+    assert set(sweep["max_rate_mean_tpot_rps"]) == {"dedicated", "weaver"}
+    assert "goodput" in out and "as the paper reads it" in out
     assert (tmp_path / "out" / "sw" / "sweep.png").exists()
 
 

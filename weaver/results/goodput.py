@@ -100,3 +100,14 @@ def goodput_rate(points: Iterable[tuple[float, float]],
             break
         best = rate
     return best
+
+
+def mean_tpot_max_rate(points: Iterable[tuple[float, float | None]], tpot_s: float) -> float:
+    """The Weaver paper's "max throughput" (its Fig. 4 reads it off mean TPOT against the
+    offered rate): the highest rate such that it and every lower tested rate keep the mean
+    TPOT within `tpot_s`; a rate with no finished request fails. TTFT is not looked at, so
+    a run whose queue only grows can pass: the simulator reports it beside goodput, never
+    instead of it. 0.0 when the lowest rate already fails."""
+    as_attainment = ((rate, 1.0 if mean is not None and mean <= tpot_s else 0.0)
+                     for rate, mean in points)
+    return goodput_rate(as_attainment)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from weaver.sim.engine import Engine, Event
 from weaver.sim.perf_model import OffloadCostModel, PerfModel, PollContext, operator_fractions
 from weaver.sim.profile import blocks_for
-from weaver.weaving.placement import AdaptivePlacement, Placement, RatioPlacement
+from weaver.weaving.placement import AdaptivePlacement, PairLoad, Placement, RatioPlacement
 from weaver.workloads.types import TraceRequest
 
 logger = logging.getLogger(__name__)
@@ -273,14 +273,15 @@ class ModelServer:
 
     def observe_step(self, plan: StepPlan, step_s: float, now: float) -> None:
         """An adaptive placement's live measurements, as the hot scheduler takes them: the
-        step's time and batch, and whether it ran decodes only. The cold model's TPOT growth
-        is not fed here (the simulator charges it to the cold device, Instance._inflate),
-        so the simulated policy decides on the hot side's measures."""
+        step's time and batch, whether it ran decodes only, and the cold device's TPOT
+        factor (the growth the simulator charges to it: Instance._inflate)."""
         placement = self.placement
         if not isinstance(placement, AdaptivePlacement) or self.remote is None:
             return
         placement.observe_step(step_s, self.local.num_seqs, self.remote.num_seqs,
                                not plan.chunks)
+        if self.remote_instance is not None:
+            placement.observe_pair(PairLoad(cold_inflation=self.remote_instance.tpot_factor()))
         placement.update(now)
 
     def can_admit(self) -> bool:
@@ -517,6 +518,14 @@ class Instance:
         # grows by the attention it serves plus polling).
         load = min(sum(self.external_loads.values()), 0.9)
         return dt / (1.0 - load) + (self.poll_overhead_s if self.external_loads else 0.0)
+
+    def tpot_factor(self) -> float:
+        """How much longer the offloaded attention makes this device's own steps, as the
+        cold side measures it (weaver/weaving/cold_load.py): 1.0 while its own models run
+        nothing (an idle model has no TPOT to hurt)."""
+        if not any(server.num_running for server in self.servers.values()):
+            return 1.0
+        return 1.0 / (1.0 - min(sum(self.external_loads.values()), 0.9))
 
     def _report_remote_load(self, server: ModelServer, dt: float) -> None:
         if server.remote_instance is None or server.remote is None or dt <= 0:

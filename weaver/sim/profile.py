@@ -85,10 +85,21 @@ KNOWN_DEVICES: dict[str, DeviceSpec] = {
         "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): 2039 GB/s HBM2e, "
         "312 TFLOP/s bf16 dense, NVLink 600 GB/s bidirectional",
     ),
+    # The Weaver paper's hot/cold experiments ran on A100-40GB (its section 5).
+    "A100-40GB": DeviceSpec(
+        "A100-40GB", 40 * GIB, 1555 * GB, 312e12, 300 * GB, 5e-6,
+        "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB): 1555 GB/s HBM2, "
+        "312 TFLOP/s bf16 dense, NVLink 600 GB/s bidirectional",
+    ),
     "H100-80GB": DeviceSpec(
         "H100-80GB", 80 * GIB, 3350 * GB, 989e12, 450 * GB, 5e-6,
         "NVIDIA H100 Tensor Core GPU datasheet (SXM5): 3.35 TB/s HBM3, "
         "989 TFLOP/s bf16 dense, NVLink 900 GB/s bidirectional",
+    ),
+    "H200": DeviceSpec(
+        "H200", 141 * GB, 4800 * GB, 989e12, 450 * GB, 5e-6,
+        "NVIDIA H200 Tensor Core GPU datasheet (SXM): 141 GB HBM3e at 4.8 TB/s, "
+        "989 TFLOP/s bf16 dense (as H100 SXM), NVLink 900 GB/s bidirectional",
     ),
     "L40S": DeviceSpec(
         "L40S", 48 * GIB, 864 * GB, 362e12, 32 * GB, 10e-6,
