@@ -186,6 +186,23 @@ def test_weaving_offloads_hot_sequences_and_slows_the_cold_model(make_config):
     assert woven["cold"]["tpot_s"]["mean"] > dedicated["cold"]["tpot_s"]["mean"]
 
 
+def test_a_split_cold_model_is_polled_between_its_chunks(make_config):
+    """weaving.split: the cold GPU's operators as a task sees them, cut into a
+    deployment's chunks; each extra chunk lengthens the cold step."""
+    placement = {"gpus": [{"models": ["hot"]}, {"models": ["cold"]}],
+                 "pairs": [{"hot_gpu": 0, "cold_gpu": 1, "offload_ratio": 0.5}]}
+    cfg = make_config([("hot", 20.0), ("cold", 2.0)], num_gpus=2, placement=placement)
+    unsplit = get_policy("weaver")(Cluster(cfg, Engine()), default_plan(cfg)).instances[1]
+    split_cfg = cfg.model_copy(update={"weaving": cfg.weaving.model_copy(
+        update={"split": {"lm_head": 4}})})
+    split = get_policy("weaver")(Cluster(split_cfg, Engine()), default_plan(cfg)).instances[1]
+    assert unsplit.operator_fractions is None and split.split_chunks == {"lm_head": 4}
+    assert len(split.operator_fractions) == len(split.poll_context().operator_fractions)
+    assert split.poll_overhead_s == pytest.approx(unsplit.poll_overhead_s + 3 * 4e-6)
+    with pytest.raises(ValueError, match="lm_head"):
+        SimConfig.model_validate({**cfg.model_dump(), "weaving": {"split": {"nope": 2}}})
+
+
 def test_same_seed_same_results_other_seed_other_results(make_config):
     cfg = make_config([("a", 5.0), ("b", 1.0)], num_gpus=2)
     first = simulate(cfg, policy="weaver")

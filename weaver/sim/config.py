@@ -4,10 +4,10 @@ to fix a bad file. Every field has a default except the models and the cluster."
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from weaver.mux.turns import DEFAULT_SKIP_LIMIT
 from weaver.sim.profile import CPU_DEVICE, KNOWN_DEVICES, KNOWN_SHAPES
@@ -105,6 +105,23 @@ class WeavingSpec(_Strict):
                                    description="share of the cold device's KV memory lent")
     poll_overhead_us: float = Field(20.0, ge=0, description="per cold step, polling cost")
     idle_poll_interval_us: float = Field(50.0, gt=0)
+    split: Literal["none", "plan"] | dict[str, int] = Field(
+        "none", description="operator splitting of the cold model (Weaver §4): none; plan: "
+        "Algorithm 1's chunks for the modelled operators (weaver/splitting/algorithm.py); "
+        "or chunks per operator kind, as a deployment's `split` ({lm_head: 16}). A task "
+        "then waits behind a chunk, not a whole operator")
+    chunk_overhead_us: float = Field(4.0, ge=0, description="what one more chunk adds to "
+                                     "the cold step (a launch and a poll; ~4 us measured "
+                                     "per poll launch on an H100, benchmarks/GPU_RUNBOOK.md)")
+
+    @field_validator("split")
+    @classmethod
+    def _check_split(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            from weaver.splitting.deploy import validate_split_chunks
+
+            return validate_split_chunks(dict(value))
+        return value
 
 
 class SplitwiseSpec(_Strict):

@@ -445,6 +445,10 @@ class Instance:
         self.external_loads: dict[str, float] = {}  # share of time serving others' attention
         self.poll_overhead_s = 0.0  # per step, for checking the offload channel
         self.idle_poll_interval_s = 50e-6
+        # The cold model's operators as a task sees them (split chunks counted one by one);
+        # None: unsplit (perf_model.operator_fractions).
+        self.operator_fractions: tuple[float, ...] | None = None
+        self.split_chunks: dict[str, int] = {}  # the cold model's split plan, when split
         self._rr = 0
 
     # --- load seen by routers and by offloaded attention ----------------------------
@@ -458,8 +462,8 @@ class Instance:
     def poll_context(self) -> PollContext:
         server = next(iter(self.servers.values()))
         step = self.last_decode_s or server.perf.decode_time(1, 0)
-        return PollContext(step, operator_fractions(server.perf.shape), self.busy_fraction(),
-                           self.idle_poll_interval_s)
+        fractions = self.operator_fractions or operator_fractions(server.perf.shape)
+        return PollContext(step, fractions, self.busy_fraction(), self.idle_poll_interval_s)
 
     # --- event handling -------------------------------------------------------------
     def submit(self, req: SimRequest, now: float) -> list[Event]:

@@ -204,3 +204,54 @@ def operator_fractions(shape: ModelShape) -> tuple[float, ...]:
     weights = shape.operator_weight_bytes()
     total = sum(weights)
     return tuple(w / total for w in weights)
+
+
+# The operator kinds of `ModelShape.operator_weight_bytes`, per layer in its order, then
+# the LM head: the names a split plan uses (weaver/splitting/deploy.py).
+PER_LAYER_KINDS = ("qkv", "o", "gate_up", "down")
+LM_HEAD_KIND = "lm_head"
+
+
+def _kind_sizes(shape: ModelShape) -> dict[str, int]:
+    """The dimension each kind is cut along: its output features (the vocabulary for the
+    LM head), as the split layers cut it (weaver/vllm_ext/layers.py)."""
+    h, d = shape.hidden_size, shape.head_size
+    return {"qkv": (shape.num_heads + 2 * shape.num_kv_heads) * d, "o": h,
+            "gate_up": 2 * shape.intermediate_size, "down": h, LM_HEAD_KIND: shape.vocab_size}
+
+
+def split_operator_fractions(shape: ModelShape, chunks: tuple[tuple[str, int], ...]
+                             ) -> tuple[float, ...]:
+    """`operator_fractions` with each operator of a split kind cut into its chunks (equal
+    parts: the split layers cut the output features evenly)."""
+    by_kind = dict(chunks)
+    kinds = [*PER_LAYER_KINDS * shape.num_layers, LM_HEAD_KIND]
+    out: list[float] = []
+    for kind, fraction in zip(kinds, operator_fractions(shape), strict=True):
+        n = by_kind.get(kind, 1)
+        out += [fraction / n] * n
+    return tuple(out)
+
+
+def plan_cold_split(cold: PerfModel, hot: PerfModel, chunk_overhead_s: float,
+                    threshold_share: float = 0.05) -> dict[str, int]:
+    """Algorithm 1 (weaver/splitting/algorithm.py) over the cold model's modelled decode
+    operators at batch 1: chunks per kind until the expected wait of a task is at most
+    `threshold_share` of the hot model's decode step (the Weaver paper's 5 %), each chunk
+    costing `chunk_overhead_s`."""
+    from weaver.splitting.algorithm import OperatorSpec, SplitConfig, plan_split
+
+    shape = cold.shape
+    step_s = cold.decode_time(1, 0)
+    fractions = operator_fractions(shape)
+    sizes = _kind_sizes(shape)
+    per_layer = len(PER_LAYER_KINDS)
+    ops = [OperatorSpec(kind, step_s * fractions[i], sizes[kind], shape.num_layers)
+           for i, kind in enumerate(PER_LAYER_KINDS)]
+    ops.append(OperatorSpec(LM_HEAD_KIND, step_s * fractions[per_layer * shape.num_layers],
+                            sizes[LM_HEAD_KIND]))
+    hot_attention_s = hot.attention_time(1024) / hot.shape.num_layers
+    config = SplitConfig(threshold_s=threshold_share * hot.decode_time(1, 0),
+                         local_attention_s=hot_attention_s,
+                         remote_attention_s=hot_attention_s, overhead_s=chunk_overhead_s)
+    return {kind: n for kind, n in plan_split(ops, config).chunks.items() if n > 1}

@@ -13,8 +13,16 @@ per-step polling cost (Weaver §3, §5)."""
 
 from __future__ import annotations
 
-from weaver.sim.instance import BlockPool, SeqSet
-from weaver.sim.perf_model import OffloadCostModel, PollWaitFn, mg1_poll_wait
+from weaver.sim.instance import BlockPool, Instance, SeqSet
+from weaver.sim.perf_model import (
+    OffloadCostModel,
+    PerfModel,
+    PollWaitFn,
+    mg1_poll_wait,
+    operator_fractions,
+    plan_cold_split,
+    split_operator_fractions,
+)
 from weaver.sim.policies.muxserve import MuxServePolicy
 from weaver.weaving.placement import AUTO, placement_for
 
@@ -64,3 +72,19 @@ class WeaverPolicy(MuxServePolicy):
             server.remote_instance = cold
         cold.poll_overhead_s = spec.poll_overhead_us * 1e-6
         cold.idle_poll_interval_s = spec.idle_poll_interval_us * 1e-6
+        if spec.split != "none":
+            self._split(cold, next(iter(hot.servers.values())).perf)
+
+    def _split(self, cold: Instance, hot_perf: PerfModel) -> None:
+        """The cold model's operators cut as the deployment (or Algorithm 1) says: a task
+        waits behind a chunk, and each extra chunk lengthens the cold step."""
+        spec = self.cluster.config.weaving
+        overhead_s = spec.chunk_overhead_us * 1e-6
+        cold_perf = next(iter(cold.servers.values())).perf
+        chunks = spec.split if isinstance(spec.split, dict) else \
+            plan_cold_split(cold_perf, hot_perf, overhead_s)
+        shape = cold_perf.shape
+        cold.operator_fractions = split_operator_fractions(shape, tuple(sorted(chunks.items())))
+        num_extra = len(cold.operator_fractions) - len(operator_fractions(shape))
+        cold.poll_overhead_s += num_extra * overhead_s
+        cold.split_chunks = dict(chunks)
