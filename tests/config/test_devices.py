@@ -204,3 +204,29 @@ def test_serve_refuses_a_gpu_deployment_here_before_starting_any_engine(tmp_path
         main(["serve", str(config)])
     assert "this machine has no visible GPU" in str(info.value.code)
     assert "set device: cpu" in str(info.value.code)
+
+
+def test_config_refuses_what_serve_would_refuse(tmp_path, capsys):
+    """`weaver config FILE` runs the plans `weaver serve` makes before its engines start:
+    a hot model over two cold ones passes the schema but not the weaving plan."""
+    from weaver.cli.main import main
+
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    model_dir.joinpath("config.json").write_text(json.dumps({
+        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "hidden_size": 576}))
+    small = {"model": str(model_dir), "max_model_len": 512, "block_size": 32}
+    data = {"models": [{"name": "h", "role": "hot", **small},
+                       {"name": "c1", "role": "cold", "lend_kv_gib": 0.05, **small},
+                       {"name": "c2", "role": "cold", "lend_kv_gib": 0.05, **small}],
+            "weaving": [{"hot": "h", "cold": ["c1", "c2"]}]}
+    config = tmp_path / "two_colds.yaml"
+    config.write_text(yaml.safe_dump(data))
+    assert main(["config", str(config)]) == 1
+    assert "one cold model per hot model" in capsys.readouterr().out
+    data["weaving"] = [{"hot": "h", "cold": ["c1"]}]
+    data["models"] = data["models"][:2]
+    config.write_text(yaml.safe_dump(data))
+    assert main(["config", str(config)]) == 0
+    assert "not checked" not in capsys.readouterr().out

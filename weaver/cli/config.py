@@ -98,6 +98,22 @@ def _check_devices(deployment, gpus, models_dir: Path | None) -> None:
     # A model not prepared here is checked as the directory it names.
     paths = {spec.name: dirs.get(spec.name, Path(spec.model)) for spec in deployment.models}
     check_engine_flags(deployment, CheckedEngines(paths, placements))
+    missing = [spec.name for spec in deployment.models if spec.name not in dirs]
+    if missing:
+        # The plans need each model's shape (its config.json); say what was not checked.
+        print(f"# not checked: the weaving, colocation and phase-split plans (models "
+              f"{missing} are not prepared here: weaver models prepare NAME, or --models-dir)")
+        return
+    _plan_features(deployment, dirs)
+
+
+def _plan_features(deployment, dirs: dict[str, Path]) -> None:
+    """The plans `weaver serve` makes before any engine starts (weaving pairs, unified
+    pools, each engine's block): what it would refuse is refused here."""
+    from weaver.server.features import engine_configs, serve_features
+    from weaver.server.mux_pool import plan_mux_pools
+
+    engine_configs(deployment, serve_features(deployment, dirs, plan_mux_pools(deployment, dirs)))
 
 
 def _describe_engines(deployment, gpus, models_dir: Path | None) -> str:
