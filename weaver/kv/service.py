@@ -1,8 +1,9 @@
 """Sharing one allocator between threads and processes.
 
 Cross-process plan. The pool lives on the cold device, so the allocator lives in the cold
-side's process (the worker extension that creates the region, architecture §6) and is the
-only writer of the bookkeeping. The cold scheduler and every hot scheduler are clients:
+engine's scheduler process (its `PoolOwner`, opened by WeaverScheduler; a colocated
+group's pool is hosted by the gateway instead: weaver/kv/owner.py) and is the only writer
+of the bookkeeping. The cold scheduler and every hot scheduler are clients:
 
 - in the owning process, every caller goes through ``LockedKVAllocator`` (one
   ``threading.Lock`` around each call, so the cold scheduler and the threads that serve
@@ -13,10 +14,9 @@ only writer of the bookkeeping. The cold scheduler and every hot scheduler are c
   never hard-coded) and get a JSON-able response; ``serve_connection`` answers one
   connection, ``KVAllocatorClient`` is the hot scheduler's side. Blocks move in batches
   (``allocate_blocks``/``free_blocks``) so a scheduler step costs one round trip, and the
-  request path of the attention kernels never talks to the allocator: the hot scheduler
-  ships the page ids it got in the per-task metadata of the offload channel, or its
-  workers translate block ids through the ``SharedPageTable`` (``weaver.kv.shared_table``)
-  that ``LockedKVAllocator`` keeps in step;
+  request path of the attention kernels never talks to the allocator: tasks carry block
+  ids, and the workers on either side translate them to pages through the
+  ``SharedPageTable`` (``weaver.kv.shared_table``) that ``LockedKVAllocator`` keeps in step;
 - a restart or a new client can start from ``UnifiedKVAllocator.snapshot()``, which is
   plain JSON and is checked on restore.
 

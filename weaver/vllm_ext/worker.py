@@ -2,7 +2,9 @@
 
 vLLM mixes this class into its worker (docs/vllm-hooks.md, "Worker"), so the gateway
 reaches it with ``collective_rpc("weaver_...")``. It only connects vLLM's objects to
-Weaver's runtimes; regions are opened here, at start-up, never on the request path:
+Weaver's runtimes; under `weaver serve` regions are opened here at start-up, never on the
+request path (under plain `vllm serve` the pair links itself while serving: a ColdLink
+thread makes regions, HotLink attaches between two steps; weaver/weaving/pair_link.py):
 - a cold worker opens its regions (weaver.weaving.cold.ColdWeaving), installs the poll
   points after its own operators and between split chunks, holds the step lock around its
   steps (patches/worker_step_lock.py) and starts the idle poller;
