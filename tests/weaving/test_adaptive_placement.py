@@ -6,6 +6,7 @@ fixed cost plus a cost per sequence, the shape of a decode step)."""
 from __future__ import annotations
 
 import itertools
+from collections import deque
 
 import pytest
 
@@ -158,3 +159,32 @@ def test_targets_and_ratios_are_checked():
         AdaptiveTargets(cold_budget=0.9)
     with pytest.raises(ValueError, match="> 0"):
         AdaptiveTargets(hot_tpot_s=0)
+
+
+def test_the_schedulers_feed_times_steps_and_reads_the_pair_every_interval(caplog):
+    from weaver.weaving.placement_feed import PAIR_LOAD_INTERVAL_S, PlacementFeed
+
+    placement = AdaptivePlacement(AdaptiveTargets(cold_budget=1.10))
+    feed = PlacementFeed(placement, "hot")
+    reads = []
+
+    def read(report):
+        reads.append(report["policy"])
+        if len(reads) == 2:
+            raise TimeoutError("the worker did not answer")
+        return {"cold_inflation": 1.3, "offload_wait_s": 0.002}
+
+    feed.step_ended(4, 1, True, now=1.0)  # no step was started: nothing to observe
+    assert placement.model.samples == deque()
+    feed.step_starts(now=0.0)  # before the reader is connected: the policy decides alone
+    feed.read_pair_load = read
+    feed.step_ended(4, 1, True, now=0.05)
+    assert list(placement.model.samples) == [(4, 1, pytest.approx(0.05))]
+    feed.step_starts(now=0.1)  # within the interval: no read
+    assert reads == []
+    feed.step_starts(now=PAIR_LOAD_INTERVAL_S)
+    assert reads == ["auto"] and placement.load.cold_inflation == 1.3
+    assert placement.remote_cap == 0 and not placement.is_open  # 1 remote, over budget
+    feed.step_starts(now=2 * PAIR_LOAD_INTERVAL_S)  # a failed read keeps the last view
+    assert len(reads) == 2 and placement.load.cold_inflation == 1.3
+    assert "unavailable" in caplog.text

@@ -39,11 +39,11 @@ from weaver.vllm_ext.block_pool import AllocatorBlockPool, open_pool_owner
 from weaver.vllm_ext.plugin_pairs import plugin_weaving
 from weaver.weaving.placement import (
     AdaptivePlacement,
-    PairLoad,
     Placement,
     RatioPlacement,
     placement_for,
 )
+from weaver.weaving.placement_feed import PlacementFeed
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -52,7 +52,6 @@ logger = logging.getLogger(__name__)
 
 LEASE_SLACK_BLOCKS = 2  # spare remote blocks beyond what the next step is known to need
 STARVED_NAP_S = 0.01  # an idle engine waiting for pool blocks sleeps this long per loop
-PAIR_LOAD_INTERVAL_S = 0.5  # how often an adaptive hot engine asks its worker for the pair
 
 # KVCacheManager's members that are the whole pool's, not a request's: they are the local
 # pool's (remote requests get no prefix caching, events or stats). Listed, not forwarded
@@ -85,9 +84,10 @@ def connect_pair_load(engine_core: Any) -> None:
     """Once an EngineCore is up: an adaptive hot scheduler reads its pair's load from its
     worker through vLLM's collective_rpc (weaver/vllm_ext/worker.py weaver_pair_load)."""
     scheduler = engine_core.scheduler
-    if isinstance(scheduler, WeaverScheduler) \
-            and isinstance(scheduler.weaver_placement, AdaptivePlacement):
-        scheduler.weaver_rpc = engine_core.model_executor.collective_rpc
+    if isinstance(scheduler, WeaverScheduler) and scheduler.weaver_feed is not None:
+        rpc = engine_core.model_executor.collective_rpc
+        scheduler.weaver_feed.read_pair_load = \
+            lambda report: rpc("weaver_pair_load", args=(report,))[0]
 
 
 class RoutingKVCacheManager:
@@ -231,12 +231,9 @@ class WeaverScheduler(Scheduler):
     # Under plain `vllm serve`, the pair's HotLink (weaver/weaving/pair_link.py), set once
     # the EngineCore is up (weaver/vllm_ext/plugin_pairs.py); None under weaver serve.
     weaver_link: Any = None
-    # A hot engine's vLLM collective_rpc, set once the EngineCore is up (connect_pair_load):
-    # how an adaptive placement reads its pair's load from the worker.
-    weaver_rpc: Callable[..., list] | None = None
     weaver_placement: RatioPlacement | AdaptivePlacement | None = None
-    _weaver_step_started: float | None = None  # when the step being run was scheduled
-    _weaver_next_load = 0.0  # when to read the pair's load next
+    # offload_ratio auto: each step's time and batch, and the pair's load, for the policy
+    weaver_feed: PlacementFeed | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -276,7 +273,8 @@ class WeaverScheduler(Scheduler):
         # side is attached; leased from a unified pool: only while its owner is there.
         is_linked = plugin_weaving(self.vllm_config.additional_config) is not None
         self.weaver_placement = placement_for(plan.offload_ratio, plan.adaptive_targets())
-        self._weaver_hot = plan.hot
+        if isinstance(self.weaver_placement, AdaptivePlacement):
+            self.weaver_feed = PlacementFeed(self.weaver_placement, plan.hot)
         routing_kv_cache_manager.install(self, RoutingKVCacheManager(
             local, remote, num_local, self.weaver_placement,
             remote_available=(self._weaver_remote_available
@@ -316,12 +314,11 @@ class WeaverScheduler(Scheduler):
         return self.weaver_pool.lock if self.weaver_pool is not None else contextlib.nullcontext()
 
     def update_from_output(self, *args: Any, **kwargs: Any):
-        adaptive = isinstance(self.weaver_placement, AdaptivePlacement)
-        ran = self._weaver_batch(*args, **kwargs) if adaptive else None
+        ran = self._weaver_batch(*args, **kwargs) if self.weaver_feed is not None else None
         with self._pool_lock():
             outputs = super().update_from_output(*args, **kwargs)
         if ran is not None:
-            self._weaver_step_ended(*ran)
+            self.weaver_feed.step_ended(*ran)
         return outputs
 
     def finish_requests(self, *args: Any, **kwargs: Any):
@@ -342,41 +339,11 @@ class WeaverScheduler(Scheduler):
                           == len(scheduler_output.num_scheduled_tokens))
         return len(self.running) - num_remote, num_remote, is_decode_only
 
-    def _weaver_step_starts(self) -> None:
-        placement = self.weaver_placement
-        now = time.monotonic()
-        if now >= self._weaver_next_load:
-            self._weaver_next_load = now + PAIR_LOAD_INTERVAL_S
-            self._weaver_read_pair_load(placement)
-            if placement.update(now):
-                logger.warning("weaving %s: %s", self._weaver_hot, placement.reason)
-        self._weaver_step_started = now
-
-    def _weaver_step_ended(self, num_local: int, num_remote: int,
-                           is_decode_only: bool) -> None:
-        started, self._weaver_step_started = self._weaver_step_started, None
-        if started is None:
-            return
-        self.weaver_placement.observe_step(time.monotonic() - started, num_local, num_remote,
-                                           is_decode_only)
-
-    def _weaver_read_pair_load(self, placement: AdaptivePlacement) -> None:
-        if self.weaver_rpc is None:
-            return
-        try:
-            load = self.weaver_rpc("weaver_pair_load", args=(placement.report(),))[0]
-        except Exception as exc:  # the policy keeps its last view; the step goes on
-            logger.warning("weaving %s: the pair's load is unavailable (%r)", self._weaver_hot,
-                           exc)
-            return
-        if load is not None:
-            placement.observe_pair(PairLoad(**load))
-
     def schedule(self, *args: Any, **kwargs: Any):
         if self.weaver_link is not None:
             self.weaver_link.tick()
-        if isinstance(self.weaver_placement, AdaptivePlacement):
-            self._weaver_step_starts()
+        if self.weaver_feed is not None:
+            self.weaver_feed.step_starts()
         if self.weaver_pool is not None:
             with self.weaver_pool.lock:
                 # The cold model's own next step comes first: take quota back if it is short.

@@ -1,0 +1,62 @@
+"""What a hot engine's scheduler feeds its adaptive placement (`offload_ratio: auto`).
+
+Each step: its wall time from schedule() to the update of its output, its local and
+remote sequences, and whether it ran decodes only (weaver/weaving/placement.py
+`AdaptivePlacement.observe_step`); every `PAIR_LOAD_INTERVAL_S`: the pair's load (the cold
+model's TPOT factor, the offload wait) read from the hot worker, then the policy's
+decision. The scheduler (weaver/vllm_ext/scheduler.py) knows vLLM's objects; this knows
+the timing and the policy, so the simulator's and the tests' steps could drive it too.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from weaver.weaving.placement import AdaptivePlacement, PairLoad
+
+logger = logging.getLogger(__name__)
+
+PAIR_LOAD_INTERVAL_S = 0.5  # how often the pair's load is read and the policy decides
+
+# The policy's report in, the pair's load out (None before the region is attached): the
+# hot worker's weaver_pair_load, reached through vLLM's collective_rpc.
+PairLoadReader = Callable[[dict], "dict | None"]
+
+
+class PlacementFeed:
+    def __init__(self, placement: AdaptivePlacement, hot: str) -> None:
+        self.placement = placement
+        self.hot = hot
+        self.read_pair_load: PairLoadReader | None = None  # set once the engine is up
+        self._step_started: float | None = None
+        self._next_load = 0.0
+
+    def step_starts(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if now >= self._next_load:
+            self._next_load = now + PAIR_LOAD_INTERVAL_S
+            self._read_pair_load()
+            if self.placement.update(now):
+                logger.warning("weaving %s: %s", self.hot, self.placement.reason)
+        self._step_started = now
+
+    def step_ended(self, num_local: int, num_remote: int, is_decode_only: bool,
+                   now: float | None = None) -> None:
+        started, self._step_started = self._step_started, None
+        if started is None:
+            return
+        now = time.monotonic() if now is None else now
+        self.placement.observe_step(now - started, num_local, num_remote, is_decode_only)
+
+    def _read_pair_load(self) -> None:
+        if self.read_pair_load is None:
+            return
+        try:
+            load = self.read_pair_load(self.placement.report())
+        except Exception as exc:  # the policy keeps its last view; the step goes on
+            logger.warning("weaving %s: the pair's load is unavailable (%r)", self.hot, exc)
+            return
+        if load is not None:
+            self.placement.observe_pair(PairLoad(**load))
