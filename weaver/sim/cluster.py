@@ -49,7 +49,7 @@ class Cluster:
         spec, srv = self.config.model(model), self.config.server
         return ServerConfig(spec.block_size or srv.block_size,
                             spec.max_num_seqs or srv.max_num_seqs,
-                            srv.max_num_batched_tokens)
+                            srv.max_num_batched_tokens, srv.scheduling)
 
     def block_bytes(self, model: str) -> int:
         return self.server_config(model).block_size * self.perf(model).shape.kv_bytes_per_token

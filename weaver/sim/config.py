@@ -90,6 +90,10 @@ class ServerSpec(_Strict):
     block_size: int = Field(16, gt=0)
     max_num_seqs: int = Field(256, gt=0)
     max_num_batched_tokens: int = Field(8192, gt=0)
+    scheduling: Literal["chunked", "prefill_first"] = Field(
+        "chunked", description="chunked: vLLM v1's steps, decodes with prompt chunks beside "
+        "them; prefill_first: vLLM 0.6 without chunked prefill, the Weaver paper's engine "
+        "(whole prompts first, decodes wait)")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     activation_reserve_gib: float = Field(2.0, ge=0)
 

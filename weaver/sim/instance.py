@@ -173,6 +173,10 @@ class ServerConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192  # vLLM's default for API serving on 80 GB GPUs
+    # "chunked": vLLM v1's steps (decodes plus prompt chunks); "prefill_first": vLLM 0.6's
+    # default without chunked prefill, the Weaver paper's engine (a step prefills whole
+    # prompts while any can be admitted, else decodes every running sequence).
+    scheduling: str = "chunked"
 
 
 class ModelServer:
@@ -297,7 +301,15 @@ class ModelServer:
     def plan_step(self) -> StepPlan:
         """One iteration as vLLM v1 schedules it: every running sequence decodes one token
         and the rest of the token budget goes to prefill chunks, in-progress prompts first,
-        then new admissions FCFS while KV blocks and sequence slots last."""
+        then new admissions FCFS while KV blocks and sequence slots last. Prefill-first
+        (`ServerConfig.scheduling`): whole prompts while any can be admitted, and then
+        decodes alone."""
+        if self.cfg.scheduling == "prefill_first":
+            chunks = self._admit([], self.cfg.max_num_batched_tokens, whole=True)
+            if chunks:
+                return StepPlan(0, chunks)
+            self.reserve_decode()
+            return StepPlan(self.num_running, [])
         self.reserve_decode()
         num_decode = self.num_running
         budget = self.cfg.max_num_batched_tokens - num_decode
@@ -308,6 +320,13 @@ class ModelServer:
             num = min(entry.num_remaining, budget)
             chunks.append((entry, num))
             budget -= num
+        return StepPlan(num_decode, self._admit(chunks, budget))
+
+    def _admit(self, chunks: list[tuple[Prefill, int]], budget: int,
+               whole: bool = False) -> list[tuple[Prefill, int]]:
+        """New admissions FCFS into `chunks` while KV blocks, sequence slots and the token
+        budget last; `whole`: only prompts that fit the budget whole (the first always
+        does: vLLM 0.6 needs max_num_batched_tokens >= max_model_len)."""
         num_remote = sum(e.target is self.remote for e in self.prefilling)
         while self.waiting and self.num_running + len(self.prefilling) < self.cfg.max_num_seqs:
             req = self.waiting[0]
@@ -316,6 +335,8 @@ class ModelServer:
             # last token (its KV and the first output come from that step).
             compute = int(self.first_token_here) if req.has_kv else context
             if compute and budget <= 0:
+                break
+            if whole and chunks and compute > budget:
                 break
             num_blocks = blocks_for(context, self.cfg.block_size)
             target = self._choose_set(num_blocks, num_remote, len(self.prefilling))
@@ -326,10 +347,10 @@ class ModelServer:
             num_remote += target is self.remote
             entry = Prefill(req, target, num_blocks, compute)
             self.prefilling.append(entry)
-            num = min(compute, budget)
+            num = compute if whole else min(compute, budget)
             chunks.append((entry, num))
             budget -= num
-        return StepPlan(num_decode, chunks)
+        return chunks
 
     def step_time(self, plan: StepPlan, poll: PollContext | None) -> float:
         """Decode part from the decode grid; a prefill chunk riding along costs the
