@@ -224,3 +224,30 @@ def test_requests_for_unknown_models_are_refused(make_config):
     cfg = make_config([("a", 1.0)], num_gpus=1)
     with pytest.raises(ValueError, match="lacks"):
         simulate(cfg, requests=one_request(model="zzz"))
+
+
+def test_a_tensor_parallel_muxserve_mesh_pays_its_all_reduces():
+    """Two Llama-3-8B models on a 2-GPU mesh (MuxServe, tp: 2) against one GPU each
+    (dedicated), both saturated: the mesh serves fewer tokens, and the gap is the modelled
+    all-reduce cost (with free all-reduces it nearly closes)."""
+    def tokens_per_s(policy: str, latency_us: float) -> float:
+        gpus = ([{"models": ["a", "b"], "tp": 2}] if policy == "muxserve"
+                else [{"models": ["a"]}, {"models": ["b"]}])
+        cfg = SimConfig.model_validate({
+            "name": "tp", "duration_s": 20.0, "drain_s": 0.0,
+            "cluster": {"device": "A100-80GB", "num_gpus": 2},
+            "workload": {"trace": "azure-conv", "length_scale": 0.25},
+            "server": {"allreduce_latency_us": latency_us},
+            "models": [{"name": n, "rate": 40.0, "shape": "llama-3-8b"} for n in "ab"],
+            "placement": {"gpus": gpus}})
+        summary = simulate(cfg, policy=policy, keep_requests=False)["summary"]
+        return sum(summary[m]["output_tokens_per_s"] for m in "ab")
+
+    dedicated = tokens_per_s("dedicated", 20.0)
+    assert tokens_per_s("muxserve", 20.0) < 0.85 * dedicated
+    assert tokens_per_s("muxserve", 0.0) > 0.9 * dedicated
+    with pytest.raises(ValueError, match="uses 3 GPUs"):
+        SimConfig.model_validate({
+            "name": "x", "cluster": {"device": "A100-80GB", "num_gpus": 2},
+            "models": [{"name": n, "rate": 1.0, "shape": "llama-3-8b"} for n in "ab"],
+            "placement": {"gpus": [{"models": ["a"], "tp": 2}, {"models": ["b"]}]}})

@@ -76,3 +76,20 @@ def test_cpu_measurement_writes_the_same_format(tmp_path):
     path = tmp_path / "cpu.json"
     profile.save(path)
     assert Profile.load(path) == profile
+
+
+def test_tensor_parallelism_splits_the_work_and_pays_two_all_reduces_a_layer():
+    from weaver.sim.profile import allreduce_s, tensor_parallel_profile
+
+    base = roofline_profile(get_shape("llama-3-8b"), get_device("A100-80GB"))
+    tp2 = tensor_parallel_profile(base, 2, allreduce_latency_s=20e-6)
+    assert tp2.memory_bytes == 2 * base.memory_bytes
+    shape = base.shape
+    # A batch of 64 decodes: half the single-GPU step, plus 2 x 32 ring all-reduces of
+    # 64 x 4096 bf16 values over NVLink (300 GB/s): each 2 hops of 20 us + 1/2 the bytes.
+    b = base.decode_batch_sizes.index(64)
+    one = allreduce_s(64 * shape.hidden_size * 2, 2, base.link_bandwidth_bps, 20e-6)
+    assert one == pytest.approx(2 * 20e-6 + 64 * 4096 * 2 / 300e9)
+    assert tp2.decode_s[b][0] == pytest.approx(base.decode_s[b][0] / 2 + 64 * one)
+    assert tp2.attention_s[3] == pytest.approx(base.attention_s[3] / 2)
+    assert tensor_parallel_profile(base, 1, 20e-6) is base

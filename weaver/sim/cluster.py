@@ -15,6 +15,7 @@ from weaver.sim.profile import (
     get_device,
     get_shape,
     roofline_profile,
+    tensor_parallel_profile,
 )
 
 
@@ -26,18 +27,24 @@ class Cluster:
         self.device: DeviceSpec | None = (None if config.cluster.device == CPU_DEVICE
                                           else get_device(config.cluster.device))
         self.finished: list[SimRequest] = []
-        self._perf: dict[str, PerfModel] = {}
+        self._perf: dict[tuple[str, int], PerfModel] = {}
 
-    def perf(self, model: str) -> PerfModel:
-        if model not in self._perf:
+    def perf(self, model: str, tp: int = 1) -> PerfModel:
+        """The model's step times, sharded over `tp` devices when tp > 1."""
+        if (model, tp) not in self._perf:
+            if tp > 1:
+                allreduce_latency_s = self.config.server.allreduce_latency_us * 1e-6
+                self._perf[model, tp] = PerfModel(tensor_parallel_profile(
+                    self.perf(model).profile, tp, allreduce_latency_s))
+                return self._perf[model, tp]
             spec = self.config.model(model)
             if spec.profile:
                 profile = Profile.load(spec.profile)
             else:
                 assert self.device is not None  # config validation: cpu needs profiles
                 profile = roofline_profile(get_shape(spec.shape), self.device)
-            self._perf[model] = PerfModel(profile)
-        return self._perf[model]
+            self._perf[model, tp] = PerfModel(profile)
+        return self._perf[model, tp]
 
     def link(self, model: str) -> LinkModel:
         """The device-to-device link as the model's profile describes it (the roofline
@@ -54,32 +61,38 @@ class Cluster:
     def block_bytes(self, model: str) -> int:
         return self.server_config(model).block_size * self.perf(model).shape.kv_bytes_per_token
 
-    def kv_capacity_bytes(self, models: list[str]) -> float:
-        """KV memory of a device: the blocks its models were given (as a deployment's
-        engines are), else device memory left after the weights of the models on it."""
+    def kv_capacity_bytes(self, models: list[str], tp: int = 1) -> float:
+        """KV memory of a device (of `tp` devices together): the blocks its models were
+        given (as a deployment's engines are), else device memory left after the weights
+        of the models on it."""
         if all(self.config.model(m).num_blocks is not None for m in models):
             return float(sum(self.config.model(m).num_blocks * self.block_bytes(m)
                              for m in models))
         assert self.device is not None  # config validation: cpu models give num_blocks
         srv = self.config.server
         weights = sum(self.perf(m).shape.params_bytes for m in models)
-        reserve = srv.activation_reserve_gib * (1 << 30) * len(models)
-        capacity = self.device.memory_bytes * srv.gpu_memory_utilization - weights - reserve
+        reserve = srv.activation_reserve_gib * (1 << 30) * len(models) * tp
+        capacity = tp * self.device.memory_bytes * srv.gpu_memory_utilization - weights \
+            - reserve
         if capacity <= 0:
-            raise ValueError(f"models {models} do not fit on one {self.device.name}: weights "
-                             f"{weights / 2**30:.1f} GiB; place fewer models per GPU")
+            raise ValueError(f"models {models} do not fit on {tp} {self.device.name}: "
+                             f"weights {weights / 2**30:.1f} GiB; place fewer models per GPU")
         return capacity
 
-    def make_server(self, model: str, pool: BlockPool, phase: str = "both") -> ModelServer:
-        server = ModelServer(model, self.perf(model), pool, self.server_config(model), phase)
+    def make_server(self, model: str, pool: BlockPool, phase: str = "both",
+                    tp: int = 1) -> ModelServer:
+        server = ModelServer(model, self.perf(model, tp), pool, self.server_config(model),
+                             phase)
         server.on_finished = self.finished.append
         return server
 
     def make_instance(self, name: str, models: list[str], phase: str = "both",
-                      factory: InstanceFactory = Instance) -> Instance:
-        """One instance on one GPU; its models share one KV pool."""
-        pool = BlockPool(self.kv_capacity_bytes(models))
-        return factory(self.engine, name, [self.make_server(m, pool, phase) for m in models])
+                      factory: InstanceFactory = Instance, tp: int = 1) -> Instance:
+        """One instance on one GPU (on `tp` GPUs, its models sharded over them); its models
+        share one KV pool."""
+        pool = BlockPool(self.kv_capacity_bytes(models, tp))
+        return factory(self.engine, name,
+                       [self.make_server(m, pool, phase, tp) for m in models])
 
 
 InstanceFactory = Callable[[Engine, str, list[ModelServer]], Instance]

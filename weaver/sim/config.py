@@ -90,6 +90,9 @@ class ServerSpec(_Strict):
     block_size: int = Field(16, gt=0)
     max_num_seqs: int = Field(256, gt=0)
     max_num_batched_tokens: int = Field(8192, gt=0)
+    allreduce_latency_us: float = Field(
+        20.0, ge=0, description="latency of one hop of a tensor-parallel all-reduce (an "
+        "assumption of the order NCCL reaches on small messages; not measured here)")
     scheduling: Literal["chunked", "prefill_first"] = Field(
         "chunked", description="chunked: vLLM v1's steps, decodes with prompt chunks beside "
         "them; prefill_first: vLLM 0.6 without chunked prefill, the Weaver paper's engine "
@@ -176,6 +179,9 @@ class MuxSpec(_Strict):
 class GpuSpec(_Strict):
     models: list[str] = Field(min_length=1)
     role: Literal["both", "prompt", "token"] = "both"
+    tp: int = Field(1, ge=1, description="GPUs this entry spans, its models sharded over "
+                    "them with tensor parallelism (MuxServe's GPU meshes): the work of a step "
+                    "split tp ways, plus two all-reduces per layer over the device link")
     mux: MuxSpec | None = Field(None, description="turn-taking of the GPU's models; "
                                 "default: temporal, weights by rate, ADBS quotas")
 
@@ -249,8 +255,9 @@ class SimConfig(_Strict):
 
 
 def _check_placement(placement: PlacementSpec, names: list[str], num_gpus: int) -> None:
-    if len(placement.gpus) > num_gpus:
-        raise ValueError(f"placement uses {len(placement.gpus)} GPUs but the cluster has "
+    used = sum(gpu.tp for gpu in placement.gpus)
+    if used > num_gpus:
+        raise ValueError(f"placement uses {used} GPUs but the cluster has "
                          f"{num_gpus}; raise cluster.num_gpus or remove GPUs")
     for i, gpu in enumerate(placement.gpus):
         unknown = set(gpu.models) - set(names)

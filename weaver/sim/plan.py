@@ -25,6 +25,7 @@ class GpuPlan:
     models: list[str]
     role: str = "both"  # Splitwise pool: "prompt", "token" or "both"
     mux: MuxPlan | None = None
+    tp: int = 1  # GPUs the entry spans (tensor parallelism)
 
 
 @dataclass
@@ -55,7 +56,7 @@ class Plan:
 
 def plan_from_spec(spec: PlacementSpec, default_ratio: float) -> Plan:
     gpus = [GpuPlan(list(g.models), g.role,
-                    MuxPlan(**g.mux.model_dump()) if g.mux is not None else None)
+                    MuxPlan(**g.mux.model_dump()) if g.mux is not None else None, g.tp)
             for g in spec.gpus]
     pairs = [WeavePair(p.hot_gpu, p.cold_gpu,
                        default_ratio if p.offload_ratio is None else p.offload_ratio,

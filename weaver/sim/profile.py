@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 PROFILE_FORMAT_VERSION = 1
@@ -270,6 +270,40 @@ def roofline_profile(
         link_bandwidth_bps=device.link_bandwidth_bps,
         link_latency_s=device.link_latency_s,
     )
+
+
+def allreduce_s(num_bytes: float, tp: int, link_bandwidth_bps: float,
+                latency_s: float) -> float:
+    """A ring all-reduce of `num_bytes` over `tp` devices: 2 (tp - 1) / tp of the bytes
+    cross each link, in 2 (tp - 1) latency-bound hops."""
+    if tp <= 1:
+        return 0.0
+    hops = 2 * (tp - 1)
+    return hops / tp * num_bytes / link_bandwidth_bps + hops * latency_s
+
+
+def tensor_parallel_profile(profile: Profile, tp: int, allreduce_latency_s: float) -> Profile:
+    """`profile` sharded over `tp` devices (Megatron-style, as vLLM's tensor parallelism
+    runs a model): each step's work split `tp` ways, plus two all-reduces of the step's
+    hidden states per layer over the devices' link (its bandwidth from the profile); `tp`
+    times the memory. The cost MuxServe pays to spread a model over a GPU mesh."""
+    if tp == 1:
+        return profile
+    shape = profile.shape
+    hidden_bytes = shape.hidden_size * shape.dtype_bytes
+
+    def comm_s(num_tokens: int) -> float:
+        return 2 * shape.num_layers * allreduce_s(
+            num_tokens * hidden_bytes, tp, profile.link_bandwidth_bps, allreduce_latency_s)
+
+    return replace(
+        profile, source=f"{profile.source}; tensor parallel x{tp}",
+        memory_bytes=profile.memory_bytes * tp,
+        prefill_s=[t / tp + comm_s(n) for n, t in zip(profile.prefill_tokens,
+                                                        profile.prefill_s, strict=True)],
+        decode_s=[[t / tp + comm_s(b) for t in row]
+                  for b, row in zip(profile.decode_batch_sizes, profile.decode_s, strict=True)],
+        attention_s=[t / tp for t in profile.attention_s])
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

@@ -13,4 +13,5 @@ class DedicatedPolicy(Policy):
             if len(gpu.models) != 1:
                 raise ValueError(f"dedicated placement needs one model per GPU, GPU {i} has "
                                  f"{gpu.models}; use mux_temporal or muxserve to share GPUs")
-            self.add_instance(self.cluster.make_instance(f"gpu{i}", gpu.models))
+            self.add_instance(self.cluster.make_instance(f"gpu{i}", gpu.models,
+                                                          tp=gpu.tp))

@@ -11,4 +11,5 @@ class MuxTemporalPolicy(Policy):
 
     def build(self) -> None:
         for i, gpu in enumerate(self.plan.gpus):
-            self.add_instance(self.cluster.make_instance(f"gpu{i}", gpu.models))
+            self.add_instance(self.cluster.make_instance(f"gpu{i}", gpu.models,
+                                                          tp=gpu.tp))

@@ -195,7 +195,8 @@ class MuxServePolicy(Policy):
                 MuxServeInstance, weights=weights, mux=gpu.mux,
                 overlap_speed=config.muxserve.overlap_speed,
                 contended_speed=config.muxserve.contended_speed)
-            instance = self.cluster.make_instance(f"gpu{i}", gpu.models, factory=factory)
+            instance = self.cluster.make_instance(f"gpu{i}", gpu.models, factory=factory,
+                                                  tp=gpu.tp)
             if gpu.mux is not None and gpu.mux.own_kv:
                 for name, server in instance.servers.items():
                     server.local.quota_blocks = config.model(name).num_blocks

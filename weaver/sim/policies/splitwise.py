@@ -26,7 +26,8 @@ class SplitwisePolicy(Policy):
                 raise ValueError(f"splitwise needs one model per GPU, GPU {i} has {gpu.models}")
             model = gpu.models[0]
             role = roles[i]
-            inst = self.cluster.make_instance(f"gpu{i}-{role}", gpu.models, phase=role)
+            inst = self.cluster.make_instance(f"gpu{i}-{role}", gpu.models, phase=role,
+                                              tp=gpu.tp)
             self.add_instance(inst, routed=role != "token")
             if role == "prompt":
                 inst.servers[model].on_prefilled = self._hand_off
