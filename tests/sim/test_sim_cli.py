@@ -76,6 +76,7 @@ def test_sweep_prints_the_ratio_beside_the_paper(tmp_path, profile_path, capsys)
     sweep = json.loads((tmp_path / "out" / "sw" / "sweep.json").read_text())
     assert len(sweep["points"]) == 4
     assert sweep["max_rate_rps"]["dedicated"] == 5  # rate 20 overloads one GPU
+    assert all(p["plan"]["gpus"][0]["models"] == ["hot"] for p in sweep["points"])
     # Both definitions, side by side: the paper's reads mean TPOT alone.
     assert set(sweep["max_rate_mean_tpot_rps"]) == {"dedicated", "weaver"}
     assert "goodput" in out and "as the paper reads it" in out
@@ -85,3 +86,23 @@ def test_sweep_prints_the_ratio_beside_the_paper(tmp_path, profile_path, capsys)
 def test_bad_config_exits_2(tmp_path):
     args = parse(["simulate", str(tmp_path / "missing.yaml")])
     assert args.handler(args) == 2
+
+
+def test_a_sweep_gives_a_policy_its_own_placement(tmp_path, profile_path):
+    from weaver.sim.config import SimConfig
+    from weaver.sim.runner import rate_sweep
+
+    data = {"name": "own", "duration_s": 3, "drain_s": 0, "cluster": {"num_gpus": 2},
+            "workload": {"trace": "azure-conv", "length_scale": 0.1},
+            "models": [{"name": n, "rate": 2, "profile": profile_path} for n in ("a", "b")],
+            "placement": {"gpus": [{"models": ["a"]}, {"models": ["b"]}]},
+            "sweep": {"model": "a", "rates": [2], "policies": ["dedicated", "muxserve"],
+                      "placements": {"muxserve": {"gpus": [{"models": ["a", "b"],
+                                                            "tp": 2}]}}}}
+    sweep = rate_sweep(SimConfig.model_validate(data))
+    plans = {p["policy"]: p["plan"]["gpus"] for p in sweep["points"]}
+    assert [g["models"] for g in plans["dedicated"]] == [["a"], ["b"]]
+    assert [(g["models"], g["tp"]) for g in plans["muxserve"]] == [(["a", "b"], 2)]
+    data["sweep"]["placements"] = {"weaver": data["placement"]}
+    with pytest.raises(ValueError, match="not one of sweep.policies"):
+        SimConfig.model_validate(data)

@@ -206,6 +206,10 @@ class SweepSpec(_Strict):
     model: str = Field(description="the model whose rate is swept")
     rates: list[float] = Field(min_length=1)
     policies: list[str] = Field(min_length=1)
+    placements: dict[str, PlacementSpec] = Field(
+        default_factory=dict, description="a placement of its own for a policy (e.g. "
+        "MuxServe's models sharing a tensor-parallel mesh while dedicated gives each its "
+        "GPU); the others use the config's placement")
 
 
 class SimConfig(_Strict):
@@ -246,6 +250,11 @@ class SimConfig(_Strict):
             raise ValueError(f"sweep.model {self.sweep.model!r} is not one of {names}")
         if self.placement:
             _check_placement(self.placement, names, self.cluster.num_gpus)
+        for policy, placement in (self.sweep.placements if self.sweep else {}).items():
+            if policy not in self.sweep.policies:
+                raise ValueError(f"sweep.placements names {policy!r}, which is not one of "
+                                 f"sweep.policies {self.sweep.policies}")
+            _check_placement(placement, names, self.cluster.num_gpus)
         if self.cluster.device == CPU_DEVICE:
             _check_cpu_models(self.models)
         return self

@@ -13,7 +13,7 @@ from weaver.sim.config import SimConfig
 from weaver.sim.engine import Engine, Event
 from weaver.sim.instance import SimRequest
 from weaver.sim.metrics import request_record, summarize
-from weaver.sim.plan import Plan, default_plan
+from weaver.sim.plan import Plan, default_plan, plan_from_spec
 from weaver.sim.policies import get_policy
 from weaver.sim.workload import generate, workload_spec
 from weaver.workloads.types import TraceRequest
@@ -132,9 +132,12 @@ def rate_sweep(config: SimConfig, progress: bool = False) -> dict:
         models = [m.model_copy(update={"rate": rate}) if m.name == sweep.model else m
                   for m in config.models]
         cfg = config.model_copy(update={"models": models})
-        res = simulate(cfg, policy=policy, keep_requests=False)
+        placement = sweep.placements.get(policy)
+        plan = None if placement is None else plan_from_spec(
+            placement, config.weaving.offload_ratio)
+        res = simulate(cfg, policy=policy, plan=plan, keep_requests=False)
         points.append({"policy": policy, "rate": rate, "summary": res["summary"],
-                       "sim": res["sim"],
+                       "sim": res["sim"], "plan": res["plan"],
                        "meets_slo": meets_slo(res["summary"][sweep.model])})
     best, best_rate, paper_rate = {}, {}, {}
     tpot_s = slo_of(config).tpot_s
