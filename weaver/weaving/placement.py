@@ -252,8 +252,8 @@ class AdaptivePlacement:
     def _cold_over_budget(self) -> str | None:
         inflation, budget = self.load.cold_inflation, self.targets.cold_budget
         if inflation is not None and inflation > budget:
-            return (f"the cold model's TPOT is x{inflation:.2f} its own, over its budget "
-                    f"x{budget:.2f}")
+            return (f"the cold model's TPOT is x{inflation:.3f} its own, over its budget "
+                    f"x{budget:.3f}")
         return None
 
     def _cut_for_cold(self, now: float) -> str | None:
