@@ -75,6 +75,26 @@ def test_weaving_within_the_tpot_target_stays_on_uncapped():
     assert report["weaving_active"] and report["woven_gain"] > 1.2
 
 
+def test_remote_goes_first_while_a_remote_sequence_costs_the_hot_step_less():
+    """On a device whose attention is a large share of the step (this CPU), a remote
+    sequence's attention runs on the cold device meanwhile: it adds less to the hot step
+    than a local one, and the policy then fills the remote pool first."""
+    placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=1.0))
+    # 2 ms per local sequence, 1 ms per remote one.
+    feed(placement, steps(0.030, 0.002, 0.001, LOCAL_BATCHES + WOVEN_BATCHES))
+    assert placement.remote_first and placement.order(4, 2) == [Placement.REMOTE,
+                                                               Placement.LOCAL]
+    assert "remote first" in placement.reason and placement.report()["remote_first"]
+    # The costs turn (a busier cold device): local first again, once a remote sequence
+    # costs more than a local one; between the two, the order stays.
+    placement.model = StepTimeModel()
+    feed(placement, steps(0.030, 0.002, 0.0021, LOCAL_BATCHES + WOVEN_BATCHES))
+    assert placement.remote_first is False and placement.order(4, 2) == BOTH
+    placement.model = StepTimeModel()
+    feed(placement, steps(0.030, 0.002, 0.0019, LOCAL_BATCHES + WOVEN_BATCHES))
+    assert placement.remote_first is False
+
+
 def test_woven_steps_over_the_target_cap_the_remote_sequences_then_the_cap_grows_back():
     placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=0.050))
     feed(placement, steps(0.030, 0.002, 0.004, LOCAL_BATCHES))

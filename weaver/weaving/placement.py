@@ -11,14 +11,17 @@ turn, for a newly admitted (or preempted and re-admitted) sequence.
   L R R L R R. When the chosen pool cannot hold the request and the other can, it spills
   there (capacity is the point of weaving), except at the ratio's extremes, which mean
   "never" and "always" remote.
-- `AdaptivePlacement` (`offload_ratio: auto`): local first; remote only when the local pool
-  cannot hold the sequence (the batch is capped by KV right now) and weaving pays, judged
+- `AdaptivePlacement` (`offload_ratio: auto`): local first; remote when the local pool
+  cannot hold the sequence (the batch is capped by KV right now), or first when a remote
+  sequence costs the hot step less than a local one (its attention runs on the cold
+  device meanwhile), and while weaving pays, judged
   from live measurements: the hot steps' mean time against its TPOT target and the cold
   model's TPOT growth against its budget (`PairLoad`) set how many sequences may be
   remote. When weaving does not pay (that number falls to 0) it steps aside (no new remote
   sequences; the running ones finish where they are) for a cool-down, then tries again, and says why
   (`reason`, `report`). A step-time model fitted on recent decode steps (`StepTimeModel`)
-  reports how many more tokens per second the woven batch serves than its local part.
+  gives what a local and a remote sequence each add to the hot step, and how many more
+  tokens per second the woven batch serves than its local part.
 
 Plain Python: the hot engine's scheduler (weaver/vllm_ext/scheduler.py), the simulator and
 the planner use these classes unchanged.
@@ -119,6 +122,10 @@ REMOTE_CAP_HEADROOM = 0.9  # the cap grows while woven steps stay under this sha
 # factor over a window (weaver/weaving/cold_load.py WINDOW_S), which must see the smaller
 # batch before it can say whether the cut was enough.
 COLD_CUT_HOLD_S = 6.0
+# Remote first once a remote sequence adds less than this share of a local one's cost to
+# the hot step; local first again once it adds more than a local one (the gap between
+# the two keeps fit noise from flipping the order every update).
+REMOTE_FIRST_SHARE = 0.9
 STEP_MODEL_WINDOW = 256  # recent decode-only steps the step-time model is fitted on
 
 
@@ -188,6 +195,7 @@ class AdaptivePlacement:
         self._num_remote = 0  # remote sequences in the last step
         self.model = StepTimeModel()
         self.gain: float | None = None  # the woven batch's predicted tokens/s gain
+        self.remote_first = False  # a remote sequence is cheaper for the hot step
         self.load = PairLoad()
 
     @property
@@ -199,9 +207,11 @@ class AdaptivePlacement:
 
     def order(self, num_running_local: int, num_running_remote: int) -> list[Placement]:
         cap = self.remote_cap
-        if self.is_open and (cap is None or num_running_remote < cap):
-            return [Placement.LOCAL, Placement.REMOTE]
-        return [Placement.LOCAL]
+        if not self.is_open or (cap is not None and num_running_remote >= cap):
+            return [Placement.LOCAL]
+        if self.remote_first:
+            return [Placement.REMOTE, Placement.LOCAL]
+        return [Placement.LOCAL, Placement.REMOTE]
 
     # --- measurements -------------------------------------------------------------------
     def observe_step(self, step_s: float, num_local: int, num_remote: int,
@@ -234,6 +244,7 @@ class AdaptivePlacement:
         if self._woven_remote.num:
             self.gain = self.model.gain(round(self._woven_local.value),
                                         round(self._woven_remote.value), t.min_samples)
+        self._choose_first_pool()
         if not self.is_open:
             if now < self._closed_until or self._cold_over_budget() is not None:
                 return False
@@ -248,6 +259,22 @@ class AdaptivePlacement:
         self.num_step_asides += 1
         self._closed_until = now + t.cooldown_s
         return True
+
+    def _choose_first_pool(self) -> None:
+        """Remote first while the step-time model says a remote sequence costs the hot step
+        clearly less than a local one (on a device whose attention is a large share of
+        the step, the cold device then does that share)."""
+        fit = self.model.coefficients(self.targets.min_samples)
+        if fit is None:
+            return
+        _, per_local, per_remote = fit
+        cheaper = per_remote < REMOTE_FIRST_SHARE * per_local
+        dearer = per_remote > per_local
+        if cheaper and not self.remote_first or dearer and self.remote_first:
+            self.remote_first = cheaper
+            self.reason = (f"weaving: {'remote' if cheaper else 'local'} first (a remote "
+                           f"sequence adds {1000 * per_remote:.2f} ms to the hot step, a "
+                           f"local one {1000 * per_local:.2f} ms)")
 
     def _cold_over_budget(self) -> str | None:
         inflation, budget = self.load.cold_inflation, self.targets.cold_budget
@@ -300,7 +327,7 @@ class AdaptivePlacement:
                 "hot_tpot_target_s": self.hot_tpot_target_s,
                 "hot_local_step_s": self._local_step.value,
                 "hot_woven_step_s": self._woven_step.value,
-                "woven_gain": self.gain,
+                "woven_gain": self.gain, "remote_first": self.remote_first,
                 "step_model_s": None if fit is None else list(fit),
                 "cold_inflation": self.load.cold_inflation,
                 "offload_wait_s": self.load.offload_wait_s}
