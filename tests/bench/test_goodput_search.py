@@ -16,6 +16,7 @@ from weaver.bench.goodput_search import (
     SearchConfig,
     goodput_grid,
     judge_run,
+    neighbour_tpot_ratios,
     next_rate,
     regrade,
     search_goodput,
@@ -260,6 +261,30 @@ def test_a_search_judged_again_under_other_slos():
                                                      {"ttft_ms": 1000, "tpot_ms": 1000}]
     assert grid["verdict"].startswith("over 2 SLOs") and "a: 0." in grid["verdict"]
     assert grid["table"][0].split()[-2:] == ["b", "a"]
+
+
+def test_a_neighbours_tpot_is_compared_per_rate_pooled_over_seeds():
+    """The cold model beside a judged hot one: its median TPOT under each deployment over
+    the baseline's at the same rate, its requests pooled over the seeds."""
+    def runner(label: str, rate: float, seed: int, salt: int) -> RunResult:
+        run = _run(label, rate, [0.01] * NUM)
+        gap = {"base": 0.010, "woven": 0.011}[label] * (1 + seed)  # s per token
+        cold = [RequestRecord(request_id=100 + i, model="cold", input_tokens=4,
+                              output_tokens=5, scheduled_at_s=i / rate, sent_at_s=i / rate,
+                              ttft_s=0.01, e2e_s=0.01 + 4 * gap, num_output_tokens=5,
+                              status=RequestStatus.OK) for i in range(3)]
+        return run.model_copy(update={"records": run.records + cold})
+
+    outcome = search_goodput(["base", "woven"], runner,
+                             _config(seeds=(0, 1), max_rate=2.0, judged_model="m"),
+                             show_progress=False)
+    report = json.loads(json.dumps(outcome.to_json(["weaver"])))
+    ratios = neighbour_tpot_ratios(report, "cold")
+    assert set(ratios) == {"woven"} and set(ratios["woven"]) == {"1.0", "2.0"}
+    found = ratios["woven"]["1.0"]
+    # Seeds 0 and 1 pooled: medians 0.0165 (of 0.011, 0.022) over 0.015 (0.010, 0.020).
+    assert found["ratio"] == pytest.approx(1.1) and found["num_requests"] == 6
+    assert found["seeds"] == [0, 1]
 
 
 def test_a_cut_search_keeps_its_points(tmp_path):

@@ -528,6 +528,39 @@ def goodput_grid(report: Mapping[str, Any], ttft_slo_ms: Sequence[float],
             "labels": labels, "grid": cells}
 
 
+def neighbour_tpot_ratios(report: Mapping[str, Any], model: str) -> dict[str, dict[str, Any]]:
+    """Another model's median TPOT under each deployment over the baseline's, per rate the
+    two share, its requests pooled over the seeds both ran (a cold model's handful per run
+    is too few alone): what weaving costs the model it borrows from."""
+    from weaver.results.records import RunResult
+
+    labels = list(report["search"]["labels"])
+    runs = report["runs"]
+    by_point: dict[tuple[str, float, int], int] = {}
+    for point in report["points"]:
+        for index, seed in zip(point["runs"], point["seeds"], strict=True):
+            by_point[point["label"], point["rate"], seed] = index
+
+    def tpots(label: str, rate: float, seeds: list[int]) -> list[float]:
+        records = [r for seed in seeds
+                   for r in RunResult.model_validate(runs[by_point[label, rate, seed]]).records]
+        return [t for r in records if r.model == model and (t := r.tpot_s) is not None]
+
+    out: dict[str, dict[str, Any]] = {}
+    for label in labels[1:]:
+        for (other, rate, _) in sorted(by_point):
+            if other != label or str(rate) in out.get(label, {}):
+                continue
+            seeds = [s for (lab, r, s) in by_point if lab == label and r == rate
+                     and (labels[0], rate, s) in by_point]
+            mine, base = tpots(label, rate, seeds), tpots(labels[0], rate, seeds)
+            if mine and base:
+                out.setdefault(label, {})[str(rate)] = {
+                    "ratio": statistics.median(mine) / statistics.median(base),
+                    "num_requests": len(mine), "seeds": seeds}
+    return out
+
+
 def write_report(report: dict[str, Any], path: str | Path) -> Path:
     """Write `SearchOutcome.to_json`'s results (keys stay in their order: verdict first)."""
     path = Path(path)

@@ -280,6 +280,10 @@ def _register_goodput_grid(commands: argparse._SubParsersAction) -> None:
                         metavar="MS", help="TTFT targets, in ms")
     parser.add_argument("--tpot-slo-ms", type=float, nargs="+", required=True,
                         metavar="MS", help="TPOT targets, in ms")
+    parser.add_argument("--tpot-of", default=None, metavar="MODEL",
+                        help="also print MODEL's median TPOT under each deployment over the "
+                        "baseline's, per rate, pooled over the seeds (e.g. the cold model "
+                        "beside a judged hot one)")
     parser.add_argument("--out", type=Path, default=None,
                         help="also write the grid as JSON here (it opens with its verdict)")
     parser.set_defaults(handler=_goodput_grid_handler)
@@ -585,13 +589,22 @@ def _goodput_handler(args: argparse.Namespace) -> int:
 def _goodput_grid_handler(args: argparse.Namespace) -> int:
     import json
 
-    from weaver.bench.goodput_search import goodput_grid, write_report
+    from weaver.bench.goodput_search import goodput_grid, neighbour_tpot_ratios, write_report
 
     report = json.loads(args.result.read_text(encoding="utf-8"))
     grid = goodput_grid(report, args.ttft_slo_ms, args.tpot_slo_ms)
     print(grid["verdict"])
     for row in grid["table"]:
         print(row)
+    if args.tpot_of is not None:
+        ratios = neighbour_tpot_ratios(report, args.tpot_of)
+        grid["tpot_of"] = {"model": args.tpot_of, "median_over_baseline": ratios}
+        print(f"{args.tpot_of}'s median TPOT over {grid['labels'][0]}'s, per rate (pooled "
+              "over the seeds):")
+        for label, by_rate in ratios.items():
+            print(f"  {label}: " + "; ".join(
+                f"{float(rate):.3g} req/s {found['ratio']:.2f}x (n={found['num_requests']})"
+                for rate, found in by_rate.items()))
     if args.out is not None:
         print(f"wrote {write_report(grid, args.out)}")
     return 0
