@@ -28,8 +28,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _config_help() -> str:
-    return ("a YAML simulation config, or the name of a packaged one (see "
-            "weaver/sim/configs/: paper_a100, kv_bound_a100, scale_64gpu, tiny)")
+    # The folder is listed, not imported: weaver.sim.config loads pydantic, and every
+    # `weaver` command builds this help.
+    import weaver
+
+    names = sorted(p.stem for p in (Path(weaver.__file__).parent / "sim" / "configs")
+                   .glob("*.yaml"))
+    return ("a YAML simulation config, or the name of a packaged one (weaver/sim/configs/: "
+            f"{', '.join(names)})")
 
 
 def _register_simulate(subparsers: argparse._SubParsersAction) -> None:
