@@ -132,8 +132,9 @@ def test_auto_that_stepped_aside_sends_nothing_remote():
     from weaver.weaving.placement import AdaptivePlacement, PairLoad
 
     placement = AdaptivePlacement()
+    placement.observe_step(0.05, 4, 1)  # one remote sequence running
     placement.observe_pair(PairLoad(cold_inflation=1.3))  # over the 1.10 budget
-    assert placement.update(now=0.0)
+    assert placement.update(now=0.0) and not placement.is_open
     manager = RoutingKVCacheManager(CountingPool(1), CountingPool(3), 8, placement)
     assert manager.allocate_slots(FakeRequest("a"), 16) is not None
     assert manager.allocate_slots(FakeRequest("b"), 16) is None  # local full: it waits
