@@ -38,8 +38,11 @@ class PlacementFeed:
         if now >= self._next_load:
             self._next_load = now + PAIR_LOAD_INTERVAL_S
             self._read_pair_load()
-            if self.placement.update(now):
+            remote_first = self.placement.remote_first
+            if self.placement.update(now):  # stepped aside or resumed
                 logger.warning("weaving %s: %s", self.hot, self.placement.reason)
+            elif self.placement.remote_first != remote_first:
+                logger.info("weaving %s: %s", self.hot, self.placement.reason)
         self._step_started = now
 
     def step_ended(self, num_local: int, num_remote: int, is_decode_only: bool,
