@@ -11,15 +11,14 @@ turn, for a newly admitted (or preempted and re-admitted) sequence.
   L R R L R R. When the chosen pool cannot hold the request and the other can, it spills
   there (capacity is the point of weaving), except at the ratio's extremes, which mean
   "never" and "always" remote.
-- `AdaptivePlacement` (`offload_ratio: auto`): local first; remote when the local pool
-  cannot hold the sequence (the batch is capped by KV right now), or first when a remote
-  sequence costs the hot step less than a local one (its attention runs on the cold
-  device meanwhile), and while weaving pays, judged
-  from live measurements: the hot steps' mean time against its TPOT target and the cold
-  model's TPOT growth against its budget (`PairLoad`) set how many sequences may be
-  remote. When weaving does not pay (that number falls to 0) it steps aside (no new remote
-  sequences; the running ones finish where they are) for a cool-down, then tries again, and says why
-  (`reason`, `report`). A step-time model fitted on recent decode steps (`StepTimeModel`)
+- `AdaptivePlacement` (`offload_ratio: auto`): local first, remote when the local pool
+  cannot hold the sequence (the batch is capped by KV right now); remote first instead
+  when a remote sequence costs the hot step less than a local one (its attention runs on
+  the cold device meanwhile). How many sequences may be remote is judged from live
+  measurements: the hot steps' mean time against its TPOT target and the cold model's
+  TPOT growth against its budget (`PairLoad`). When weaving does not pay (that number
+  falls to 0) it steps aside (no new remote sequences; the running ones finish where they
+  are) for a cool-down, then tries again, and says why (`reason`, `report`). A step-time model fitted on recent decode steps (`StepTimeModel`)
   gives what a local and a remote sequence each add to the hot step, and how many more
   tokens per second the woven batch serves than its local part.
 
@@ -167,7 +166,8 @@ class StepTimeModel:
 
 
 class AdaptivePlacement:
-    """`offload_ratio: auto`: local first, remote on overflow while weaving pays.
+    """`offload_ratio: auto`: local first and remote on overflow (remote first while a
+    remote sequence is the cheaper one for the hot step), while weaving pays.
 
     How many sequences may be remote is a cap, additive increase and multiplicative
     decrease (as TCP finds a link's rate): none at first (the remote pool fills as far as
