@@ -18,9 +18,10 @@ turn, for a newly admitted (or preempted and re-admitted) sequence.
   measurements: the hot steps' mean time against its TPOT target and the cold model's
   TPOT growth against its budget (`PairLoad`). When weaving does not pay (that number
   falls to 0) it steps aside (no new remote sequences; the running ones finish where they
-  are) for a cool-down, then tries again, and says why (`reason`, `report`). A step-time model fitted on recent decode steps (`StepTimeModel`)
-  gives what a local and a remote sequence each add to the hot step, and how many more
-  tokens per second the woven batch serves than its local part.
+  are) for a cool-down, then tries again, and says why (`reason`, `report`). A step-time
+  model fitted on recent decode steps (`StepTimeModel`) gives what a local and a remote
+  sequence each add to the hot step, and how many more tokens per second the woven batch
+  serves than its local part.
 
 Plain Python: the hot engine's scheduler (weaver/vllm_ext/scheduler.py), the simulator and
 the planner use these classes unchanged.
