@@ -171,11 +171,9 @@ def test_auto_placement_is_the_engines_own_local_first_and_feeds_on_the_steps(li
     assert report["cold_inflation"] == 1.0
 
 
-@pytest.mark.parametrize("scheduling", ["chunked", "prefill_first"])
-def test_prefill_first_stalls_decodes_for_whole_prompts(lin, scheduling):
-    """vLLM 0.6's prefill-first steps (the Weaver paper's engine) against v1's chunked
-    ones: a prompt arriving mid-decode gets a step of its own, so its first token comes
-    sooner and the running sequence's tokens later."""
+def _first_and_late(lin, scheduling):
+    """A 100-token prompt decoding 20 tokens, and a 1500-token prompt arriving 0.1 s in,
+    run to the end; the steps planned, in order."""
     engine = Engine()
     server, finished = make_server(lin, 1000)
     server.cfg.scheduling = scheduling
@@ -187,6 +185,14 @@ def test_prefill_first_stalls_decodes_for_whole_prompts(lin, scheduling):
     server.plan_step = lambda: plans.append(plan_step()) or plans[-1]
     engine.run()
     assert sorted(r.trace.request_id for r in finished) == [0, 1]
+    return first, late, plans
+
+
+@pytest.mark.parametrize("scheduling", ["chunked", "prefill_first"])
+def test_prefill_first_stalls_decodes_for_whole_prompts(lin, scheduling):
+    """vLLM 0.6's prefill-first steps (the Weaver paper's engine) against v1's chunked
+    ones: a prompt arriving mid-decode gets a step of its own."""
+    _, late, plans = _first_and_late(lin, scheduling)
     with_late = [p for p in plans if any(e.req is late for e, _ in p.chunks)]
     if scheduling == "prefill_first":
         assert [p.num_decode for p in with_late] == [0]  # one whole-prompt step, no decode
@@ -196,15 +202,9 @@ def test_prefill_first_stalls_decodes_for_whole_prompts(lin, scheduling):
 
 
 def test_prefill_first_trades_the_running_tpot_for_the_new_ttft(lin):
-    runs = {}
-    for scheduling in ("chunked", "prefill_first"):
-        engine = Engine()
-        server, _ = make_server(lin, 1000)
-        server.cfg.scheduling = scheduling
-        inst = Instance(engine, "gpu0", [server])
-        first, late = request(100, 20, 0.0, rid=0), request(1500, 2, 0.1, rid=1)
-        submit(engine, inst, [first, late])
-        engine.run()
-        runs[scheduling] = (first.finish_s, late.first_token_s)
-    assert runs["prefill_first"][1] < runs["chunked"][1]  # the new prompt's first token
-    assert runs["prefill_first"][0] > runs["chunked"][0]  # the running sequence's end
+    """So the new prompt's first token comes sooner and the running sequence ends later."""
+    runs = {scheduling: _first_and_late(lin, scheduling)[:2]
+            for scheduling in ("chunked", "prefill_first")}
+    (chunked_first, chunked_late), (first, late) = runs["chunked"], runs["prefill_first"]
+    assert late.first_token_s < chunked_late.first_token_s
+    assert first.finish_s > chunked_first.finish_s
