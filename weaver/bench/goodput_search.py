@@ -451,18 +451,24 @@ def search_goodput(
     return outcome
 
 
-def regrade(report: Mapping[str, Any], slo: Slo) -> SearchOutcome:
-    """A search's runs judged again against another SLO, at the rates the search tested
-    (so a looser SLO's goodput may be a lower bound: `capped`); how much a ratio owes to
-    the choice of SLO."""
+def saved_runs(report: Mapping[str, Any]) -> list[RunResult]:
+    """The runs of a search's results file, parsed (once: they hold every request)."""
     from weaver.results.records import RunResult
 
+    return [RunResult.model_validate(run) for run in report["runs"]]
+
+
+def regrade(report: Mapping[str, Any], slo: Slo,
+            runs: list[RunResult] | None = None) -> SearchOutcome:
+    """A search's runs judged again against another SLO, at the rates the search tested
+    (so a looser SLO's goodput may be a lower bound: `capped`); how much a ratio owes to
+    the choice of SLO. `runs`: the report's, already parsed (`saved_runs`)."""
     search = dict(report["search"])
     labels = search.pop("labels")
     search.pop("complete", None)
     search["slo"] = slo
     config = SearchConfig(**search)
-    runs = [RunResult.model_validate(run) for run in report["runs"]]
+    runs = saved_runs(report) if runs is None else runs
     outcome = SearchOutcome(labels, config, runs=runs, complete=True)
     for point in report["points"]:
         verdicts = [judge_run(runs[i], seed, config)
@@ -472,16 +478,18 @@ def regrade(report: Mapping[str, Any], slo: Slo) -> SearchOutcome:
 
 
 def goodput_grid(report: Mapping[str, Any], ttft_slo_ms: Sequence[float],
-                 tpot_slo_ms: Sequence[float]) -> dict[str, Any]:
+                 tpot_slo_ms: Sequence[float],
+                 runs: list[RunResult] | None = None) -> dict[str, Any]:
     """Each deployment's goodput and ratio under every (TTFT, TPOT) target pair, from one
     search's runs (`regrade`); a verdict that gives the range of each ratio over the grid,
     then a printable table, then the grid."""
     from weaver.results.goodput import Slo
 
+    runs = saved_runs(report) if runs is None else runs
     cells = []
     for ttft_ms in ttft_slo_ms:
         for tpot_ms in tpot_slo_ms:
-            outcome = regrade(report, Slo.from_ms(ttft_ms=ttft_ms, tpot_ms=tpot_ms))
+            outcome = regrade(report, Slo.from_ms(ttft_ms=ttft_ms, tpot_ms=tpot_ms), runs)
             ratios = outcome.ratios()
             cells.append({
                 "slo": {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms},
@@ -528,31 +536,26 @@ def goodput_grid(report: Mapping[str, Any], ttft_slo_ms: Sequence[float],
             "labels": labels, "grid": cells}
 
 
-def neighbour_tpot_ratios(report: Mapping[str, Any], model: str) -> dict[str, dict[str, Any]]:
+def neighbour_tpot_ratios(report: Mapping[str, Any], model: str,
+                          runs: list[RunResult] | None = None) -> dict[str, dict[str, Any]]:
     """Another model's median TPOT under each deployment over the baseline's, per rate the
     two share, its requests pooled over the seeds both ran (a cold model's handful per run
-    is too few alone): what weaving costs the model it borrows from."""
-    from weaver.results.records import RunResult
-
+    is too few alone): what weaving costs the model it borrows from. `runs`: the report's,
+    already parsed (`saved_runs`)."""
     labels = list(report["search"]["labels"])
-    runs = report["runs"]
-    by_point: dict[tuple[str, float, int], int] = {}
-    for point in report["points"]:
-        for index, seed in zip(point["runs"], point["seeds"], strict=True):
-            by_point[point["label"], point["rate"], seed] = index
+    runs = saved_runs(report) if runs is None else runs
+    run_of = {(point["label"], point["rate"], seed): runs[index] for point in report["points"]
+              for index, seed in zip(point["runs"], point["seeds"], strict=True)}
 
     def tpots(label: str, rate: float, seeds: list[int]) -> list[float]:
-        records = [r for seed in seeds
-                   for r in RunResult.model_validate(runs[by_point[label, rate, seed]]).records]
-        return [t for r in records if r.model == model and (t := r.tpot_s) is not None]
+        return [t for seed in seeds for r in run_of[label, rate, seed].records
+                if r.model == model and (t := r.tpot_s) is not None]
 
     out: dict[str, dict[str, Any]] = {}
     for label in labels[1:]:
-        for (other, rate, _) in sorted(by_point):
-            if other != label or str(rate) in out.get(label, {}):
-                continue
-            seeds = [s for (lab, r, s) in by_point if lab == label and r == rate
-                     and (labels[0], rate, s) in by_point]
+        for rate in sorted({rate for (other, rate, _) in run_of if other == label}):
+            seeds = sorted(seed for (other, r, seed) in run_of if other == label and r == rate
+                           and (labels[0], rate, seed) in run_of)
             mine, base = tpots(label, rate, seeds), tpots(labels[0], rate, seeds)
             if mine and base:
                 out.setdefault(label, {})[str(rate)] = {

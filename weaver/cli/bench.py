@@ -589,15 +589,21 @@ def _goodput_handler(args: argparse.Namespace) -> int:
 def _goodput_grid_handler(args: argparse.Namespace) -> int:
     import json
 
-    from weaver.bench.goodput_search import goodput_grid, neighbour_tpot_ratios, write_report
+    from weaver.bench.goodput_search import (
+        goodput_grid,
+        neighbour_tpot_ratios,
+        saved_runs,
+        write_report,
+    )
 
     report = json.loads(args.result.read_text(encoding="utf-8"))
-    grid = goodput_grid(report, args.ttft_slo_ms, args.tpot_slo_ms)
+    runs = saved_runs(report)
+    grid = goodput_grid(report, args.ttft_slo_ms, args.tpot_slo_ms, runs)
     print(grid["verdict"])
     for row in grid["table"]:
         print(row)
     if args.tpot_of is not None:
-        ratios = neighbour_tpot_ratios(report, args.tpot_of)
+        ratios = neighbour_tpot_ratios(report, args.tpot_of, runs)
         grid["tpot_of"] = {"model": args.tpot_of, "median_over_baseline": ratios}
         print(f"{args.tpot_of}'s median TPOT over {grid['labels'][0]}'s, per rate (pooled "
               "over the seeds):")
