@@ -87,11 +87,12 @@ def _model_dirs(deployment, models_dir: Path | None, *, strict: bool) -> dict[st
 
 
 def _check_devices(deployment, gpus, models_dir: Path | None) -> None:
-    """Devices and memory budgets, then every engine's `vllm serve` arguments through
-    vLLM's own parser (extra_engine_args and vllm_flags: a wrong one fails here, not when
-    its engine starts)."""
+    """Devices and memory budgets, every engine's `vllm serve` arguments through vLLM's own
+    parser (extra_engine_args and vllm_flags: a wrong one fails here, not when its engine
+    starts), then the plans `weaver serve` makes before any engine starts."""
     from weaver.config.devices import place_engines
     from weaver.server.app import CheckedEngines, check_engine_flags
+    from weaver.server.features import planned_engine_configs
 
     dirs = _model_dirs(deployment, models_dir, strict=False)
     placements = place_engines(deployment, dirs, gpus)
@@ -104,28 +105,17 @@ def _check_devices(deployment, gpus, models_dir: Path | None) -> None:
         print(f"# not checked: the weaving, colocation and phase-split plans (models "
               f"{missing} are not prepared here: weaver models prepare NAME, or --models-dir)")
         return
-    _plan_features(deployment, dirs)
-
-
-def _plan_features(deployment, dirs: dict[str, Path]) -> None:
-    """The plans `weaver serve` makes before any engine starts (weaving pairs, unified
-    pools, each engine's block): what it would refuse is refused here."""
-    from weaver.server.features import engine_configs, serve_features
-    from weaver.server.mux_pool import plan_mux_pools
-
-    engine_configs(deployment, serve_features(deployment, dirs, plan_mux_pools(deployment, dirs)))
+    planned_engine_configs(deployment, dirs)  # what serving would refuse is refused here
 
 
 def _describe_engines(deployment, gpus, models_dir: Path | None) -> str:
     from weaver.config.devices import place_engines
-    from weaver.server.features import engine_configs, serve_features
-    from weaver.server.mux_pool import plan_mux_pools
+    from weaver.server.features import planned_engine_configs
     from weaver.vllm_ext.engine.app import engine_cli_args
 
     dirs = _model_dirs(deployment, models_dir, strict=True)
     placements = place_engines(deployment, dirs, gpus)
-    configs = engine_configs(deployment, serve_features(deployment, dirs,
-                                                        plan_mux_pools(deployment, dirs)))
+    configs = planned_engine_configs(deployment, dirs)
     lines = []
     for spec in deployment.models:
         placement = placements[spec.name]

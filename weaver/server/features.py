@@ -75,6 +75,16 @@ def engine_configs(deployment: Deployment, features: Sequence[ServeFeature]
             for spec in deployment.models}
 
 
+def planned_engine_configs(deployment: Deployment, model_dirs: Mapping[str, Path]
+                           ) -> dict[str, dict]:
+    """The engines' blocks `weaver serve` would write, planned afresh (its pools included)
+    for a command that starts nothing: ValueError where serving would refuse."""
+    from weaver.server.mux_pool import plan_mux_pools
+
+    return engine_configs(deployment, serve_features(deployment, model_dirs,
+                                                     plan_mux_pools(deployment, model_dirs)))
+
+
 def features_health(features: Sequence[ServeFeature]) -> dict[str, Any]:
     return {key: value for feature in features for key, value in feature.health().items()}
 
