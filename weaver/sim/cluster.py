@@ -32,19 +32,17 @@ class Cluster:
     def perf(self, model: str, tp: int = 1) -> PerfModel:
         """The model's step times, sharded over `tp` devices when tp > 1."""
         if (model, tp) not in self._perf:
-            if tp > 1:
-                allreduce_latency_s = self.config.server.allreduce_latency_us * 1e-6
-                self._perf[model, tp] = PerfModel(tensor_parallel_profile(
-                    self.perf(model).profile, tp, allreduce_latency_s))
-                return self._perf[model, tp]
-            spec = self.config.model(model)
-            if spec.profile:
-                profile = Profile.load(spec.profile)
-            else:
-                assert self.device is not None  # config validation: cpu needs profiles
-                profile = roofline_profile(get_shape(spec.shape), self.device)
+            profile = self._profile(model) if tp == 1 else tensor_parallel_profile(
+                self.perf(model).profile, tp, self.config.server.allreduce_latency_us * 1e-6)
             self._perf[model, tp] = PerfModel(profile)
         return self._perf[model, tp]
+
+    def _profile(self, model: str) -> Profile:
+        spec = self.config.model(model)
+        if spec.profile:
+            return Profile.load(spec.profile)
+        assert self.device is not None  # config validation: cpu needs profiles
+        return roofline_profile(get_shape(spec.shape), self.device)
 
     def link(self, model: str) -> LinkModel:
         """The device-to-device link as the model's profile describes it (the roofline

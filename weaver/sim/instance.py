@@ -538,11 +538,14 @@ class Instance:
         self.num_steps += 1
         return dt
 
-    def _inflate(self, dt: float) -> float:
+    def _external_share(self) -> float:
         # Offloaded attention steals a share of this device's time (Weaver §5: cold TPOT
-        # grows by the attention it serves plus polling).
-        load = min(sum(self.external_loads.values()), 0.9)
-        return dt / (1.0 - load) + (self.poll_overhead_s if self.external_loads else 0.0)
+        # grows by the attention it serves plus polling), capped so a step still ends.
+        return min(sum(self.external_loads.values()), 0.9)
+
+    def _inflate(self, dt: float) -> float:
+        return dt / (1.0 - self._external_share()) + (
+            self.poll_overhead_s if self.external_loads else 0.0)
 
     def tpot_factor(self) -> float:
         """How much longer the offloaded attention makes this device's own steps, as the
@@ -550,7 +553,7 @@ class Instance:
         nothing (an idle model has no TPOT to hurt)."""
         if not any(server.num_running for server in self.servers.values()):
             return 1.0
-        return 1.0 / (1.0 - min(sum(self.external_loads.values()), 0.9))
+        return 1.0 / (1.0 - self._external_share())
 
     def _report_remote_load(self, server: ModelServer, dt: float) -> None:
         if server.remote_instance is None or server.remote is None or dt <= 0:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from weaver.sim.profile import ModelShape, Profile
+from weaver.splitting.profile import LM_HEAD_NAME, PER_LAYER_OP_NAMES
 
 
 class PiecewiseLinear:
@@ -207,9 +208,10 @@ def operator_fractions(shape: ModelShape) -> tuple[float, ...]:
 
 
 # The operator kinds of `ModelShape.operator_weight_bytes`, per layer in its order, then
-# the LM head: the names a split plan uses (weaver/splitting/deploy.py).
-PER_LAYER_KINDS = ("qkv", "o", "gate_up", "down")
-LM_HEAD_KIND = "lm_head"
+# the LM head, named as a split plan names them (weaver/splitting/profile.py); attention
+# holds no weights, so the weight-bytes model has no entry for it.
+PER_LAYER_KINDS = tuple(name for name in PER_LAYER_OP_NAMES if name != "attn")
+LM_HEAD_KIND = LM_HEAD_NAME
 
 
 def _kind_sizes(shape: ModelShape) -> dict[str, int]:
