@@ -57,7 +57,7 @@ def test_each_engine_gets_the_sections_of_its_features_and_no_other(every_kind):
     assert all(isinstance(feature, ServeFeature) for feature in features)
     sections = {name: sorted(config.get(KEY, {}))
                 for name, config in engine_configs(deployment, features).items()}
-    assert sections == {"hot": ["hot"], "cold": ["split"], "a": ["mux", "pool"],
+    assert sections == {"hot": ["hot", "link"], "cold": ["link", "split"], "a": ["mux", "pool"],
                         "b": ["mux", "pool"], "p0": ["phase_split"], "d0": ["phase_split"],
                         "alone": []}
 
@@ -80,6 +80,7 @@ def test_features_set_up_and_reclaim_on_the_lifecycle_stack(every_kind):
         return sorted(names)
 
     names = asyncio.run(lifecycle())
+    assert "weaver_offload_tasks" in names  # the weaving pairs' collector
     assert any(n.startswith("weaver_mux_kv") for n in names)  # the pool's collector
     assert any(n.startswith("weaver_mux_") and "kv" not in n for n in names)  # turn tables
 
@@ -108,4 +109,16 @@ def test_a_hot_model_in_no_weaving_entry_is_refused_before_any_engine_starts(tmp
         {"name": "h", "model": "smollm2", "role": "hot"},
         {"name": "c", "model": "smollm2", "role": "cold"}], "weaving": []})
     with pytest.raises(ValueError, match="'h' is in no weaving entry"):
-        Weaving(deployment, [])
+        Weaving(deployment, [], tmp_path)
+
+
+def test_both_sides_of_a_pair_link_through_the_servers_own_directory(every_kind):
+    deployment, dirs, pools = every_kind
+    (weaving,) = [f for f in serve_features(deployment, dirs, pools) if isinstance(f, Weaving)]
+    configs = engine_configs(deployment, [weaving])
+    hot, cold = configs["hot"][KEY]["link"], configs["cold"][KEY]["link"]
+    assert hot["role"] == "hot" and cold["role"] == "cold"
+    assert hot["pairs"] == cold["pairs"] == ["p0-hot.cold"]
+    assert hot["root"] == cold["root"] == str(weaving.files.root)
+    assert str(os.getpid()) in hot["root"]  # no other server's pairs meet there
+    assert cold["lend_bytes"] == int(0.05 * 2**30) and cold["cold_model"] == "cold"

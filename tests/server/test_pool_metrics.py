@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from weaver.kv.allocator import UnifiedKVAllocator
 from weaver.kv.pages import TenantShape
-from weaver.server.weaving import WeavingMetrics, WeavingSupervisor
+from weaver.server.weaving import UnifiedPoolMetrics
 
 SHAPE = TenantShape(num_layers=2, num_kv_heads=2, head_size=32, block_size=32, dtype_bytes=4)
 
@@ -28,17 +28,17 @@ def write_owner_stats(path, *, reclaims: int, evictions: int, cached: int) -> No
 
 def test_pool_series_follow_the_owners_running_totals(tmp_path):
     registry = CollectorRegistry()
-    supervisor = WeavingSupervisor([], {}, WeavingMetrics(registry))
+    metrics = UnifiedPoolMetrics(registry)
     pool = SimpleNamespace(pool_name="p", stats_path=str(tmp_path / "p.stats.json"))
 
     def value(name: str, **labels: str) -> float | None:
         return registry.get_sample_value(name, {"pool": "p", **labels})
 
-    supervisor._refresh_pool(pool, "cold")  # no file yet: skipped, nothing published
+    metrics.refresh(pool, "cold")  # no file yet: skipped, nothing published
     assert value("weaver_kv_pool_size_pages") is None
 
     write_owner_stats(tmp_path / "p.stats.json", reclaims=2, evictions=5, cached=7)
-    supervisor._refresh_pool(pool, "cold")
+    metrics.refresh(pool, "cold")
     assert value("weaver_kv_pool_size_pages") == 100
     assert value("weaver_kv_pool_quota_pages", tenant="hot") == 40
     assert value("weaver_kv_pool_cached_blocks") == 7
@@ -47,7 +47,7 @@ def test_pool_series_follow_the_owners_running_totals(tmp_path):
 
     # The owner's counters are running totals: the series add the increments only.
     write_owner_stats(tmp_path / "p.stats.json", reclaims=3, evictions=9, cached=1)
-    supervisor._refresh_pool(pool, "cold")
+    metrics.refresh(pool, "cold")
     assert value("weaver_kv_pool_cached_blocks") == 1
     assert value("weaver_kv_pool_cache_evictions_total") == 9
     assert value("weaver_kv_pool_reclaims_total") == 3

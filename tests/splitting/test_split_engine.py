@@ -102,7 +102,7 @@ def test_chunks_run_and_poll_between_them(split):
             assert 0 < entry["polls"] <= entry["chunk_calls"] - entry["calls"]
             continue
         assert entry["chunk_calls"] == chunks * entry["calls"]
-        # Calls made before weaver_open_cold (warm-up) had no poll installed.
+        # Calls made before weaver_join_pairs (warm-up) had no poll installed.
         assert 0 < entry["polls"] <= (chunks - 1) * entry["calls"]
         assert entry["polls"] % (chunks - 1) == 0
 

@@ -1,6 +1,6 @@
-"""The rendezvous of a weaving pair under plain `vllm serve` (weaver/weaving/rendezvous.py,
-weaver/weaving/pair_link.py), in one process: real shared-memory regions, the hot side's
-attach and counters given as callables (in an engine: the worker's collective_rpc)."""
+"""The rendezvous of a weaving pair (weaver/weaving/rendezvous.py, weaver/weaving/pair_link.py;
+both launchers link pairs this way), in one process: real shared-memory regions, the hot
+side's attach and counters given as callables (in an engine: the worker's collective_rpc)."""
 
 from __future__ import annotations
 
@@ -18,16 +18,17 @@ from weaver.weaving import rendezvous
 from weaver.weaving.cold import ColdWeaving
 from weaver.weaving.pair_link import ColdLink, HotLink
 from weaver.weaving.plan import plugin_hot_plan, region_bytes_of
+from weaver.weaving.rendezvous import PairFiles
+from weaver.weaving.series import WAIT_BUCKETS
 
 SHAPE = HotAttentionShape(num_layers=2, num_q_heads=4, num_kv_heads=2, head_size=32,
                           block_size=16, dtype="float32", kv_format="pages")
 MiB = 1 << 20
 
 
-@pytest.fixture(autouse=True)
-def runtime_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv(rendezvous.RUNTIME_DIR_ENV, str(tmp_path / "runtime"))
-    return tmp_path / "runtime"
+@pytest.fixture
+def files(tmp_path) -> PairFiles:
+    return PairFiles(tmp_path / "runtime")
 
 
 def plan_of(remote_mib: float, hot: str = "hot"):
@@ -49,9 +50,9 @@ class Attacher:
 
 
 @pytest.fixture
-def cold():
+def cold(files):
     weaving = ColdWeaving.open([], make_executor=lambda plan: object())
-    link = ColdLink(["p1"], lend_bytes=4 * MiB, cold_model="cold", cold=weaving,
+    link = ColdLink(files, ["p1"], lend_bytes=4 * MiB, cold_model="cold", cold=weaving,
                     make_executor=lambda plan: object())
     yield link
     link.close()
@@ -63,61 +64,61 @@ def test_a_pair_name_is_checked():
         rendezvous.check_pair_name("a/b")
 
 
-def test_a_file_whose_writer_died_reads_as_absent(runtime_dir):
+def test_a_file_whose_writer_died_reads_as_absent(files):
     done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
     dead_pid = int(done.stdout)
-    rendezvous.publish("p1", "cold", {"status": "ready"})
-    assert rendezvous.read("p1", "cold")["status"] == "ready"
-    path = runtime_dir / "p1.cold.json"
+    files.publish("p1", "cold", {"status": "ready"})
+    assert files.read("p1", "cold")["status"] == "ready"
+    path = files.root / "p1.cold.json"
     path.write_text(json.dumps({"status": "ready", "pid": dead_pid}))
-    assert rendezvous.read("p1", "cold") is None
-    assert rendezvous.read_even_if_dead("p1", "cold")["pid"] == dead_pid
+    assert files.read("p1", "cold") is None
+    assert files.read_even_if_dead("p1", "cold")["pid"] == dead_pid
 
 
-def test_hot_first_then_cold_connects_once(cold):
+def test_hot_first_then_cold_connects_once(cold, files):
     attach = Attacher()
-    hot = HotLink("p1", plan_of(1), attach, read_stats=lambda: {"hot": {}})
+    hot = HotLink(files, "p1", plan_of(1), attach, read_stats=lambda: {"hot": {}})
     hot.tick(now=0.0)
     assert not hot.connected and attach.regions == []  # no cold side yet
     cold.start()
     cold.step("p1")
-    answer = rendezvous.read("p1", "cold")
+    answer = files.read("p1", "cold")
     assert answer["status"] == "ready" and answer["model"] == "cold"
     hot.tick(now=1.0)
     hot.tick(now=2.0)
     assert hot.connected and attach.regions == [answer["region_name"]]
-    stats = rendezvous.read("p1", "hot.stats")
+    stats = files.read("p1", "hot.stats")
     assert stats["connected"] is True and stats["attaches"] == 1
 
 
-def test_cold_first_then_hot_connects(cold):
+def test_cold_first_then_hot_connects(cold, files):
     cold.start()
     cold.step("p1")  # nothing to serve yet
-    assert rendezvous.read("p1", "cold")["status"] == "waiting"
+    assert files.read("p1", "cold")["status"] == "waiting"
     attach = Attacher()
-    hot = HotLink("p1", plan_of(1), attach, read_stats=lambda: {"hot": {}})
+    hot = HotLink(files, "p1", plan_of(1), attach, read_stats=lambda: {"hot": {}})
     cold.step("p1")
     hot.tick(now=0.0)
     assert hot.connected and len(attach.regions) == 1
 
 
-def test_a_plan_over_the_lent_memory_is_refused_and_the_hot_side_stays_local(cold):
+def test_a_plan_over_the_lent_memory_is_refused_and_the_hot_side_stays_local(cold, files):
     plan = plan_of(8)  # the cold side lends 4 MiB
     assert region_bytes_of(plan.shape, plan.num_remote_blocks) > 4 * MiB
     attach = Attacher()
-    hot = HotLink("p1", plan, attach, read_stats=lambda: {"hot": {}})
+    hot = HotLink(files, "p1", plan, attach, read_stats=lambda: {"hot": {}})
     cold.start()
     cold.step("p1")
-    answer = rendezvous.read("p1", "cold")
+    answer = files.read("p1", "cold")
     assert answer["status"] == "refused" and "lower its remote_kv_gib" in answer["reason"]
     hot.tick(now=0.0)
     assert not hot.connected and attach.regions == []
 
 
-def test_a_restarted_cold_side_is_attached_again(cold):
+def test_a_restarted_cold_side_is_attached_again(cold, files):
     attach = Attacher()
-    hot = HotLink("p1", plan_of(1), attach, read_stats=lambda: {"hot": {}})
+    hot = HotLink(files, "p1", plan_of(1), attach, read_stats=lambda: {"hot": {}})
     cold.start()
     cold.step("p1")
     hot.tick(now=0.0)
@@ -126,16 +127,16 @@ def test_a_restarted_cold_side_is_attached_again(cold):
     cold.served.clear()
     cold.step("p1")
     hot.tick(now=1.0)
-    assert attach.regions == [first, rendezvous.read("p1", "cold")["region_name"]]
+    assert attach.regions == [first, files.read("p1", "cold")["region_name"]]
     assert hot.connected and hot.num_attaches == 2
 
 
-def test_a_changed_hot_plan_gets_a_new_region_and_the_old_one_is_unlinked(cold):
+def test_a_changed_hot_plan_gets_a_new_region_and_the_old_one_is_unlinked(cold, files):
     cold.start()
-    HotLink("p1", plan_of(1), Attacher(), read_stats=lambda: {"hot": {}})
+    HotLink(files, "p1", plan_of(1), Attacher(), read_stats=lambda: {"hot": {}})
     cold.step("p1")
     old = cold.served["p1"].region_name
-    HotLink("p1", plan_of(2), Attacher(), read_stats=lambda: {"hot": {}})  # restarted
+    HotLink(files, "p1", plan_of(2), Attacher(), read_stats=lambda: {"hot": {}})  # restarted
     cold.step("p1")
     new = cold.served["p1"]
     assert new.region_name != old and replace(new, region_name="") == plan_of(2)
@@ -143,29 +144,29 @@ def test_a_changed_hot_plan_gets_a_new_region_and_the_old_one_is_unlinked(cold):
     assert list(cold.cold.receivers) == [new.region_name]
 
 
-def test_a_dead_cold_side_disconnects_the_hot_side(cold, runtime_dir):
+def test_a_dead_cold_side_disconnects_the_hot_side(cold, files):
     attach = Attacher()
-    hot = HotLink("p1", plan_of(1), attach, read_stats=lambda: {"hot": {}})
+    hot = HotLink(files, "p1", plan_of(1), attach, read_stats=lambda: {"hot": {}})
     cold.start()
     cold.step("p1")
     hot.tick(now=0.0)
     assert hot.connected
-    answer = json.loads((runtime_dir / "p1.cold.json").read_text())
-    (runtime_dir / "p1.cold.json").write_text(json.dumps({**answer, "pid": 2**22 + 1}))
+    answer = json.loads((files.root / "p1.cold.json").read_text())
+    (files.root / "p1.cold.json").write_text(json.dumps({**answer, "pid": 2**22 + 1}))
     hot.tick(now=1.0)
     assert not hot.connected
     # Killed, the cold engine could not unlink its region: the hot side removes the names.
     assert not any(os.path.exists(p) for p in region_paths(answer["region_name"]))
 
 
-def test_a_failed_attach_is_retried_later(cold):
+def test_a_failed_attach_is_retried_later(cold, files):
     calls = []
 
     def failing(plan_data, handle):
         calls.append(plan_data["region_name"])
         raise RuntimeError("worker busy")
 
-    hot = HotLink("p1", plan_of(1), failing, read_stats=lambda: {"hot": {}})
+    hot = HotLink(files, "p1", plan_of(1), failing, read_stats=lambda: {"hot": {}})
     cold.start()
     cold.step("p1")
     hot.tick(now=0.0)
@@ -175,9 +176,23 @@ def test_a_failed_attach_is_retried_later(cold):
     assert len(calls) == 2
 
 
-def test_closing_withdraws_only_this_process_files(cold):
+def test_closing_withdraws_only_this_process_files(cold, files):
     cold.start()
-    hot = HotLink("p1", plan_of(1), Attacher(), read_stats=lambda: {"hot": {}})
+    hot = HotLink(files, "p1", plan_of(1), Attacher(), read_stats=lambda: {"hot": {}})
     hot.close()
     cold.close()
-    assert rendezvous.read("p1", "hot") is None and rendezvous.read("p1", "cold") is None
+    assert files.read("p1", "hot") is None and files.read("p1", "cold") is None
+
+
+def test_the_offload_waits_are_published_as_a_histogram(cold, files):
+    waits = [[1e-4, 3e-3], [10.0]]  # two drains of the worker's waits
+    hot = HotLink(files, "p1", plan_of(1), Attacher(),
+                  read_stats=lambda: {"hot": {"wait_seconds": waits.pop(0)}})
+    hot.publish_stats()
+    hot.publish_stats()
+    stats = files.read("p1", "hot.stats")
+    counts = stats["wait_counts"]
+    assert sum(counts) == 3 and counts[-1] == 1  # 10 s is past the last bucket
+    assert counts[WAIT_BUCKETS.index(1e-4)] == 1 and counts[WAIT_BUCKETS.index(3e-3)] == 1
+    assert stats["wait_sum_s"] == pytest.approx(10.0031)
+    assert "wait_seconds" not in stats

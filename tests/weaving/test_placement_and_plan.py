@@ -71,7 +71,7 @@ def test_plan_sizes_the_remote_pool_from_the_lent_memory(tmp_path):
     # SmolLM2's block: 30 layers × 3 kv heads × 32 tokens × (K, V) × 64 × 4 bytes.
     assert plan.num_remote_blocks == (1 << 28) // (30 * 3 * 32 * 2 * 64 * 4) == 182
     assert (plan.shape.num_q_heads, plan.shape.head_size, plan.max_blocks_per_seq) == (9, 64, 16)
-    assert plan.region_name.startswith("pfx-h-c-")
+    assert plan.region_name == ""  # the cold engine names the region when it accepts it
     assert PairPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
     assert plan.layout().total_bytes >= plan.num_remote_blocks * 30 * 3 * 32 * 2 * 64 * 4
 

@@ -7,7 +7,7 @@ steps, so a hung core fails it); a dead engine is restarted at once, one whose p
 failing for `unhealthy_after_s` is restarted as hung. Restarts wait an exponential back-off
 and stop after `max_restarts` within `window_s` (a crash loop), with the reason logged.
 While an engine is down its model answers 503 with Retry-After (weaver.server.gateway); once
-it is back, `on_restarted` reconnects its weaving pairs (weaver.server.weaving).
+it is back, `on_restarted` waits for its weaving pairs to link again (weaver.server.weaving).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class SupervisedEngine:
         self.state = EngineState.STOPPED
         self.num_restarts = 0
         self.last_restart_reason: str | None = None
-        self.on_restarted = on_restarted  # set after start-up by the weaving layer
+        self.on_restarted = on_restarted  # set after start-up by the weaving feature
         self._open_engine = open_engine
         self._on_restart = on_restart  # (model, reason), for the restart counter
         self._handle: Any = None

@@ -1,9 +1,13 @@
-"""The gateway's side of weaving: plan the pairs, connect their engines, watch them.
+"""The gateway's side of weaving: plan the pairs, hand each engine its part, watch them.
 
-Order at start-up (nothing of this is on the request path): every engine starts with its
-plan in `additional_config`; then each cold worker creates and owns its region, and only
-then does each hot worker attach it. At shutdown the cold workers close (and unlink)
-their regions; a region whose owner died is unlinked here.
+The engines link themselves, as under plain `vllm serve` (weaver/weaving/pair_link.py): each
+gets its `link` section (and a hot engine its plan) in `additional_config`, with a pairs'
+directory of this server's own, so that pair names never meet another server's. The
+gateway only waits for each pair to link once every engine is up, and again after an
+engine restarted (a hot engine links before a step, so it is made to run one); /metrics
+and /health read the files the pairs publish (weaver/weaving/pair_metrics.py). What a dead
+owner left behind (a region, a unified pool) is removed when its successor starts and
+once every engine has stopped.
 """
 
 from __future__ import annotations
@@ -13,48 +17,41 @@ import contextlib
 import json
 import logging
 import os
+import re
+import shutil
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from weaver.config.deployment import Deployment, Role
-from weaver.offload.naming import region_paths
 from weaver.server.features import ServeFeature
-from weaver.vllm_ext.additional_config import hot_section, pool_section_for
-from weaver.weaving import series
-from weaver.weaving.plan import PairPlan, default_shm_prefix, plan_pairs
+from weaver.vllm_ext.additional_config import (
+    LinkSection,
+    hot_section,
+    link_section_for,
+    pool_section_for,
+)
+from weaver.weaving.pair_link import remove_dead_cold_region
+from weaver.weaving.pair_metrics import PairStatsCollector
+from weaver.weaving.plan import GiB, PairPlan, default_shm_prefix, plan_pairs
+from weaver.weaving.rendezvous import PairFiles
 
 logger = logging.getLogger(__name__)
 
-RPC_TIMEOUT_S = 60.0
-STATS_TIMEOUT_S = 5.0
-CLOSE_TIMEOUT_S = 5.0
-# Fine below 10 ms, where operator splitting moves the offload wait (benchmarks/split_wait.py
-# reads p50/p99 from these buckets).
-WAIT_BUCKETS = (5e-5, 1e-4, 1.5e-4, 2e-4, 2.5e-4, 3e-4, 4e-4, 5e-4, 6e-4, 7.5e-4, 1e-3, 1.25e-3,
-                1.5e-3, 2e-3, 2.5e-3, 3e-3, 4e-3, 5e-3, 6e-3, 7.5e-3, 1e-2, 1.5e-2, 2.5e-2,
-                5e-2, 0.1, 0.5, 1.0, 5.0)
+# How long a pair may take to link: at start-up (past it, start-up fails saying why) and
+# after a restart (past it, the pair stays degraded, logged).
+LINK_TIMEOUT_S = 120.0
+LINK_LOOK_S = 0.25  # how often the gateway looks at the pair's files while it links
 
 
-class WeavingMetrics:
+class UnifiedPoolMetrics:
+    """The unified KV pools of cold models with unified_kv (weaver/kv), as their owners
+    publish the allocator's stats."""
+
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.sequences = Counter(*series.OFFLOAD_SEQUENCES, registry=registry)
-        self.tasks = Counter(*series.OFFLOAD_TASKS, registry=registry)
-        self.fallbacks = Counter(*series.OFFLOAD_FALLBACKS, registry=registry)
-        self.wait = Histogram("weaver_offload_wait_seconds",
-                              "Hot side's wait for a remote attention task (publish to output)",
-                              ["hot", "cold"], buckets=WAIT_BUCKETS, registry=registry)
-        self.remote_blocks = Gauge("weaver_remote_kv_blocks_used",
-                                   "Remote KV blocks held by running hot sequences",
-                                   ["hot", "cold"], registry=registry)
-        self.cold_busy = Counter(*series.COLD_BUSY, registry=registry)
-        self.weaving_active = Gauge(*series.WEAVING_ACTIVE, registry=registry)
-        self.step_asides = Counter(*series.STEP_ASIDES, registry=registry)
-        self.cold_tpot_factor = Gauge(*series.COLD_TPOT_FACTOR, registry=registry)
-        # The unified KV pools of cold models with unified_kv (weaver/kv), as
-        # their owners publish the allocator's stats.
         self.pool_pages = Gauge("weaver_kv_pool_pages", "Pages a tenant's live blocks hold "
                                 "in a cold device's unified KV pool (leased spares included)",
                                 ["pool", "tenant"], registry=registry)
@@ -85,7 +82,7 @@ class WeavingMetrics:
 
     def add_total(self, counter: Counter, labels: dict[str, str], total: float,
                   source: str) -> None:
-        """Workers report running totals, Prometheus counters take increments: add what
+        """The owner reports running totals, Prometheus counters take increments: add what
         `total` (reported by engine `source`) grew by since its last report."""
         key = (source, counter._name, tuple(sorted(labels.items())))
         delta = total - self._last.get(key, 0.0)
@@ -93,157 +90,7 @@ class WeavingMetrics:
             counter.labels(**labels).inc(delta)
         self._last[key] = max(total, self._last.get(key, 0.0))
 
-    def forget(self, source: str) -> None:
-        """A restarted engine counts from 0 again: its next totals are all new."""
-        self._last = {key: total for key, total in self._last.items() if key[0] != source}
-
-
-def weaving_plans(deployment: Deployment, model_dirs: Mapping[str, Path]) -> list[PairPlan]:
-    return plan_pairs(deployment, dict(model_dirs), default_shm_prefix())
-
-
-class Weaving(ServeFeature):
-    """The deployment's weaving pairs in the serve lifecycle: each hot engine's plan and
-    each unified cold pool in the engines' blocks, the pairs linked once every engine is
-    up (and again after a restart), their regions reclaimed when an owner died."""
-
-    def __init__(self, deployment: Deployment, plans: list[PairPlan]) -> None:
-        for spec in deployment.models:
-            if spec.role is Role.HOT and not any(p.hot == spec.name for p in plans):
-                raise ValueError(f"hot model {spec.name!r} is in no weaving entry; add one or "
-                                 "make it dedicated")
-        self.plans = plans
-        self.supervisor: WeavingSupervisor | None = None
-        self._registry: CollectorRegistry | None = None
-
-    @classmethod
-    def plan(cls, deployment: Deployment, model_dirs: Mapping[str, Path]) -> Weaving:
-        return cls(deployment, weaving_plans(deployment, model_dirs))
-
-    def engine_section(self, model: str) -> dict[str, Any]:
-        hot = next((p for p in self.plans if p.hot == model), None)
-        pool = next((p.pool for p in self.plans if p.cold == model and p.pool is not None),
-                    None)
-        return {**(hot_section(hot) if hot is not None else {}),
-                **(pool_section_for(pool, model) if pool is not None else {})}
-
-    def set_up(self, stack: contextlib.AsyncExitStack, registry: CollectorRegistry) -> None:
-        self._registry = registry
-        # Runs once every engine has stopped: regions whose owner died are unlinked.
-        stack.callback(remove_leftover_regions, self.plans)
-
-    def before_engine_start(self, model: str) -> None:
-        # A cold engine that died left its regions behind; its successor makes new ones.
-        remove_leftover_regions([p for p in self.plans if p.cold == model])
-
-    async def after_start(self, engines: Mapping[str, Any],
-                          stack: contextlib.AsyncExitStack) -> None:
-        if not self.plans:
-            return
-        assert self._registry is not None, "set_up runs before after_start"
-        supervisor = WeavingSupervisor(self.plans, engines, WeavingMetrics(self._registry))
-        self.supervisor = supervisor
-        stack.push_async_callback(supervisor.close)
-        await supervisor.connect()
-        for engine in engines.values():
-            engine.on_restarted = supervisor.reconnect
-
-    def health(self) -> dict[str, Any]:
-        return self.supervisor.health() if self.supervisor is not None else {}
-
-    async def refresh(self) -> None:
-        if self.supervisor is not None:
-            await self.supervisor.refresh()
-
-
-class WeavingSupervisor:
-    def __init__(self, plans: list[PairPlan], engines: Mapping[str, Any],
-                 metrics: WeavingMetrics) -> None:
-        self.plans = plans
-        self.engines = engines
-        self.metrics = metrics
-        self.state: dict[str, dict[str, Any]] = {
-            f"{p.hot}->{p.cold}": {"hot": p.hot, "cold": p.cold, "status": "starting",
-                                   "offload_ratio": p.offload_ratio,
-                                   "remote_blocks": p.num_remote_blocks, "reason": None}
-            for p in plans
-        }
-        self._cuda_handles: dict[str, str] = {}  # region name -> its owner's IPC handle
-        self._reconnect_failures: dict[str, str] = {}  # pair -> why it stays degraded
-
-    async def connect(self) -> None:
-        for cold in sorted({p.cold for p in self.plans}):
-            await self._open_cold(cold)
-        for plan in self.plans:
-            await self._attach_hot(plan)
-
-    async def _open_cold(self, cold: str) -> None:
-        # A region on a GPU is exported once by its owner (CUDA IPC) and opened once by
-        # its hot worker; one in shared memory is found by its name.
-        mine = [p.to_dict() for p in self.plans if p.cold == cold]
-        (opened,) = await _rpc(self.engines[cold], "weaver_open_cold", RPC_TIMEOUT_S, mine)
-        self._cuda_handles.update(opened.get("cuda_handles", {}))
-
-    async def _attach_hot(self, plan: PairPlan) -> None:
-        await _rpc(self.engines[plan.hot], "weaver_attach_hot", RPC_TIMEOUT_S,
-                   plan.to_dict(), self._cuda_handles.get(plan.region_name))
-        key = f"{plan.hot}->{plan.cold}"
-        self.state[key].update(status="ok", reason=None)
-        self._reconnect_failures.pop(key, None)
-        logger.info("weaving %s -> %s connected (%d remote blocks, ratio %s)",
-                    plan.hot, plan.cold, plan.num_remote_blocks, plan.offload_ratio)
-
-    async def reconnect(self, name: str) -> None:
-        """Connect the pairs of an engine that restarted (weaver.server.supervisor): a cold
-        one creates its regions again and its hot engines re-attach (their running remote
-        sequences' K/V carried over); a hot one attaches its colds' regions again. A pair
-        whose other engine is down stays degraded until that one is back."""
-        self.metrics.forget(name)
-        plans = [p for p in self.plans if name in (p.hot, p.cold)]
-        if any(p.cold == name for p in plans):
-            await self._open_cold(name)
-        for plan in plans:
-            key = f"{plan.hot}->{plan.cold}"
-            other = plan.cold if plan.hot == name else plan.hot
-            if self.engines[other].is_dead:
-                self.state[key].update(status="degraded", reason=f"{other} is down")
-                continue
-            try:
-                await self._attach_hot(plan)
-            except Exception as exc:  # the models serve; the pair computes remote rows itself
-                logger.error("weaving %s -> %s not reconnected after %s restarted: %r",
-                             plan.hot, plan.cold, name, exc)
-                self._reconnect_failures[key] = f"reconnect failed: {exc}"
-                self.state[key].update(status="degraded", reason=self._reconnect_failures[key])
-
-    async def refresh(self) -> None:
-        """Pull the workers' counters into Prometheus and the pairs' state into /health."""
-        for plan in self.plans:
-            key = f"{plan.hot}->{plan.cold}"
-            hot = self.engines[plan.hot]
-            if hot.is_dead:
-                self.state[key].update(status="degraded", reason="hot engine is down")
-                continue
-            stats = await self._stats_of(plan.hot)
-            if stats is None:
-                continue
-            self._record(plan, stats.get("hot") or {})
-            cold_dead = self.engines[plan.cold].is_dead
-            reason = ((stats.get("hot") or {}).get("degraded_reason")
-                      or self._reconnect_failures.get(key)
-                      or ("cold engine is down" if cold_dead else None))
-            self.state[key].update(status="degraded" if reason else "ok", reason=reason)
-            placement = (stats.get("hot") or {}).get("placement")
-            if placement:  # offload_ratio auto: is weaving on, and why (not)
-                self.state[key].update(weaving_active=placement.get("weaving_active"),
-                                       policy_reason=placement.get("reason"))
-        for cold in sorted({p.cold for p in self.plans}):
-            await self._refresh_cold(cold)
-        for pool, owner in {p.pool.pool_name: (p.pool, p.cold) for p in self.plans
-                            if p.pool}.values():
-            self._refresh_pool(pool, owner)
-
-    def _refresh_pool(self, pool: Any, owner: str) -> None:
+    def refresh(self, pool: Any, owner: str) -> None:
         """The owner (the cold engine's scheduler) publishes its allocator's stats as a JSON
         file next to the pool; a missing or half-written one is skipped (logged)."""
         try:
@@ -252,93 +99,208 @@ class WeavingSupervisor:
         except (OSError, ValueError) as exc:
             logger.debug("unified KV pool stats %s unavailable: %r", pool.stats_path, exc)
             return
-        m, name = self.metrics, pool.pool_name
-        m.pool_size.labels(pool=name).set(stats["num_pages"])
+        name = pool.pool_name
+        self.pool_size.labels(pool=name).set(stats["num_pages"])
         for tenant in stats["tenants"]:
-            m.pool_pages.labels(pool=name, tenant=tenant["name"]).set(tenant["num_used_pages"])
-            m.pool_quota.labels(pool=name, tenant=tenant["name"]).set(tenant["quota_pages"])
-        m.add_total(m.pool_rebalances, {"pool": name}, stats["num_rebalances"], owner)
-        m.add_total(m.pool_reclaims, {"pool": name}, stats["num_reclaims"], owner)
-        m.pool_cached_blocks.labels(pool=name).set(stats["num_cached_blocks"])
-        m.add_total(m.pool_cache_evictions, {"pool": name}, stats["num_cache_evictions"],
-                    owner)
+            self.pool_pages.labels(pool=name, tenant=tenant["name"]).set(
+                tenant["num_used_pages"])
+            self.pool_quota.labels(pool=name, tenant=tenant["name"]).set(tenant["quota_pages"])
+        self.add_total(self.pool_rebalances, {"pool": name}, stats["num_rebalances"], owner)
+        self.add_total(self.pool_reclaims, {"pool": name}, stats["num_reclaims"], owner)
+        self.pool_cached_blocks.labels(pool=name).set(stats["num_cached_blocks"])
+        self.add_total(self.pool_cache_evictions, {"pool": name}, stats["num_cache_evictions"],
+                       owner)
         for tenant, report in stats.get("tenant_reports", {}).items():
-            m.add_total(m.pool_reclaim_preemptions, {"model": tenant},
-                        report.get("reclaim_preemptions", 0), owner)
+            self.add_total(self.pool_reclaim_preemptions, {"model": tenant},
+                           report.get("reclaim_preemptions", 0), owner)
 
-    async def _stats_of(self, name: str) -> dict[str, Any] | None:
-        """The worker's weaving counters, or None (logged) when it does not answer."""
-        try:
-            (stats,) = await _rpc(self.engines[name], "weaver_stats", STATS_TIMEOUT_S)
-        except Exception as exc:  # a scrape must not fail because one engine did
-            logger.warning("weaving stats of %s unavailable: %r", name, exc)
-            return None
-        return stats
 
-    async def _refresh_cold(self, cold: str) -> None:
-        if self.engines[cold].is_dead:
+def pair_name(index: int, plan: PairPlan) -> str:
+    """The rendezvous name of the gateway's `index`-th pair: unique in its directory,
+    readable, and within rendezvous.check_pair_name's alphabet."""
+    readable = re.sub(r"[^A-Za-z0-9._-]", "_", f"{plan.hot}.{plan.cold}")
+    return f"p{index}-{readable}"[:64]
+
+
+class Weaving(ServeFeature):
+    """The deployment's weaving pairs in the serve lifecycle: each engine's link section
+    (and each hot engine's plan, each unified cold pool) in the engines' blocks, the pairs
+    waited for once every engine is up and after a restart, what dead owners left removed."""
+
+    def __init__(self, deployment: Deployment, plans: list[PairPlan], root: Path) -> None:
+        for spec in deployment.models:
+            if spec.role is Role.HOT and not any(p.hot == spec.name for p in plans):
+                raise ValueError(f"hot model {spec.name!r} is in no weaving entry; add one or "
+                                 "make it dedicated")
+        self.plans = plans
+        self.files = PairFiles(root)
+        self.names = [pair_name(index, plan) for index, plan in enumerate(plans)]
+        self.lend_bytes = {spec.name: int(spec.lend_kv_gib * GiB) for spec in deployment.models
+                           if spec.role is Role.COLD}
+        self.engines: Mapping[str, Any] = {}
+        self.pool_metrics: UnifiedPoolMetrics | None = None
+        # pair name -> why it is degraded although both engines run (a failed link)
+        self._link_failures: dict[str, str] = {}
+
+    @classmethod
+    def plan(cls, deployment: Deployment, model_dirs: Mapping[str, Path]) -> Weaving:
+        prefix = default_shm_prefix()
+        return cls(deployment, plan_pairs(deployment, dict(model_dirs), prefix),
+                   Path("/dev/shm") / f"{prefix}-pairs")
+
+    def engine_section(self, model: str) -> dict[str, Any]:
+        section: dict[str, Any] = {}
+        for name, plan in zip(self.names, self.plans, strict=True):
+            if plan.hot == model:
+                section.update(hot_section(plan))
+                section.update(link_section_for(LinkSection("hot", (name,), str(self.files.root))))
+        mine = [name for name, plan in zip(self.names, self.plans, strict=True)
+                if plan.cold == model]
+        if mine:
+            section.update(link_section_for(LinkSection(
+                "cold", tuple(mine), str(self.files.root), self.lend_bytes[model], model)))
+            pool = next((p.pool for p in self.plans if p.cold == model and p.pool is not None),
+                        None)
+            if pool is not None:
+                section.update(pool_section_for(pool, model))
+        return section
+
+    def set_up(self, stack: contextlib.AsyncExitStack, registry: CollectorRegistry) -> None:
+        if not self.plans:
             return
-        stats = await self._stats_of(cold)
-        if stats is None:
+        names = tuple(self.names)
+        registry.register(PairStatsCollector(self.files, "hot", names))
+        registry.register(PairStatsCollector(self.files, "cold", names))
+        if any(plan.pool is not None for plan in self.plans):
+            self.pool_metrics = UnifiedPoolMetrics(registry)
+        # Runs once every engine has stopped.
+        stack.callback(self.remove_leftovers)
+
+    def before_engine_start(self, model: str) -> None:
+        # A cold engine that died left its pool behind; its successor makes a new one (its
+        # regions are removed by its own ColdLink when it starts).
+        remove_pool_files([p for p in self.plans if p.cold == model])
+
+    async def after_start(self, engines: Mapping[str, Any],
+                          stack: contextlib.AsyncExitStack) -> None:
+        if not self.plans:
             return
-        by_region = {p.region_name: p for p in self.plans if p.cold == cold}
-        for receiver in stats.get("cold") or ():
-            plan = by_region.get(receiver.get("region"))
-            if plan is None:
+        self.engines = engines
+        for name, plan in zip(self.names, self.plans, strict=True):
+            await self._link(name, plan, engines[plan.hot].handle)
+            logger.info("weaving %s -> %s linked (%d remote blocks, ratio %s)", plan.hot,
+                        plan.cold, plan.num_remote_blocks, plan.offload_ratio)
+        for engine in engines.values():
+            engine.on_restarted = self.relink
+
+    async def _link(self, name: str, plan: PairPlan, hot_engine: Any) -> None:
+        """Until the hot engine has attached the region its cold engine made for it; a hot
+        engine links before a step, so it is made to run one while the cold side is ready.
+        RuntimeError saying why after LINK_TIMEOUT_S, or at once when the cold engine
+        refused the plan or the hot engine failed to attach its region."""
+        deadline = time.monotonic() + LINK_TIMEOUT_S
+        failures_before = (self.files.read(name, "hot.stats") or {}).get("attach_failures", 0)
+        while True:
+            cold = self.files.read(name, "cold")
+            if cold is not None and cold.get("status") == "refused":
+                raise RuntimeError(f"weaving {plan.hot} -> {plan.cold}: the cold engine "
+                                   f"refused the plan: {cold.get('reason')}")
+            waiting_for = self._not_linked_because(name, cold)
+            if waiting_for is None:
+                return
+            hot = self.files.read(name, "hot.stats") or {}
+            if hot.get("attach_failures", 0) > failures_before:
+                raise RuntimeError(f"weaving {plan.hot} -> {plan.cold}: the hot engine could "
+                                   f"not attach the cold engine's region: "
+                                   f"{hot.get('last_attach_error')}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"weaving {plan.hot} -> {plan.cold} not linked after "
+                                   f"{LINK_TIMEOUT_S:.0f} s: {waiting_for}")
+            if cold is not None and cold.get("status") == "ready":
+                await hot_engine.step_once()
+            await asyncio.sleep(LINK_LOOK_S)
+
+    def _not_linked_because(self, name: str, cold: dict[str, Any] | None) -> str | None:
+        """None when the pair is linked (the hot side attached the cold side's region)."""
+        if cold is None or cold.get("status") != "ready":
+            return "the cold engine has made no region for it yet"
+        hot = self.files.read(name, "hot.stats")
+        if hot is None or hot.get("attached_region") != cold.get("region_name"):
+            return "the hot engine has not attached the cold engine's region yet"
+        return None
+
+    async def relink(self, model: str) -> None:
+        """Wait for the pairs of an engine that restarted (weaver.server.supervisor) to link
+        again; a pair whose other engine is down links once that one is back."""
+        for name, plan in zip(self.names, self.plans, strict=True):
+            if model not in (plan.hot, plan.cold):
                 continue
-            m, pair = self.metrics, {"hot": plan.hot, "cold": plan.cold}
-            m.add_total(m.cold_busy, {**pair, "where": "poll_point"},
-                        receiver.get("busy_at_poll_points_s", 0.0), cold)
-            m.add_total(m.cold_busy, {**pair, "where": "idle"},
-                        receiver.get("busy_by_idle_poller_s", 0.0), cold)
-
-    def _record(self, plan: PairPlan, hot: dict[str, Any]) -> None:
-        m, pair = self.metrics, {"hot": plan.hot, "cold": plan.cold}
-        m.add_total(m.sequences, {"model": plan.hot}, hot.get("remote_sequences", 0), plan.hot)
-        m.add_total(m.tasks, pair, hot.get("offloaded_tasks", 0), plan.hot)
-        m.add_total(m.fallbacks, {"model": plan.hot}, hot.get("fallback_tasks", 0), plan.hot)
-        for seconds in hot.get("wait_seconds", []):
-            m.wait.labels(**pair).observe(seconds)
-        m.remote_blocks.labels(**pair).set(hot.get("remote_blocks_used", 0))
-        samples = series.placement_samples(hot.get("placement"))
-        if samples is not None:
-            active, asides, factor = samples
-            m.weaving_active.labels(**pair).set(active)
-            m.add_total(m.step_asides, pair, asides, plan.hot)
-            m.cold_tpot_factor.labels(**pair).set(factor)
+            other = plan.cold if plan.hot == model else plan.hot
+            if self.engines[other].is_dead:
+                continue
+            hot = self.engines[plan.hot]
+            try:
+                await self._link(name, plan, hot.handle)
+            except Exception as exc:  # the models serve; the pair computes remote rows itself
+                logger.error("weaving %s -> %s not linked again after %s restarted: %s",
+                             plan.hot, plan.cold, model, exc)
+                self._link_failures[name] = f"relink failed: {exc}"
+                continue
+            self._link_failures.pop(name, None)
+            logger.info("weaving %s -> %s linked again after %s restarted", plan.hot,
+                        plan.cold, model)
 
     def health(self) -> dict[str, Any]:
-        return {"weaving": list(self.state.values())}
+        if not self.plans:
+            return {}
+        return {"weaving": [self._pair_health(name, plan)
+                            for name, plan in zip(self.names, self.plans, strict=True)]}
 
-    async def close(self) -> None:
-        for cold in sorted({p.cold for p in self.plans}):
-            engine = self.engines[cold]
-            if engine.is_dead:
-                continue
-            try:
-                await _rpc(engine, "weaver_close", CLOSE_TIMEOUT_S)
-            except Exception as exc:  # shutting down: start_engines unlinks what is left
-                logger.warning("closing the regions of %s failed: %r", cold, exc)
-        # Nothing is unlinked here: a cold engine's scheduler still owns its unified pool
-        # (and publishes its stats) until the engine stops; what its owners could not
-        # remove is unlinked once every engine has stopped (start_engines).
+    def _pair_health(self, name: str, plan: PairPlan) -> dict[str, Any]:
+        state: dict[str, Any] = {"hot": plan.hot, "cold": plan.cold, "pair": name,
+                                 "offload_ratio": plan.offload_ratio,
+                                 "remote_blocks": plan.num_remote_blocks}
+        if not self.engines:
+            return {**state, "status": "starting", "reason": None}
+        hot = self.files.read(name, "hot.stats") or {}
+        placement = hot.get("placement")
+        if placement:  # offload_ratio auto: is weaving on, and why (not)
+            state.update(weaving_active=placement.get("weaving_active"),
+                         policy_reason=placement.get("reason"))
+        reason = None
+        if self.engines[plan.hot].is_dead:
+            reason = "hot engine is down"
+        elif self.engines[plan.cold].is_dead:
+            reason = "cold engine is down"
+        else:
+            reason = (hot.get("degraded_reason") or self._link_failures.get(name)
+                      or self._not_linked_because(name, self.files.read(name, "cold")))
+        return {**state, "status": "degraded" if reason else "ok", "reason": reason}
+
+    async def refresh(self) -> None:
+        if self.pool_metrics is None:
+            return
+        for pool, owner in {p.pool.pool_name: (p.pool, p.cold) for p in self.plans
+                            if p.pool}.values():
+            self.pool_metrics.refresh(pool, owner)
+
+    def remove_leftovers(self) -> None:
+        """Once every engine has stopped: the regions of cold engines that were killed, the
+        unified pools their owners could not remove, and the pairs' directory."""
+        for name in self.names:
+            remove_dead_cold_region(name, self.files.read_even_if_dead(name, "cold"))
+        remove_pool_files(self.plans)
+        shutil.rmtree(self.files.root, ignore_errors=True)
 
 
-async def _rpc(engine: Any, method: str, timeout_s: float, *args: Any) -> list:
-    # vLLM's own rpc timeout is enforced in the worker; a dead worker never answers at
-    # all, so the gateway bounds the wait itself.
-    call = engine.client.collective_rpc(method, timeout=timeout_s, args=args)
-    return await asyncio.wait_for(call, timeout_s + 1.0)
-
-
-def remove_leftover_regions(plans: list[PairPlan]) -> None:
-    """Unlink regions whose owner could not (it died); ours by name, from the plans."""
+def remove_pool_files(plans: list[PairPlan]) -> None:
+    """Unlink the unified pools whose owner could not (it died); ours by name, from the
+    plans."""
     for plan in plans:
-        paths = region_paths(plan.region_name)
-        if plan.pool is not None:  # the cold engine's unified KV pool, table and stats
-            paths += [os.path.join("/dev/shm", plan.pool.pool_name),
-                      os.path.join("/dev/shm", plan.pool.table_name), plan.pool.stats_path]
-        for path in paths:
+        if plan.pool is None:
+            continue
+        for path in (os.path.join("/dev/shm", plan.pool.pool_name),
+                     os.path.join("/dev/shm", plan.pool.table_name), plan.pool.stats_path):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-                logger.warning("removed leftover shared region file %s", path)
+                logger.warning("removed leftover unified KV pool file %s", path)

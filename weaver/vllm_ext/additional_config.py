@@ -7,6 +7,7 @@ worker, where attention runs), so no environment variable has to differ per engi
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from weaver.kv.pool_plan import PoolPlan
@@ -19,6 +20,33 @@ KEY = "weaver"
 # (plugin_pairs.py).
 SCHEDULER = "weaver.vllm_ext.scheduler.WeaverScheduler"
 WORKER_EXTENSION = "weaver.vllm_ext.worker.WeaverWorkerExtension"
+
+
+@dataclass(frozen=True)
+class LinkSection:
+    """How an engine links itself to the other side of its weaving pairs
+    (weaver/weaving/pair_link.py), whichever launcher started it: the plugin writes it from
+    the user's block, `weaver serve` from its plan."""
+
+    role: str  # "hot" (one pair) or "cold" (every pair it serves)
+    pairs: tuple[str, ...]
+    root: str  # the pairs' directory (weaver/weaving/rendezvous.py)
+    lend_bytes: int = 0  # cold: the KV it lends, all pairs together
+    cold_model: str = ""  # cold: its served name, in its answers and counters
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "pairs": list(self.pairs)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LinkSection:
+        return cls(**{**data, "pairs": tuple(data["pairs"])})
+
+
+def link_of(additional_config: Any) -> LinkSection | None:
+    """The engine's link section, or None for an engine in no weaving pair."""
+    section = (additional_config or {}).get(KEY) if isinstance(additional_config, dict) else None
+    data = section.get("link") if isinstance(section, dict) else None
+    return LinkSection.from_dict(data) if data else None
 
 
 def hot_plan(vllm_config: Any) -> PairPlan | None:
@@ -64,6 +92,11 @@ def hot_section(plan: PairPlan) -> dict[str, Any]:
     return {"hot": plan.to_dict()}
 
 
+def link_section_for(link: LinkSection) -> dict[str, Any]:
+    """An engine's side of its weaving pairs (read back by `link_of`)."""
+    return {"link": link.to_dict()}
+
+
 def split_section_for(split_chunks: dict[str, int]) -> dict[str, Any]:
     """An engine's operator split plan; {} when nothing is split."""
     if split_chunks and any(n > 1 for n in split_chunks.values()):
@@ -100,11 +133,9 @@ def merge_sections(*sections: dict[str, Any]) -> dict:
     return {KEY: merged} if merged else {}
 
 
-def make_additional_config(hot: PairPlan | None = None,
-                           split_chunks: dict[str, int] | None = None,
+def make_additional_config(split_chunks: dict[str, int] | None = None,
                            pool: tuple[PoolPlan, str] | None = None) -> dict:
     """The block of one engine with these parts (engines started by hand: tests, the
-    profilers)."""
-    return merge_sections(hot_section(hot) if hot is not None else {},
-                          split_section_for(split_chunks or {}),
+    profilers); a weaving engine's come from `weaver serve` or the plugin."""
+    return merge_sections(split_section_for(split_chunks or {}),
                           pool_section_for(*pool) if pool is not None else {})

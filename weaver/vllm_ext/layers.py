@@ -83,7 +83,7 @@ class ChunkedOperator:
     def __init__(self, num_chunks: int, op_name: str) -> None:
         self.num_chunks = num_chunks
         self.op_name = op_name
-        self.poll: Poll | None = None  # set by the cold worker (worker.weaver_open_cold)
+        self.poll: Poll | None = None  # set by the cold worker (worker.weaver_join_pairs)
         self.num_calls = 0
         self.num_chunk_calls = 0
         self.num_polls = 0

@@ -13,11 +13,12 @@ moved). Then:
   (weaver/vllm_ext/layers.py), vLLM's own unless the engine has a split plan;
 - it wraps the CPU model runner's KV-cache allocation (patches/kv_cache_allocation.py), a
   no-op unless the engine keeps its KV in a unified pool;
-- it hooks vLLM's config building and EngineCore start (patches/engine_config_hook.py,
-  patches/engine_core_hook.py) for weaving under plain `vllm serve`
-  (weaver/vllm_ext/plugin_pairs.py), no-ops unless the engine has a `weaver` block with a
-  role, and to let a colocated engine take turns with its group (weaver/vllm_ext/mux_gate.py),
-  a no-op unless the block has `mux`.
+- it hooks vLLM's config building (patches/engine_config_hook.py) for weaving under plain
+  `vllm serve` (weaver/vllm_ext/plugin_pairs.py), a no-op unless the engine has a `weaver`
+  block with a role, and EngineCore start (patches/engine_core_hook.py), where an engine of
+  a weaving pair links itself (weaver/vllm_ext/pair_links.py, both launchers) and a
+  colocated engine takes turns with its group (weaver/vllm_ext/mux_gate.py); each a no-op
+  unless the block has its section.
 """
 
 from __future__ import annotations
@@ -62,10 +63,10 @@ def register() -> None:
 
 
 def _on_engine_core_ready(engine_core: Any) -> None:
-    from weaver.vllm_ext import mux_gate, plugin_pairs, scheduler
+    from weaver.vllm_ext import mux_gate, pair_links, scheduler
 
     mux_gate.on_engine_core_ready(engine_core)
-    plugin_pairs.on_engine_core_ready(engine_core)
+    pair_links.on_engine_core_ready(engine_core)
     scheduler.connect_pair_load(engine_core)
 
 

@@ -10,14 +10,13 @@ Three moments of an engine's start, each reached through a patch the plugin inst
 1. `configure_engine_args` (front end, before vLLM builds its config): Weaver's scheduler
    (hot) and worker extension (both) are set, and prefix caching is turned off on the hot
    engine (a remote request gets no local prefix hits), so the user gives only the block.
-2. `complete_engine_config` (front end, once vLLM's config exists): the hot engine's plan is
-   computed from its own model and put where the gateway would have put it
-   (additional_config's `weaver.hot`; a cold engine's `split` becomes its split plan), so
-   the scheduler, worker and layers run unchanged; the pair's counters are registered with
-   this server's /metrics.
-3. `on_engine_core_ready` (EngineCore process): the cold worker starts its ColdLink; the hot
-   scheduler gets a HotLink (weaver/weaving/pair_link.py) that it ticks every step and that
-   reaches the worker through vLLM's collective_rpc.
+2. `complete_engine_config` (front end, once vLLM's config exists): the engine's `link`
+   section and the hot engine's plan (computed from its own model) are put where `weaver
+   serve` puts them (additional_config's `weaver.link` and `weaver.hot`; a cold engine's
+   `split` becomes its split plan), so the scheduler, worker and layers run unchanged; the
+   pair's counters are registered with this server's /metrics.
+3. Once the EngineCore is up, the engine links itself to the other side as under `weaver
+   serve` (weaver/vllm_ext/pair_links.py).
 """
 
 from __future__ import annotations
@@ -26,7 +25,13 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from weaver.vllm_ext.additional_config import KEY, SCHEDULER, WORKER_EXTENSION
+from weaver.vllm_ext.additional_config import (
+    KEY,
+    SCHEDULER,
+    WORKER_EXTENSION,
+    LinkSection,
+    link_section_for,
+)
 from weaver.weaving import rendezvous
 
 logger = logging.getLogger(__name__)
@@ -72,7 +77,8 @@ def plugin_weaving(additional_config: Any) -> PluginWeaving | None:
     fields = {"hot": HOT_FIELDS, "cold": COLD_FIELDS}.get(role)
     if fields is None:
         raise ValueError(f"--additional-config weaver.role is {role!r}; use 'hot' or 'cold'")
-    unknown = sorted(set(section) - fields - {"hot"})  # "hot": the plan it gets (step 2)
+    # "hot" and "link": the plan and the link section it gets (step 2)
+    unknown = sorted(set(section) - fields - {"hot", "link"})
     if unknown:
         raise ValueError(f"--additional-config weaver (role {role}) has unknown field(s) "
                          f"{unknown}; a {role} engine takes {sorted(fields)}")
@@ -138,14 +144,20 @@ def configure_engine_args(engine_args: Any) -> None:
 
 
 def complete_engine_config(vllm_config: Any) -> None:
-    """Step 2: the hot engine's plan, and this server's /metrics series of the pair."""
+    """Step 2: the engine's link section (the hot engine's plan with it), and this server's
+    /metrics series of the pair."""
     weaving = plugin_weaving(vllm_config.additional_config)
     if weaving is None:
         return
-    from weaver.weaving.plugin_metrics import register_pair_collector
+    from weaver.weaving.pair_metrics import register_pair_collector
 
     served = vllm_config.model_config.served_model_name
     model = served if isinstance(served, str) else served[0]
+    files = rendezvous.PairFiles(rendezvous.runtime_dir())
+    link = LinkSection(role=weaving.role, pairs=weaving.pairs, root=str(files.root),
+                       lend_bytes=int(weaving.lend_kv_gib * GiB),
+                       cold_model=model if weaving.role == "cold" else "")
+    vllm_config.additional_config[KEY].update(link_section_for(link))
     if weaving.role == "hot":
         plan = hot_plan_for(vllm_config, weaving, model)
         vllm_config.additional_config[KEY]["hot"] = plan.to_dict()
@@ -159,7 +171,7 @@ def complete_engine_config(vllm_config: Any) -> None:
         # read by the split layers when the model loads.
         chunks = validate_split_chunks(dict(weaving.split))
         vllm_config.additional_config[KEY]["split"] = {"chunks": chunks}
-    register_pair_collector(weaving.role, weaving.pairs)
+    register_pair_collector(files, weaving.role, weaving.pairs)
 
 
 def hot_plan_for(vllm_config: Any, weaving: PluginWeaving, model: str) -> Any:
@@ -175,25 +187,3 @@ def hot_plan_for(vllm_config: Any, weaving: PluginWeaving, model: str) -> Any:
                            model_config.max_model_len,
                            vllm_config.scheduler_config.max_num_seqs, dict(weaving.policy),
                            "shm" if on_cpu else "cuda")
-
-
-def on_engine_core_ready(engine_core: Any) -> None:
-    """Step 3: each side starts linking itself to the other."""
-    vllm_config = engine_core.vllm_config
-    weaving = plugin_weaving(vllm_config.additional_config)
-    if weaving is None:
-        return
-    rpc = engine_core.model_executor.collective_rpc
-    if weaving.role == "cold":
-        served = vllm_config.model_config.served_model_name
-        rpc("weaver_join_pairs", args=(list(weaving.pairs), int(weaving.lend_kv_gib * GiB),
-                                       served if isinstance(served, str) else served[0]))
-        return
-    from weaver.weaving.pair_link import HotLink
-    from weaver.weaving.plan import PairPlan
-
-    plan = PairPlan.from_dict(vllm_config.additional_config[KEY]["hot"])
-    engine_core.scheduler.weaver_link = HotLink(
-        weaving.pair, plan,
-        attach=lambda plan_data, handle: rpc("weaver_attach_hot", args=(plan_data, handle)),
-        read_stats=lambda: rpc("weaver_stats")[0])

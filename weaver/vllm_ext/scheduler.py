@@ -36,7 +36,6 @@ from weaver.kv.pool_plan import PoolPlan
 from weaver.patches import routing_kv_cache_manager
 from weaver.vllm_ext.additional_config import hot_plan, pool_section
 from weaver.vllm_ext.block_pool import AllocatorBlockPool, open_pool_owner
-from weaver.vllm_ext.plugin_pairs import plugin_weaving
 from weaver.weaving.placement import (
     AdaptivePlacement,
     Placement,
@@ -228,8 +227,8 @@ class WeaverScheduler(Scheduler):
     weaver_lease: LeasedTenantAllocator | None = None
     weaver_lease_is_local = False
     weaver_num_reclaim_preemptions = 0  # remote requests preempted to give memory back
-    # Under plain `vllm serve`, the pair's HotLink (weaver/weaving/pair_link.py), set once
-    # the EngineCore is up (weaver/vllm_ext/plugin_pairs.py); None under weaver serve.
+    # The pair's HotLink (weaver/weaving/pair_link.py), set once the EngineCore is up
+    # (weaver/vllm_ext/pair_links.py).
     weaver_link: Any = None
     weaver_placement: RatioPlacement | AdaptivePlacement | None = None
     # offload_ratio auto: each step's time and batch, and the pair's load, for the policy
@@ -269,16 +268,12 @@ class WeaverScheduler(Scheduler):
                 # schedule() sets the target every step; this is the first one's.
                 lease_blocks=plan.max_blocks_per_seq)
             AllocatorBlockPool.adopt(remote.block_pool, self.weaver_lease, plan.hot, num_local)
-        # Linked by the engines themselves (plain `vllm serve`): remote only while the cold
-        # side is attached; leased from a unified pool: only while its owner is there.
-        is_linked = plugin_weaving(self.vllm_config.additional_config) is not None
         self.weaver_placement = placement_for(plan.offload_ratio, plan.adaptive_targets())
         if isinstance(self.weaver_placement, AdaptivePlacement):
             self.weaver_feed = PlacementFeed(self.weaver_placement, plan.hot)
         routing_kv_cache_manager.install(self, RoutingKVCacheManager(
             local, remote, num_local, self.weaver_placement,
-            remote_available=(self._weaver_remote_available
-                              if self.weaver_lease is not None or is_linked else None)))
+            remote_available=self._weaver_remote_available))
         logger.info(
             "weaving %s -> %s: %d local + %d remote KV blocks, offload ratio %s",
             plan.hot, plan.cold, num_local, plan.num_remote_blocks, plan.offload_ratio,
@@ -304,9 +299,11 @@ class WeaverScheduler(Scheduler):
                     plan.pool_name, plan.max_blocks(tenant))
 
     def _weaver_remote_available(self) -> bool:
-        if self.weaver_lease is not None:
-            return self.weaver_lease.broken_reason is None
-        return self.weaver_link is not None and self.weaver_link.connected
+        """Sequences go remote only while the cold side's region is attached (the pair's
+        HotLink) and, leased from a unified pool, while its owner is there."""
+        if self.weaver_link is None or not self.weaver_link.connected:
+            return False
+        return self.weaver_lease is None or self.weaver_lease.broken_reason is None
 
     def _pool_lock(self) -> Any:
         """The pool owner's lock around everything that touches vLLM's block pool (the ADBS

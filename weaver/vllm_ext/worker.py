@@ -1,10 +1,10 @@
 """Worker extension (``--worker-extension-cls``) of hot and cold engines.
 
-vLLM mixes this class into its worker (docs/vllm-hooks.md, "Worker"), so the gateway
-reaches it with ``collective_rpc("weaver_...")``. It only connects vLLM's objects to
-Weaver's runtimes; under `weaver serve` regions are opened here at start-up, never on the
-request path (under plain `vllm serve` the pair links itself while serving: a ColdLink
-thread makes regions, HotLink attaches between two steps; weaver/weaving/pair_link.py):
+vLLM mixes this class into its worker (docs/vllm-hooks.md, "Worker"), so the EngineCore
+(and a test) reaches it with ``collective_rpc("weaver_...")``. It only connects vLLM's
+objects to Weaver's runtimes; a pair links itself while serving, under both launchers (a
+ColdLink thread makes regions, HotLink attaches between two steps;
+weaver/weaving/pair_link.py):
 - a cold worker opens its regions (weaver.weaving.cold.ColdWeaving), installs the poll
   points after its own operators and between split chunks, holds the step lock around its
   steps (patches/worker_step_lock.py) and starts the idle poller;
@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from weaver.patches import worker_step_lock
@@ -44,7 +45,7 @@ class WeaverWorkerExtension:
     _weaver_cold: ColdWeaving | None = None
     _weaver_poll_points: PollPoints | None = None  # over the cold model's operators
     _weaver_num_split = 0  # split operators polling between their chunks
-    _weaver_cold_link: Any = None  # under plain `vllm serve`: weaver.weaving.pair_link.ColdLink
+    _weaver_cold_link: Any = None  # weaver.weaving.pair_link.ColdLink
     _weaver_placement_report: dict | None = None  # the hot scheduler's adaptive placement
 
     # --- hot side -----------------------------------------------------------------
@@ -93,29 +94,26 @@ class WeaverWorkerExtension:
         return {"region": plan.region_name, "num_layers": len(layers)}
 
     # --- cold side ----------------------------------------------------------------
-    def weaver_open_cold(self, plans_data: list[dict]) -> dict:
-        plans = [PairPlan.from_dict(data) for data in plans_data]
-        cold = self._weaver_start_cold(plans)
-        return {"regions": [plan.region_name for plan in plans],
-                "num_poll_points": len(self._weaver_poll_points),
-                "num_split_operators": self._weaver_num_split,
-                "cuda_handles": cold.export_handles()}
-
-    def weaver_join_pairs(self, pairs: list[str], lend_bytes: int, cold_model: str) -> dict:
-        """Under plain `vllm serve` (weaver/vllm_ext/plugin_pairs.py): start with no
-        region and let the ColdLink thread make one per hot engine that comes."""
+    def weaver_join_pairs(self, link_data: dict) -> dict:
+        """Start serving this cold engine's weaving pairs (weaver/vllm_ext/pair_links.py):
+        with no region yet, a ColdLink thread makes one for each hot engine that comes."""
+        from weaver.vllm_ext.additional_config import LinkSection
         from weaver.weaving.pair_link import ColdLink
+        from weaver.weaving.rendezvous import PairFiles
 
-        cold = self._weaver_start_cold([])
-        self._weaver_cold_link = ColdLink(pairs, lend_bytes, cold_model, cold,
+        link = LinkSection.from_dict(link_data)
+        cold = self._weaver_start_cold()
+        self._weaver_cold_link = ColdLink(PairFiles(Path(link.root)), list(link.pairs),
+                                          link.lend_bytes, link.cold_model, cold,
                                           self._weaver_executor_for)
         self._weaver_cold_link.start()
         logger.info("cold worker waits for the hot engines of pair(s) %s (lends %.3f GiB)",
-                    ", ".join(pairs), lend_bytes / 2**30)
-        return {"pairs": pairs}
+                    ", ".join(link.pairs), link.lend_bytes / 2**30)
+        return {"pairs": list(link.pairs), "num_poll_points": len(self._weaver_poll_points),
+                "num_split_operators": self._weaver_num_split}
 
-    def _weaver_start_cold(self, plans: list[PairPlan]) -> ColdWeaving:
-        cold = ColdWeaving.open(plans, self._weaver_executor_for)
+    def _weaver_start_cold(self) -> ColdWeaving:
+        cold = ColdWeaving.open([], self._weaver_executor_for)
         model = self.model_runner.get_model()
         modules = poll_point_modules(model)
         self._weaver_poll_points = PollPoints(modules, cold.poll)
@@ -127,8 +125,8 @@ class WeaverWorkerExtension:
         self._weaver_cold = cold
         self._weaver_num_split = num_split
         atexit.register(self.weaver_close)
-        logger.info("cold worker serves %d region(s) with %d poll points, %d split operators",
-                    len(plans), len(modules), num_split)
+        logger.info("cold worker polls at %d points and in %d split operators",
+                    len(modules), num_split)
         return cold
 
     def _weaver_executor_for(self, plan: PairPlan) -> Any:
@@ -208,14 +206,13 @@ class WeaverWorkerExtension:
         return None if self._weaver_hot is None else self._weaver_hot.pair_load()
 
     def weaver_stats(self) -> dict:
+        """A hot worker's counters since the last call, for its HotLink to publish (a cold
+        worker's ColdLink publishes its own)."""
         stats: dict[str, Any] = {}
         if self._weaver_hot is not None:
             stats["hot"] = self._weaver_hot.drain_stats()
             stats["hot"]["remote_blocks_used"] = self._weaver_remote_blocks_in_use()
             stats["hot"]["placement"] = self._weaver_placement_report
-        if self._weaver_cold is not None:
-            stats["cold"] = self._weaver_cold.stats()
-            stats["cold_served_by_idle_poller"] = self._weaver_cold.num_idle_served
         return stats
 
     def _weaver_remote_blocks_in_use(self) -> int:

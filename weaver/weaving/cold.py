@@ -73,7 +73,6 @@ class ColdWeaving:
         self.step_meter = StepMeter(self.step_lock)
         self.inflation = ColdInflation(self.step_meter, self._task_s_in_steps)
         self._next_publish = 0.0
-        self.num_idle_served = 0
         self.num_idle_wakeups = 0  # doorbells that woke the idle poller
         self._stop = threading.Event()
         self._receivers_changed = threading.Event()  # the idle poller re-reads the set
@@ -174,8 +173,7 @@ class ColdWeaving:
             if not woke and not receiver.has_pending():
                 continue
             with self.step_lock:
-                if receiver.poll(by_idle_poller=True):
-                    self.num_idle_served += 1
+                receiver.poll(by_idle_poller=True)
 
     def export_handles(self) -> dict[str, str]:
         """CUDA IPC handles (hex) of the regions on this GPU, by region name, for the hot

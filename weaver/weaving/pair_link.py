@@ -1,8 +1,9 @@
-"""A weaving pair's two sides connecting themselves, with no Weaver process in front.
+"""A weaving pair's two sides connecting themselves, under both launchers.
 
-Under `weaver serve` the gateway connects each pair (weaver/server/weaving.py). Under plain
-`vllm serve`, each engine does its part through the rendezvous files
-(weaver/weaving/rendezvous.py):
+Each engine does its part through the rendezvous files (weaver/weaving/rendezvous.py), so no
+process in front has to be up, and either side may start first, die or restart. `weaver
+serve` only plans the pairs, hands each engine its part (weaver/server/weaving.py) and
+reads the same files as a plain `vllm serve` does (weaver/weaving/plugin_metrics.py):
 - `ColdLink` (a thread in the cold worker): for each pair it serves, waits for the hot
   engine's plan, creates the region for it (within the memory it lends), and answers with
   the region's name. A plan that changes (the hot engine restarted differently) gets a new
@@ -11,14 +12,16 @@ Under `weaver serve` the gateway connects each pair (weaver/server/weaving.py). 
   publishes the plan, attaches each new region the cold side answers with (a restarted cold
   engine's too: the running remote sequences' K/V is carried over by
   HotWeaving.take_over_from), and says whether the pair is connected, so that sequences are
-  placed remotely only then. Either engine may start first, die or restart.
-Both publish their counters for their server's /metrics. Pure Python: vLLM is reached
-through the callables the plugin hands in (weaver/vllm_ext/plugin_pairs.py).
+  placed remotely only then.
+Both publish their counters. Pure Python: vLLM is reached through the callables the engine
+hook hands in (weaver/vllm_ext/plugin_pairs.py).
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import json
 import logging
 import os
 import threading
@@ -31,6 +34,8 @@ from weaver.offload.naming import region_name, region_paths
 from weaver.weaving import rendezvous
 from weaver.weaving.cold import ColdWeaving
 from weaver.weaving.plan import PairPlan, region_bytes_of
+from weaver.weaving.rendezvous import PairFiles
+from weaver.weaving.series import WAIT_BUCKETS
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +45,9 @@ RETRY_AFTER_FAILURE_S = 5.0
 
 
 def _unnamed(plan_data: dict) -> dict:
-    return {**plan_data, "region_name": ""}
+    """A plan as data, without its region's name, as it reads back from a pair's file
+    (tuples become lists there)."""
+    return json.loads(json.dumps({**plan_data, "region_name": ""}))
 
 
 def remove_dead_cold_region(pair: str, answer: dict[str, Any] | None) -> list[str]:
@@ -63,8 +70,9 @@ def remove_dead_cold_region(pair: str, answer: dict[str, Any] | None) -> list[st
 
 
 class ColdLink:
-    def __init__(self, pairs: list[str], lend_bytes: int, cold_model: str, cold: ColdWeaving,
-                 make_executor: Callable[[PairPlan], Any]) -> None:
+    def __init__(self, files: PairFiles, pairs: list[str], lend_bytes: int, cold_model: str,
+                 cold: ColdWeaving, make_executor: Callable[[PairPlan], Any]) -> None:
+        self.files = files
         self.pairs = [rendezvous.check_pair_name(p) for p in pairs]
         self.lend_bytes = lend_bytes
         self.cold_model = cold_model
@@ -79,8 +87,8 @@ class ColdLink:
 
     def start(self) -> None:
         for pair in self.pairs:
-            remove_dead_cold_region(pair, rendezvous.read_even_if_dead(pair, "cold"))
-            rendezvous.publish(pair, "cold", {"status": "waiting", "model": self.cold_model})
+            remove_dead_cold_region(pair, self.files.read_even_if_dead(pair, "cold"))
+            self.files.publish(pair, "cold", {"status": "waiting", "model": self.cold_model})
         self._thread = threading.Thread(target=self._loop, name="weaver-cold-link",
                                         daemon=True)
         self._thread.start()
@@ -97,7 +105,7 @@ class ColdLink:
 
     def step(self, pair: str) -> None:
         """Serve the pair's hot plan if it is new or changed."""
-        hot = rendezvous.read(pair, "hot")
+        hot = self.files.read(pair, "hot")
         if hot is None:
             return  # no hot engine (yet, or any more): a region already made stays
         plan = PairPlan.from_dict(_unnamed(hot["plan"]))
@@ -111,9 +119,11 @@ class ColdLink:
             del self.served[pair]
             logger.info("weaving pair %s: the hot engine's plan changed; region %s closed",
                         pair, served.region_name)
-        wanted = region_bytes_of(plan.shape, plan.num_remote_blocks)
+        # Remote KV in this engine's unified pool is bounded by the pool's quotas; in a
+        # region, by what this engine lends.
+        wanted = region_bytes_of(plan.shape, plan.num_remote_blocks) if plan.pool is None else 0
         in_use = sum(region_bytes_of(p.shape, p.num_remote_blocks)
-                     for p in self.served.values())
+                     for p in self.served.values() if p.pool is None)
         if in_use + wanted > self.lend_bytes:
             reason = (f"the hot engine {plan.hot!r} wants {wanted / 2**30:.3f} GiB of KV, "
                       f"more than this cold engine's lend_kv_gib leaves "
@@ -121,7 +131,7 @@ class ColdLink:
                       "remote_kv_gib or raise this engine's lend_kv_gib")
             logger.error("weaving pair %s refused: %s", pair, reason)
             self.refused[pair] = repr(plan)
-            rendezvous.publish(pair, "cold", {"status": "refused", "reason": reason,
+            self.files.publish(pair, "cold", {"status": "refused", "reason": reason,
                                               "model": self.cold_model})
             return
         self.refused.pop(pair, None)
@@ -130,7 +140,7 @@ class ColdLink:
             f"wv{os.getpid()}r{self._num_regions}", plan.hot, pair))
         self.cold.add(named, self.make_executor)
         self.served[pair] = named
-        rendezvous.publish(pair, "cold", {
+        self.files.publish(pair, "cold", {
             "status": "ready", "model": self.cold_model, "region_name": named.region_name,
             "plan": named.to_dict(),
             "cuda_handle": self.cold.export_handles().get(named.region_name)})
@@ -142,7 +152,7 @@ class ColdLink:
         by_region = {s["region"]: s for s in self.cold.stats()}
         for pair, plan in self.served.items():
             stats = by_region.get(plan.region_name, {})
-            rendezvous.publish(pair, "cold.stats", {"hot": plan.hot, "cold": self.cold_model,
+            self.files.publish(pair, "cold.stats", {"hot": plan.hot, "cold": self.cold_model,
                                                     **stats})
 
     def close(self) -> None:
@@ -151,14 +161,15 @@ class ColdLink:
             self._thread.join(timeout=5)
             self._thread = None
         for pair in self.pairs:
-            rendezvous.withdraw(pair, "cold")
-            rendezvous.withdraw(pair, "cold.stats")
+            self.files.withdraw(pair, "cold")
+            self.files.withdraw(pair, "cold.stats")
 
 
 class HotLink:
-    def __init__(self, pair: str, plan: PairPlan,
+    def __init__(self, files: PairFiles, pair: str, plan: PairPlan,
                  attach: Callable[[dict, str | None], Any],
                  read_stats: Callable[[], dict]) -> None:
+        self.files = files
         self.pair = rendezvous.check_pair_name(pair)
         self.plan = plan
         self.attach = attach
@@ -167,12 +178,16 @@ class HotLink:
         self.connected = False
         self.num_attaches = 0
         self.num_attach_failures = 0
-        self.totals: dict[str, float] = {}
+        self.last_attach_error: str | None = None
+        # The offload waits so far, cumulative per bucket of WAIT_BUCKETS (+Inf last), and
+        # their sum: a histogram any reader can export.
+        self.wait_counts = [0] * (len(WAIT_BUCKETS) + 1)
+        self.wait_sum_s = 0.0
         self._next_look = 0.0
         self._next_stats = 0.0
         self._said_gone = False
         self._said_refused: str | None = None
-        rendezvous.publish(pair, "hot", {"plan": plan.to_dict(), "model": plan.hot})
+        files.publish(pair, "hot", {"plan": plan.to_dict(), "model": plan.hot})
 
     def tick(self, now: float | None = None) -> None:
         """Called by the scheduler before each step; looks at the cold side's file at most
@@ -188,7 +203,7 @@ class HotLink:
     def _look(self, now: float) -> None:
         # One read of the cold side's file: alive, it is the answer; dead, its region's
         # names are removed (nothing left to remove after the first time).
-        cold = rendezvous.read_even_if_dead(self.pair, "cold")
+        cold = self.files.read_even_if_dead(self.pair, "cold")
         if cold is not None and not rendezvous.is_alive(cold.get("pid")):
             remove_dead_cold_region(self.pair, cold)
             cold = None
@@ -214,6 +229,7 @@ class HotLink:
             self.attach(cold["plan"], cold.get("cuda_handle"))
         except Exception as exc:  # the pair stays local; tried again later
             self.num_attach_failures += 1
+            self.last_attach_error = repr(exc)
             self._next_look = now + RETRY_AFTER_FAILURE_S
             self.connected = False
             logger.error("weaving pair %s: attaching region %s failed (%r); retrying in "
@@ -233,12 +249,16 @@ class HotLink:
             logger.warning("weaving pair %s: counters unavailable: %r", self.pair, exc)
             return
         hot = dict(stats.get("hot") or {})
-        hot.pop("wait_seconds", None)
-        rendezvous.publish(self.pair, "hot.stats", {
-            "hot": self.plan.hot, "cold": self.pair, "connected": self.connected,
-            "attaches": self.num_attaches, "attach_failures": self.num_attach_failures,
-            **hot})
+        for seconds in hot.pop("wait_seconds", ()):
+            self.wait_counts[bisect.bisect_left(WAIT_BUCKETS, seconds)] += 1
+            self.wait_sum_s += seconds
+        self.files.publish(self.pair, "hot.stats", {
+            "hot": self.plan.hot, "cold": self.plan.cold, "connected": self.connected,
+            "attached_region": self.attached_region, "attaches": self.num_attaches,
+            "attach_failures": self.num_attach_failures,
+            "last_attach_error": self.last_attach_error, "wait_counts": self.wait_counts,
+            "wait_sum_s": self.wait_sum_s, **hot})
 
     def close(self) -> None:
-        rendezvous.withdraw(self.pair, "hot")
-        rendezvous.withdraw(self.pair, "hot.stats")
+        self.files.withdraw(self.pair, "hot")
+        self.files.withdraw(self.pair, "hot.stats")

@@ -1,9 +1,12 @@
 """What each side of a weaving pair must agree on, computed once from the deployment.
 
-The gateway computes a `PairPlan` per hot→cold pair before any engine starts and hands
-it to both engines (vLLM's `additional_config`), so the hot scheduler's remote block
-count, the hot worker's view of the region and the cold worker's region are sized by
-one formula. Pure Python: reads the hot model's `config.json`, imports no vLLM.
+A `PairPlan` per hot→cold pair is computed before the hot engine starts (by `weaver serve`
+from the deployment, `plan_pairs`; under plain `vllm serve` by the hot engine from its own
+model, `plugin_hot_plan`) and handed to it in vLLM's `additional_config`; the hot engine
+publishes it to the cold one (weaver/weaving/pair_link.py), which names the region when it
+accepts it. So the hot scheduler's remote block count, the hot worker's view of the region
+and the cold worker's region are sized by one formula. Pure Python: reads the hot model's
+`config.json`, imports no vLLM.
 """
 
 from __future__ import annotations
@@ -158,28 +161,12 @@ def plan_pairs(
                 pools[cold.name] = plan_pool(deployment, cold, model_dirs, shm_prefix)
             pool = pools[cold.name]
             num_remote_blocks = pool.max_blocks(hot.name)  # the id space; quota bounds use
-        max_blocks_per_seq = math.ceil(hot.max_model_len / shape.block_size)
-        if num_remote_blocks < max_blocks_per_seq:
-            raise ValueError(
-                f"cold model {cold.name!r} lends {cold.lend_kv_gib} GiB = {num_remote_blocks} "
-                f"blocks of {hot.name!r}, fewer than one {hot.max_model_len}-token sequence "
-                f"needs ({max_blocks_per_seq}); raise lend_kv_gib"
-            )
-        plans.append(PairPlan(
-            hot=hot.name,
-            cold=cold.name,
-            region_name=region_name(shm_prefix, hot.name, cold.name),
-            shape=shape,
-            num_remote_blocks=num_remote_blocks,
-            max_seqs_per_task=hot.max_num_seqs,
-            max_blocks_per_seq=max_blocks_per_seq,
-            offload_ratio=pair.offload_ratio,
-            timeout_s=pair.timeout_s,
-            pool=pool,
-            transport="shm" if hot.device == "cpu" else "cuda",
-            hot_tpot_ms=pair.hot_tpot_ms,
-            cold_tpot_budget=pair.cold_tpot_budget,
-        ))
+        plans.append(pair_plan(
+            hot.name, cold.name, shape, num_remote_blocks, hot.max_model_len, hot.max_num_seqs,
+            {"offload_ratio": pair.offload_ratio, "timeout_s": pair.timeout_s,
+             "hot_tpot_ms": pair.hot_tpot_ms, "cold_tpot_budget": pair.cold_tpot_budget},
+            "shm" if hot.device == "cpu" else "cuda", pool,
+            short_of=f"cold model {cold.name!r} lends {cold.lend_kv_gib} GiB; raise lend_kv_gib"))
     return plans
 
 
@@ -191,23 +178,32 @@ def region_bytes_of(shape: HotAttentionShape, num_remote_blocks: int) -> int:
     return probe.kv_block_bytes * shape.num_layers * num_remote_blocks
 
 
+def pair_plan(hot: str, cold: str, shape: HotAttentionShape, num_remote_blocks: int,
+              max_model_len: int, max_num_seqs: int, policy: dict, transport: str,
+              pool: PoolPlan | None = None, *, short_of: str) -> PairPlan:
+    """A pair's plan, the region unnamed (the cold engine names it when it accepts the
+    plan). `policy`: offload_ratio, timeout_s, hot_tpot_ms and cold_tpot_budget;
+    `short_of`: what to say (and change) when the remote blocks hold no whole sequence."""
+    max_blocks_per_seq = math.ceil(max_model_len / shape.block_size)
+    if num_remote_blocks < max_blocks_per_seq:
+        raise ValueError(
+            f"{num_remote_blocks} remote blocks of {hot!r} are fewer than one "
+            f"{max_model_len}-token sequence needs ({max_blocks_per_seq}): {short_of}")
+    return PairPlan(hot=hot, cold=cold, region_name="", shape=shape,
+                    num_remote_blocks=num_remote_blocks, max_seqs_per_task=max_num_seqs,
+                    max_blocks_per_seq=max_blocks_per_seq, pool=pool, transport=transport,
+                    **policy)
+
+
 def plugin_hot_plan(hot: str, pair: str, shape: HotAttentionShape, remote_kv_gib: float,
                     max_model_len: int, max_num_seqs: int, policy: dict,
                     transport: str) -> PairPlan:
     """A hot engine's plan under plain `vllm serve` (weaver/weaving/rendezvous.py): sized
-    by the hot engine alone, from its own model and the KV it places remotely; the cold
-    engine names the region when it accepts the plan (region_name is empty until then).
-    `policy`: offload_ratio, timeout_s, hot_tpot_ms and cold_tpot_budget."""
+    by the hot engine alone, from its own model and the KV it places remotely."""
     num_remote_blocks = int(remote_kv_gib * GiB) // region_bytes_of(shape, 1)
-    max_blocks_per_seq = math.ceil(max_model_len / shape.block_size)
-    if num_remote_blocks < max_blocks_per_seq:
-        raise ValueError(
-            f"weaver remote_kv_gib {remote_kv_gib} is {num_remote_blocks} blocks of {hot!r}, "
-            f"fewer than one {max_model_len}-token sequence needs ({max_blocks_per_seq}); "
-            "raise remote_kv_gib (and the cold engine's lend_kv_gib with it)")
-    return PairPlan(hot=hot, cold=pair, region_name="", shape=shape,
-                    num_remote_blocks=num_remote_blocks, max_seqs_per_task=max_num_seqs,
-                    max_blocks_per_seq=max_blocks_per_seq, transport=transport, **policy)
+    return pair_plan(hot, pair, shape, num_remote_blocks, max_model_len, max_num_seqs, policy,
+                     transport, short_of=f"weaver remote_kv_gib is {remote_kv_gib}; raise it "
+                     "(and the cold engine's lend_kv_gib with it)")
 
 
 def tenant_shape(model_dir: Path, spec: ModelSpec) -> TenantShape:

@@ -1,12 +1,13 @@
-"""How two engines of one weaving pair find each other with no Weaver process in front.
+"""How the two engines of a weaving pair find each other.
 
-Under plain `vllm serve` (Weaver's plugin, weaver/vllm_ext/plugin_pairs.py) a hot and a cold
-engine on one node meet by the pair name they were both given, through small JSON files in
-a runtime directory ($WEAVER_RUNTIME_DIR, default /dev/shm/weaver-pairs-<uid>):
+Under either launcher a hot and a cold engine on one node meet by the pair name they were
+both given, through small JSON files in a runtime directory (under plain `vllm serve`, with
+Weaver's plugin: $WEAVER_RUNTIME_DIR, default /dev/shm/weaver-pairs-<uid>; under `weaver
+serve`, a directory of the gateway's own, weaver/server/weaving.py):
 - `<pair>.hot.json`: the hot engine's plan (weaver/weaving/plan.py) and its process id;
 - `<pair>.cold.json`: the cold engine's answer: the region it created for that plan (or
   why it refused it) and its process id;
-- `<pair>.<side>.stats.json`: each side's counters, for its server's /metrics.
+- `<pair>.<side>.stats.json`: each side's counters, for /metrics and /health.
 Each file is written whole (a temporary file renamed over it), so a reader never sees half
 of one; a file whose process is gone is treated as absent, so either engine may start first,
 die or restart. Pure Python: no vLLM, no torch.
@@ -19,6 +20,7 @@ import json
 import logging
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +45,6 @@ def runtime_dir() -> Path:
     return Path(configured) if configured else Path(f"/dev/shm/weaver-pairs-{os.getuid()}")
 
 
-def _path(pair: str, name: str) -> Path:
-    return runtime_dir() / f"{check_pair_name(pair)}.{name}.json"
-
-
 def is_alive(pid: Any) -> bool:
     if not isinstance(pid, int) or pid <= 0:
         return False
@@ -59,34 +57,41 @@ def is_alive(pid: Any) -> bool:
     return True
 
 
-def publish(pair: str, name: str, data: dict[str, Any]) -> None:
-    """Write `<pair>.<name>.json` whole, with this process's id."""
-    path = _path(pair, name)
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # made by the first writer
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps({**data, "pid": os.getpid()}))
-    os.replace(temporary, path)
+@dataclass(frozen=True)
+class PairFiles:
+    """The pairs' files in one directory: `runtime_dir()` under plain `vllm serve`, a
+    directory of its own under each `weaver serve` (its pairs' names are its own)."""
 
+    root: Path
 
-def read(pair: str, name: str) -> dict[str, Any] | None:
-    """`<pair>.<name>.json`, or None when it is missing, unreadable or its process is gone."""
-    data = read_even_if_dead(pair, name)
-    return data if data is not None and is_alive(data.get("pid")) else None
+    def path(self, pair: str, name: str) -> Path:
+        return self.root / f"{check_pair_name(pair)}.{name}.json"
 
+    def publish(self, pair: str, name: str, data: dict[str, Any]) -> None:
+        """Write `<pair>.<name>.json` whole, with this process's id."""
+        path = self.path(pair, name)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # made by the first writer
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        temporary.write_text(json.dumps({**data, "pid": os.getpid()}))
+        os.replace(temporary, path)
 
-def read_even_if_dead(pair: str, name: str) -> dict[str, Any] | None:
-    """The file whatever became of its writer (a successor cleans up after a dead one)."""
-    try:
-        data = json.loads(_path(pair, name).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+    def read(self, pair: str, name: str) -> dict[str, Any] | None:
+        """`<pair>.<name>.json`, or None when it is missing, unreadable or its process is
+        gone."""
+        data = self.read_even_if_dead(pair, name)
+        return data if data is not None and is_alive(data.get("pid")) else None
 
+    def read_even_if_dead(self, pair: str, name: str) -> dict[str, Any] | None:
+        """The file whatever became of its writer (a successor cleans up after a dead one)."""
+        try:
+            data = json.loads(self.path(pair, name).read_text())
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
 
-def withdraw(pair: str, name: str) -> None:
-    """Remove `<pair>.<name>.json` if this process wrote it (a successor's stays)."""
-    path = _path(pair, name)
-    data = read_even_if_dead(pair, name)
-    if data is not None and data.get("pid") == os.getpid():
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+    def withdraw(self, pair: str, name: str) -> None:
+        """Remove `<pair>.<name>.json` if this process wrote it (a successor's stays)."""
+        data = self.read_even_if_dead(pair, name)
+        if data is not None and data.get("pid") == os.getpid():
+            with contextlib.suppress(FileNotFoundError):
+                self.path(pair, name).unlink()

@@ -1,6 +1,6 @@
-"""The weaving counters' Prometheus series (name without `_total`, help, labels), as both
-exporters publish them: the gateway under `weaver serve` (weaver/server/weaving.py) and
-each server's own /metrics under plain `vllm serve` (weaver/weaving/plugin_metrics.py)."""
+"""The weaving pairs' Prometheus series (name without `_total`, help, labels), as the one
+exporter (weaver/weaving/pair_metrics.py) publishes them: in the gateway's /metrics under
+`weaver serve`, in each server's own under plain `vllm serve`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,16 @@ OFFLOAD_FALLBACKS = (
     "weaver_offload_fallbacks",
     "Remote decode-attention tasks computed on the hot side because the cold side failed or "
     "timed out", ("model",))
+OFFLOAD_WAIT = ("weaver_offload_wait_seconds",
+                "Hot side's wait for a remote attention task (publish to output)",
+                ("hot", "cold"))
+# Fine below 10 ms, where operator splitting moves the offload wait (benchmarks/split_wait.py
+# reads p50/p99 from these buckets).
+WAIT_BUCKETS = (5e-5, 1e-4, 1.5e-4, 2e-4, 2.5e-4, 3e-4, 4e-4, 5e-4, 6e-4, 7.5e-4, 1e-3, 1.25e-3,
+                1.5e-3, 2e-3, 2.5e-3, 3e-3, 4e-3, 5e-3, 6e-3, 7.5e-3, 1e-2, 1.5e-2, 2.5e-2,
+                5e-2, 0.1, 0.5, 1.0, 5.0)
+REMOTE_BLOCKS = ("weaver_remote_kv_blocks_used", "Remote KV blocks held by running hot sequences",
+                 ("hot", "cold"))
 COLD_BUSY = (
     "weaver_offload_cold_busy_seconds",
     "Cold side's time serving a hot model's attention tasks, by where: at poll points inside "

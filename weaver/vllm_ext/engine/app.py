@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import os
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -59,6 +60,17 @@ class EngineHandle:
 
     async def check_health(self) -> None:
         await self.client.check_health()
+
+    async def step_once(self) -> None:
+        """Make the engine run a step: a one-token request of token id 0. An idle engine
+        steps only for requests, and a hot engine links its weaving pair before a step
+        (weaver/vllm_ext/pair_links.py), so the gateway sends this to have it link now."""
+        from vllm import SamplingParams
+
+        request_id = f"weaver-step-{uuid.uuid4().hex}"
+        async for _ in self.client.generate({"prompt_token_ids": [0]},
+                                            SamplingParams(max_tokens=1), request_id):
+            pass
 
     def describe(self) -> dict[str, Any]:
         return {
