@@ -6,7 +6,7 @@ import pytest
 
 from weaver.config.deployment import parse_deployment
 from weaver.weaving.placement import Placement, RatioPlacement
-from weaver.weaving.plan import PairPlan, lend_kv_gib_for, plan_pairs
+from weaver.weaving.plan import PairPlan, lend_kv_gib_for, plan_pairs, region_bytes_of
 
 
 def placements(ratio: float, n: int) -> str:
@@ -155,3 +155,18 @@ def test_a_hot_model_of_another_dtype_is_refused_by_a_unified_pool(tmp_path):
 def test_unified_kv_is_for_cold_models_only():
     with pytest.raises(ValueError, match="unified_kv is for cold models only"):
         parse_deployment({"models": [{"name": "a", "model": "x", "unified_kv": True}]})
+
+
+def test_two_hot_models_share_what_their_cold_model_lends(tmp_path):
+    dirs = {"h": write_model(tmp_path, "h", 30, 9, 3, 576), "c": tmp_path}
+    dirs["h2"] = dirs["h"]
+    hot = {"model": "x", "role": "hot", "block_size": 32, "max_model_len": 512}
+    shared = parse_deployment({
+        "models": [{"name": "h", **hot}, {"name": "h2", **hot},
+                   {"name": "c", "model": "y", "role": "cold", "lend_kv_gib": 0.25}],
+        "weaving": [{"hot": "h", "cold": ["c"]}, {"hot": "h2", "cold": ["c"]}]})
+    plans = plan_pairs(shared, dirs, "pfx")
+    # Half of 0.25 GiB each, in SmolLM2's blocks (30 x 3 x 32 x 2 x 64 x 4 bytes).
+    assert [p.num_remote_blocks for p in plans] == [(1 << 27) // (30 * 3 * 32 * 2 * 64 * 4)] * 2
+    total = sum(region_bytes_of(p.shape, p.num_remote_blocks) for p in plans)
+    assert total <= 0.25 * 2**30  # within the loan, as the cold side's ColdLink checks

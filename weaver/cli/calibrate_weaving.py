@@ -155,7 +155,7 @@ def _inputs(args: argparse.Namespace):
     hot = {"block_size": block_size_of(hot_spec),
            "max_model_len": hot_spec.max_model_len or ServingPlan.max_model_len,
            "local_blocks": num_usable_blocks(hot_spec, kv),
-           "remote_blocks": num_lent_blocks(cold_spec, block_bytes),
+           "remote_blocks": num_lent_blocks(deployment, cold_spec, block_bytes),
            "first_core": min(cores)}
     return profile, pair, hot, path
 

@@ -120,10 +120,12 @@ def attention_shape_of(config: dict, dtype: str, block_size: int,
     )
 
 
-def num_lent_blocks(cold: ModelSpec, block_bytes: int) -> int:
-    """Whole hot-model blocks of `block_bytes` in the memory the cold model lends
-    (`lend_kv_gib`, floored to whole blocks)."""
-    return int(cold.lend_kv_gib * GiB) // block_bytes
+def num_lent_blocks(deployment: Deployment, cold: ModelSpec, block_bytes: int) -> int:
+    """Whole hot-model blocks of `block_bytes` in one hot model's share of the memory the
+    cold model lends: `lend_kv_gib` split evenly among the hot models weaving into it (its
+    ColdLink refuses plans that together ask for more), floored to whole blocks."""
+    num_hots = max(1, sum(1 for pair in deployment.weaving if cold.name in pair.cold))
+    return int(cold.lend_kv_gib * GiB) // num_hots // block_bytes
 
 
 def lend_kv_gib_for(num_blocks: int, block_bytes: int) -> str:
@@ -154,7 +156,7 @@ def plan_pairs(
         cold = deployment.model(pair.cold[0])
         shape = read_attention_shape(model_dirs[hot.name], hot.dtype, block_size_of(hot),
                                      kv_format_of(hot))
-        num_remote_blocks = num_lent_blocks(cold, region_bytes_of(shape, 1))
+        num_remote_blocks = num_lent_blocks(deployment, cold, region_bytes_of(shape, 1))
         pool = None
         if cold.unified_kv:
             if cold.name not in pools:
