@@ -212,3 +212,25 @@ def test_the_schedulers_feed_times_steps_and_reads_the_pair_every_interval(monke
     feed.step_starts(now=2 * PAIR_LOAD_INTERVAL_S)  # a failed read keeps the last view
     assert len(reads) == 2 and placement.load.cold_inflation == 1.3
     assert any("unavailable" in text for text in warnings)
+
+
+def test_the_feed_logs_a_cut_of_the_remote_cap_but_not_its_growth(monkeypatch):
+    from weaver.weaving import placement_feed
+    from weaver.weaving.placement_feed import PAIR_LOAD_INTERVAL_S, PlacementFeed
+
+    placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=0.050, min_tpot_samples=2))
+    feed = PlacementFeed(placement, "hot")
+    said = []
+    monkeypatch.setattr(placement_feed.logger, "info",
+                        lambda message, *args: said.append(message % args))
+    for step in range(3):  # woven steps over the target: the cap is cut to 3/4 of 4
+        feed.step_starts(now=step * PAIR_LOAD_INTERVAL_S)
+        feed.step_ended(2, 4, True, now=step * PAIR_LOAD_INTERVAL_S + 0.080)
+    feed.step_starts(now=3 * PAIR_LOAD_INTERVAL_S)
+    assert placement.remote_cap == 3
+    assert said == ["weaving hot: weaving: at most 3 remote sequences (woven hot steps take "
+                    "80.0 ms on average, over the TPOT target 50.0 ms)"]
+    for step in range(4, 10):  # fast steps at the cap: it grows, one by one, unlogged
+        feed.step_starts(now=step * PAIR_LOAD_INTERVAL_S)
+        feed.step_ended(2, 3, True, now=step * PAIR_LOAD_INTERVAL_S + 0.010)
+    assert placement.remote_cap > 3 and len(said) == 1

@@ -38,10 +38,13 @@ class PlacementFeed:
         if now >= self._next_load:
             self._next_load = now + PAIR_LOAD_INTERVAL_S
             self._read_pair_load()
-            remote_first = self.placement.remote_first
+            remote_first, cap = self.placement.remote_first, self.placement.remote_cap
             if self.placement.update(now):  # stepped aside or resumed
                 logger.warning("weaving %s: %s", self.hot, self.placement.reason)
-            elif self.placement.remote_first != remote_first:
+            elif self.placement.remote_first != remote_first or _was_cut(
+                    cap, self.placement.remote_cap):
+                # The order's flips and the cap's cuts (not its one-by-one growth, which
+                # would log every update under load).
                 logger.info("weaving %s: %s", self.hot, self.placement.reason)
         self._step_started = now
 
@@ -63,3 +66,7 @@ class PlacementFeed:
             return
         if load is not None:
             self.placement.observe_pair(PairLoad(**load))
+
+
+def _was_cut(before: int | None, after: int | None) -> bool:
+    return after is not None and (before is None or after < before)
