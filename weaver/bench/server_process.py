@@ -45,7 +45,10 @@ class RunningServer:
         return self.log_path.read_text(errors="replace")[-num_chars:]
 
     def kill_tree(self) -> None:
-        """SIGKILL to the server and every process it started, as a crash would."""
+        """SIGKILL to the server and every process it started, as a crash would; then
+        what they had mapped in /dev/shm and could not unlink is removed, as the test or
+        benchmark that killed them owes."""
+        mapped = self.mapped_shm()
         victims = self.descendants()
         with contextlib.suppress(psutil.NoSuchProcess):
             victims.append(psutil.Process(self.process.pid))
@@ -54,6 +57,26 @@ class RunningServer:
                 victim.kill()
         psutil.wait_procs(victims, timeout=30)
         self.process.poll()
+        unlink_left_over(mapped)
+
+    def mapped_shm(self) -> set[str]:
+        """The /dev/shm files the server and its processes map or hold open now (a
+        region's doorbell pipes are open, not mapped)."""
+        paths: set[str] = set()
+        processes = self.descendants()
+        with contextlib.suppress(psutil.NoSuchProcess):
+            processes.append(psutil.Process(self.process.pid))
+        for proc in processes:
+            with contextlib.suppress(psutil.Error):
+                paths.update(m.path.removesuffix(" (deleted)") for m in proc.memory_maps()
+                             if m.path.startswith("/dev/shm/"))
+            with contextlib.suppress(OSError):
+                for fd in os.listdir(f"/proc/{proc.pid}/fd"):
+                    with contextlib.suppress(OSError):
+                        target = os.readlink(f"/proc/{proc.pid}/fd/{fd}")
+                        if target.startswith("/dev/shm/"):
+                            paths.add(target)
+        return paths
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 90) -> int:
         if self.process.poll() is None:
@@ -91,13 +114,27 @@ def _server(command: list[str], extra_args: list[str], log_path: Path,
         _wait_ready(server)
         yield server
     finally:
-        leftovers = server.descendants()
+        leftovers, mapped = server.descendants(), server.mapped_shm()
         if server.process.poll() is None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 server.stop(signal.SIGTERM, timeout_s=90)
         for child in leftovers:
             with contextlib.suppress(psutil.NoSuchProcess):
                 child.kill()
+        psutil.wait_procs(leftovers, timeout=30)
+        # A plain `vllm serve` force-kills its workers on SIGTERM (its --shutdown-timeout
+        # is 0 by default), so their message queues and a cold worker's regions stay.
+        unlink_left_over(mapped)
+
+
+def unlink_left_over(paths: set[str]) -> list[str]:
+    """Unlink those of `paths` that are still there (their processes are gone)."""
+    removed = []
+    for path in sorted(paths):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(path)
+    return removed
 
 
 def vllm_cli() -> list[str]:
