@@ -99,23 +99,33 @@ def test_woven_steps_over_the_target_cap_the_remote_sequences_then_the_cap_grows
     placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=0.050))
     feed(placement, steps(0.030, 0.002, 0.004, LOCAL_BATCHES))
     # A compute-bound batch: 4 local + 8 remote take 70 ms, over the 50 ms target.
-    _, changes = feed(placement, [(0.070, 4, 8, True)] * 25, start=2.0)
+    _, changes = feed(placement, [(0.070, 4, 8, True)] * 60, start=2.0)
     assert changes == [] and placement.is_open
     assert placement.remote_cap == 6  # 3/4 of the 8 running
     assert placement.order(4, 6) == [Placement.LOCAL]  # full: new requests wait
     assert placement.order(4, 5) == BOTH
     # At the cap, woven steps well under the target: one more each update.
-    feed(placement, [(0.040, 4, 6, True)] * 25, start=10.0)
+    feed(placement, [(0.040, 4, 6, True)] * 60, start=10.0)
     assert placement.remote_cap > 6
 
 
 def test_a_cap_that_falls_to_zero_steps_aside_then_resumes_with_one():
     placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=0.050, cooldown_s=5.0))
-    now, changes = feed(placement, [(0.080, 4, 1, True)] * 25)
+    now, changes = feed(placement, [(0.080, 4, 1, True)] * 60)
     assert changes and not placement.is_open and placement.order(4, 0) == [Placement.LOCAL]
     assert "TPOT target" in placement.reason and placement.num_step_asides == 1
     assert not placement.update(now + 1.0)  # the cool-down
     assert placement.update(now + 5.1) and placement.is_open and placement.remote_cap == 1
+
+
+def test_a_burst_of_slow_steps_shorter_than_a_decode_is_not_a_tpot():
+    """A burst of arrivals whose prompts lengthen a few seconds of steps: the mean a
+    sequence's TPOT takes (about 100 steps) stays under the target, so nothing is cut (a
+    cut would make the next arrivals queue)."""
+    placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=0.060))
+    burst = [(0.040, 4, 4, True)] * 100 + [(0.120, 4, 4, False)] * 15
+    _, changes = feed(placement, burst + [(0.040, 4, 4, True)] * 30)
+    assert changes == [] and placement.remote_cap is None
 
 
 def test_one_slow_prompt_step_is_not_a_tpot():
