@@ -19,6 +19,7 @@ import httpx
 import psutil
 
 READY_TIMEOUT_S = 420.0
+CHILD_EXIT_GRACE_S = 10.0  # a stopped server's processes' time to end by themselves
 
 
 def free_port() -> int:
@@ -70,12 +71,7 @@ class RunningServer:
             with contextlib.suppress(psutil.Error):
                 paths.update(m.path.removesuffix(" (deleted)") for m in proc.memory_maps()
                              if m.path.startswith("/dev/shm/"))
-            with contextlib.suppress(OSError):
-                for fd in os.listdir(f"/proc/{proc.pid}/fd"):
-                    with contextlib.suppress(OSError):
-                        target = os.readlink(f"/proc/{proc.pid}/fd/{fd}")
-                        if target.startswith("/dev/shm/"):
-                            paths.add(target)
+            paths.update(_open_shm_files(proc.pid))
         return paths
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 90) -> int:
@@ -118,23 +114,49 @@ def _server(command: list[str], extra_args: list[str], log_path: Path,
         if server.process.poll() is None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 server.stop(signal.SIGTERM, timeout_s=90)
-        for child in leftovers:
+        # Its processes get a moment to end on their own first: a resource tracker
+        # unlinks its creators' semaphores once they are gone, unless it is killed.
+        _, survivors = psutil.wait_procs(leftovers, timeout=CHILD_EXIT_GRACE_S)
+        for child in survivors:
             with contextlib.suppress(psutil.NoSuchProcess):
                 child.kill()
-        psutil.wait_procs(leftovers, timeout=30)
+        psutil.wait_procs(survivors, timeout=30)
         # A plain `vllm serve` force-kills its workers on SIGTERM (its --shutdown-timeout
         # is 0 by default), so their message queues and a cold worker's regions stay.
         unlink_left_over(mapped)
 
 
 def unlink_left_over(paths: set[str]) -> list[str]:
-    """Unlink those of `paths` that are still there (their processes are gone)."""
+    """Unlink those of `paths` that no live process maps or holds open any more (a
+    stopped hot server mapped its cold server's region, which must stay)."""
     removed = []
-    for path in sorted(paths):
+    for path in sorted(paths - shm_in_use()):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
             removed.append(path)
     return removed
+
+
+def shm_in_use() -> set[str]:
+    """The /dev/shm files that some live process maps or holds open."""
+    used: set[str] = set()
+    for pid in psutil.pids():
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+            used.update(line.split(None, 5)[5].strip().removesuffix(" (deleted)")
+                        for line in maps if "/dev/shm/" in line)
+        used.update(_open_shm_files(pid))
+    return used
+
+
+def _open_shm_files(pid: int) -> set[str]:
+    paths = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("/dev/shm/"):
+                    paths.add(target)
+    return paths
 
 
 def vllm_cli() -> list[str]:
