@@ -35,7 +35,7 @@ def on_engine_core_ready(engine_core: Any) -> None:
         raise ValueError("a hot engine's link section needs its plan (additional_config "
                          "weaver.hot)")
     (pair,) = link.pairs
-    engine_core.scheduler.weaver_link = HotLink(
+    engine_core.scheduler.weaver_hot.link = HotLink(
         PairFiles(Path(link.root)), pair, plan,
         attach=lambda plan_data, handle: rpc("weaver_attach_hot", args=(plan_data, handle)),
         read_stats=lambda: rpc("weaver_stats")[0])

@@ -1,9 +1,9 @@
 """Weaver's scheduler (``--scheduler-cls``): vLLM's own, with a second block pool on a hot
 engine and the unified pool's allocator on a cold engine that keeps its KV there.
 
-Composed, not copied (docs/vllm-hooks.md, "Scheduler"):
-- a hot engine (its ``additional_config`` carries a weaving plan): after vLLM's
-  ``Scheduler.__init__`` the KV-cache manager is wrapped by ``RoutingKVCacheManager``
+Composed, not copied (docs/vllm-hooks.md, "Scheduler"), one collaborator per role:
+- a hot engine (its ``additional_config`` carries a weaving plan; ``HotRouting``): after
+  vLLM's ``Scheduler.__init__`` the KV-cache manager is wrapped by ``RoutingKVCacheManager``
   (patches/routing_kv_cache_manager.py), which owns two ``KVCacheManager``s. The remote one
   is built over ``num_local + num_remote`` blocks with ids ``1..num_local-1`` pinned, so it
   hands out exactly ``[num_local, num_local + num_remote)``. Those ids travel unchanged to
@@ -13,8 +13,9 @@ Composed, not copied (docs/vllm-hooks.md, "Scheduler"):
   are leased from its allocator a step at a time (``weaver.kv.lease``).
 - a pool engine (a cold engine with ``unified_kv``): its block pool allocates through the
   pool's allocator, which this process owns (``weaver.kv.owner.PoolOwner``).
-- an engine of a colocated group with ``unified_kv``: its block pool takes every block from
-  a lease on the pool the gateway hosts (``weaver.kv.owner.HostedPool``), synced each step.
+- an engine of a colocated group with ``unified_kv`` (``LeaseKeeper``): its block pool takes
+  every block from a lease on the pool the gateway hosts (``weaver.kv.owner.HostedPool``),
+  synced each step.
 Any other engine runs vLLM's scheduler unchanged.
 """
 
@@ -46,6 +47,8 @@ from weaver.weaving.placement_feed import PlacementFeed
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
+
+    from weaver.weaving.plan import PairPlan
 
 logger = logging.getLogger(__name__)
 
@@ -83,10 +86,10 @@ def connect_pair_load(engine_core: Any) -> None:
     """Once an EngineCore is up: an adaptive hot scheduler reads its pair's load from its
     worker through vLLM's collective_rpc (weaver/vllm_ext/worker.py weaver_pair_load)."""
     scheduler = engine_core.scheduler
-    if isinstance(scheduler, WeaverScheduler) and scheduler.weaver_feed is not None:
+    hot = scheduler.weaver_hot if isinstance(scheduler, WeaverScheduler) else None
+    if hot is not None and hot.feed is not None:
         rpc = engine_core.model_executor.collective_rpc
-        scheduler.weaver_feed.read_pair_load = \
-            lambda report: rpc("weaver_pair_load", args=(report,))[0]
+        hot.feed.read_pair_load = lambda report: rpc("weaver_pair_load", args=(report,))[0]
 
 
 class RoutingKVCacheManager:
@@ -217,22 +220,16 @@ for _name in LOCAL_METHODS:
 
 
 class WeaverScheduler(Scheduler):
-    """vLLM's scheduler with a remote block pool when the engine is a weaving hot model,
-    allocating through the unified KV pool when the engine keeps its KV there (cold
-    engines with unified_kv); exactly vLLM's scheduler otherwise."""
+    """vLLM's scheduler, with at most one collaborator per role the engine has (each None
+    otherwise, and then exactly vLLM's scheduler):
+    - `weaver_hot` (a weaving hot engine): its remote pool, placement and pair link;
+    - `weaver_pool` (a cold engine with unified_kv): the owner of the pool its KV lives in;
+    - `weaver_lease` (an engine of a colocated group with unified_kv): every block leased
+      from the pool the gateway hosts."""
 
-    weaver_pool: PoolOwner | None = None  # an engine whose KV lives in a unified pool
-    # A lease in such a pool: a hot engine's remote blocks, or (weaver_lease_is_local) every
-    # block of a colocated engine whose group keeps its KV in one pool.
-    weaver_lease: LeasedTenantAllocator | None = None
-    weaver_lease_is_local = False
-    weaver_num_reclaim_preemptions = 0  # remote requests preempted to give memory back
-    # The pair's HotLink (weaver/weaving/pair_link.py), set once the EngineCore is up
-    # (weaver/vllm_ext/pair_links.py).
-    weaver_link: Any = None
-    weaver_placement: RatioPlacement | AdaptivePlacement | None = None
-    # offload_ratio auto: each step's time and batch, and the pair's load, for the policy
-    weaver_feed: PlacementFeed | None = None
+    weaver_hot: HotRouting | None = None
+    weaver_pool: PoolOwner | None = None
+    weaver_lease: LeaseKeeper | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -241,81 +238,35 @@ class WeaverScheduler(Scheduler):
             if pool[0].tenant(pool[1]).is_owner:
                 self.weaver_pool = open_pool_owner(*pool, self.kv_cache_manager.block_pool)
             else:
-                self._lease_every_block(*pool)
+                self.weaver_lease = LeaseKeeper.for_colocated(self, *pool)
         plan = hot_plan(self.vllm_config)
-        if plan is None:
-            return
-        local = self.kv_cache_manager
-        num_local = local.block_pool.num_gpu_blocks
-        remote_config = copy.deepcopy(self.kv_cache_config)
-        remote_config.num_blocks = num_local + plan.num_remote_blocks
-        remote = KVCacheManager(
-            kv_cache_config=remote_config,
-            max_model_len=self.max_model_len,
-            max_in_flight_tokens=self.vllm_config.max_in_flight_tokens,
-            enable_caching=False,
-            scheduler_block_size=self.block_size,
-            hash_block_size=self.hash_block_size,
-        )
-        # Block 0 is the pool's null block; pin 1..num_local-1 so that the remote pool
-        # hands out only ids above the local range.
-        remote.block_pool.get_new_blocks(num_local - 1)
-        if plan.pool is not None:
-            # The remote blocks are the hot tenant's blocks of the cold device's unified
-            # pool: leased from its allocator (in the cold engine), synced every step.
-            self.weaver_lease = LeasedTenantAllocator(
-                PoolClient(plan.pool), plan.hot, plan.pool.max_blocks(plan.hot),
-                # schedule() sets the target every step; this is the first one's.
-                lease_blocks=plan.max_blocks_per_seq)
-            AllocatorBlockPool.adopt(remote.block_pool, self.weaver_lease, plan.hot, num_local)
-        self.weaver_placement = placement_for(plan.offload_ratio, plan.adaptive_targets())
-        if isinstance(self.weaver_placement, AdaptivePlacement):
-            self.weaver_feed = PlacementFeed(self.weaver_placement, plan.hot)
-        routing_kv_cache_manager.install(self, RoutingKVCacheManager(
-            local, remote, num_local, self.weaver_placement,
-            remote_available=self._weaver_remote_available))
-        logger.info(
-            "weaving %s -> %s: %d local + %d remote KV blocks, offload ratio %s",
-            plan.hot, plan.cold, num_local, plan.num_remote_blocks, plan.offload_ratio,
-        )
-
-    def _lease_every_block(self, plan: PoolPlan, tenant: str) -> None:
-        """A colocated engine's KV lives in its group's pool: vLLM's block pool takes blocks
-        from a lease on it. A cached free block would keep its pages in the lease, out of
-        ADBS's reach while this engine idles (an idle engine never syncs), so the engine
-        runs without prefix caching (weaver serve sets it; a user's flag is refused)."""
-        if self.cache_config.enable_prefix_caching:
-            raise ValueError(
-                f"{tenant!r} keeps its KV in the colocated group's pool {plan.pool_name!r}, "
-                "which needs prefix caching off; remove enable_prefix_caching from its "
-                "engine arguments")
-        self.weaver_lease = LeasedTenantAllocator(
-            PoolClient(plan), tenant, plan.max_blocks(tenant),
-            lease_blocks=-(-self.max_model_len // self.block_size))
-        self.weaver_lease_is_local = True
-        AllocatorBlockPool.adopt(self.kv_cache_manager.block_pool, self.weaver_lease, tenant,
-                                 plan.tenant(tenant).first_block_id)
-        logger.info("%s leases every KV block from pool %s (up to %d blocks)", tenant,
-                    plan.pool_name, plan.max_blocks(tenant))
-
-    def _weaver_remote_available(self) -> bool:
-        """Sequences go remote only while the cold side's region is attached (the pair's
-        HotLink) and, leased from a unified pool, while its owner is there."""
-        if self.weaver_link is None or not self.weaver_link.connected:
-            return False
-        return self.weaver_lease is None or self.weaver_lease.broken_reason is None
+        if plan is not None:
+            self.weaver_hot = HotRouting(self, plan)
 
     def _pool_lock(self) -> Any:
         """The pool owner's lock around everything that touches vLLM's block pool (the ADBS
         thread evicts prefix-cached blocks under it); no lock for other engines."""
         return self.weaver_pool.lock if self.weaver_pool is not None else contextlib.nullcontext()
 
-    def update_from_output(self, *args: Any, **kwargs: Any):
-        ran = self._weaver_batch(*args, **kwargs) if self.weaver_feed is not None else None
+    def schedule(self, *args: Any, **kwargs: Any):
+        if self.weaver_hot is not None:
+            self.weaver_hot.before_schedule(self)
+        if self.weaver_pool is not None:
+            with self.weaver_pool.lock:
+                # The cold model's own next step comes first: take quota back if it is short.
+                self.weaver_pool.ensure_owner_blocks(blocks_for_next_step(self))
+                return super().schedule(*args, **kwargs)
+        if self.weaver_lease is not None:
+            self.weaver_lease.before_schedule(self)
+        return super().schedule(*args, **kwargs)
+
+    def update_from_output(self, scheduler_output: Any, *args: Any, **kwargs: Any):
+        hot = self.weaver_hot
+        ran = hot.batch_of(self, scheduler_output) if hot is not None else None
         with self._pool_lock():
-            outputs = super().update_from_output(*args, **kwargs)
+            outputs = super().update_from_output(scheduler_output, *args, **kwargs)
         if ran is not None:
-            self.weaver_feed.step_ended(*ran)
+            hot.step_ended(ran)
         return outputs
 
     def finish_requests(self, *args: Any, **kwargs: Any):
@@ -326,85 +277,183 @@ class WeaverScheduler(Scheduler):
         with self._pool_lock():
             return super().reset_prefix_cache(*args, **kwargs)
 
-    # --- adaptive placement (offload_ratio: auto) -----------------------------------------
-    def _weaver_batch(self, scheduler_output: Any, *args: Any,
-                      **kwargs: Any) -> tuple[int, int, bool]:
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self.weaver_hot is not None:
+            self.weaver_hot.close()
+        if self.weaver_pool is not None:
+            self.weaver_pool.close()
+        if self.weaver_lease is not None:
+            self.weaver_lease.close()
+
+
+class HotRouting:
+    """A weaving hot engine's part of its scheduler: the remote pool beside the local one
+    (the RoutingKVCacheManager it installs), the placement policy and, under `auto`, its
+    feed; the pair's HotLink, ticked before each step; and, when the remote blocks live in
+    the cold device's unified pool, the lease on them."""
+
+    def __init__(self, scheduler: WeaverScheduler, plan: PairPlan) -> None:
+        local = scheduler.kv_cache_manager
+        num_local = local.block_pool.num_gpu_blocks
+        remote_config = copy.deepcopy(scheduler.kv_cache_config)
+        remote_config.num_blocks = num_local + plan.num_remote_blocks
+        remote = KVCacheManager(
+            kv_cache_config=remote_config,
+            max_model_len=scheduler.max_model_len,
+            max_in_flight_tokens=scheduler.vllm_config.max_in_flight_tokens,
+            enable_caching=False,
+            scheduler_block_size=scheduler.block_size,
+            hash_block_size=scheduler.hash_block_size,
+        )
+        # Block 0 is the pool's null block; pin 1..num_local-1 so that the remote pool
+        # hands out only ids above the local range.
+        remote.block_pool.get_new_blocks(num_local - 1)
+        self.lease: LeaseKeeper | None = None
+        if plan.pool is not None:
+            # The remote blocks are the hot tenant's blocks of the cold device's unified
+            # pool: leased from its allocator (in the cold engine), synced every step.
+            lease = LeasedTenantAllocator(
+                PoolClient(plan.pool), plan.hot, plan.pool.max_blocks(plan.hot),
+                # before_schedule sets the target every step; this is the first one's.
+                lease_blocks=plan.max_blocks_per_seq)
+            AllocatorBlockPool.adopt(remote.block_pool, lease, plan.hot, num_local)
+            self.lease = LeaseKeeper(lease, is_local=False)
+        # The pair's HotLink (weaver/weaving/pair_link.py), set once the EngineCore is up
+        # (weaver/vllm_ext/pair_links.py).
+        self.link: Any = None
+        self.placement = placement_for(plan.offload_ratio, plan.adaptive_targets())
+        # offload_ratio auto: each step's time and batch, and the pair's load, for the policy
+        self.feed = (PlacementFeed(self.placement, plan.hot)
+                     if isinstance(self.placement, AdaptivePlacement) else None)
+        routing_kv_cache_manager.install(scheduler, RoutingKVCacheManager(
+            local, remote, num_local, self.placement, remote_available=self.remote_available))
+        logger.info(
+            "weaving %s -> %s: %d local + %d remote KV blocks, offload ratio %s",
+            plan.hot, plan.cold, num_local, plan.num_remote_blocks, plan.offload_ratio,
+        )
+
+    def remote_available(self) -> bool:
+        """Sequences go remote only while the cold side's region is attached (the pair's
+        HotLink) and, leased from a unified pool, while its owner is there."""
+        if self.link is None or not self.link.connected:
+            return False
+        return self.lease is None or self.lease.lease.broken_reason is None
+
+    def before_schedule(self, scheduler: WeaverScheduler) -> None:
+        if self.link is not None:
+            self.link.tick()
+        if self.feed is not None:
+            self.feed.step_starts()
+        if self.lease is not None:
+            self.lease.before_schedule(scheduler)
+
+    def batch_of(self, scheduler: WeaverScheduler, scheduler_output: Any
+                 ) -> tuple[int, int, bool] | None:
         """(local, remote) requests in the step that just ran, and whether it ran decodes
-        only (one token each: no prompt chunk in it)."""
-        num_remote = self.kv_cache_manager.num_running_remote
+        only (one token each: no prompt chunk in it); None without an adaptive feed."""
+        if self.feed is None:
+            return None
+        num_remote = scheduler.kv_cache_manager.num_running_remote
         is_decode_only = (scheduler_output.total_num_scheduled_tokens
                           == len(scheduler_output.num_scheduled_tokens))
-        return len(self.running) - num_remote, num_remote, is_decode_only
+        return len(scheduler.running) - num_remote, num_remote, is_decode_only
 
-    def schedule(self, *args: Any, **kwargs: Any):
-        if self.weaver_link is not None:
-            self.weaver_link.tick()
-        if self.weaver_feed is not None:
-            self.weaver_feed.step_starts()
-        if self.weaver_pool is not None:
-            with self.weaver_pool.lock:
-                # The cold model's own next step comes first: take quota back if it is short.
-                self.weaver_pool.ensure_owner_blocks(self._blocks_for_next_step())
-                return super().schedule(*args, **kwargs)
-        if self.weaver_lease is not None:
-            # Spares for what the next step may take (+ slack), no more: idle spares are
-            # pages the pool's other tenants and ADBS cannot use.
-            target = self._blocks_for_next_step(
-                remote_only=not self.weaver_lease_is_local) + LEASE_SLACK_BLOCKS
-            if self.weaver_lease.sync(target):
-                self._give_back_leased_blocks(self.weaver_lease.num_to_release)
-            elif self.weaver_lease.is_starved and not self.running and self.waiting:
-                # Nothing can run until the pool has blocks again, and vLLM's engine loop
-                # calls schedule() back to back: nap instead of spinning on a shared core.
-                time.sleep(STARVED_NAP_S)
-        return super().schedule(*args, **kwargs)
+    def step_ended(self, ran: tuple[int, int, bool]) -> None:
+        assert self.feed is not None, "batch_of returns None without a feed"
+        self.feed.step_ended(*ran)
 
-    def _blocks_for_next_step(self, remote_only: bool = False) -> int:
-        """New blocks the next step needs at most: one per running request that fills its
-        last block, plus the whole prompt of the first waiting request (``remote_only``:
-        counting only the running requests whose KV is remote)."""
-        manager, block_size = self.kv_cache_manager, self.block_size
-        need = 0
-        for request in self.running:
-            if remote_only and manager.placed.get(request.request_id) is not Placement.REMOTE:
-                continue
-            held = len(manager.get_block_ids(request.request_id)[0])
-            need += max(0, -(-(request.num_computed_tokens + 1) // block_size) - held)
-        if self.waiting:
-            request = self.waiting.peek_request()
-            need += -(-request.num_tokens // block_size)
-        return need
+    def close(self) -> None:
+        if self.link is not None:
+            self.link.close()
+        if self.lease is not None:
+            self.lease.close()
 
-    def _give_back_leased_blocks(self, num_blocks: int) -> None:
-        """The pool's owner reclaims memory: preempt requests whose blocks are leased (a hot
-        engine's remote ones; any of a colocated engine's), newest first, until their blocks
-        cover what its allocator asks back. They return to the waiting queue and are
-        recomputed later (vLLM's own preemption), placed where the memory then is."""
-        manager = self.kv_cache_manager
+
+class LeaseKeeper:
+    """A lease on a unified KV pool, kept each step to what the next step needs: a hot
+    engine's remote blocks, or (`is_local`) every block of a colocated engine whose group
+    keeps its KV in one pool. When the pool's owner asks memory back, requests whose blocks
+    are leased are preempted (and recomputed later, by vLLM's own preemption)."""
+
+    def __init__(self, lease: LeasedTenantAllocator, is_local: bool) -> None:
+        self.lease = lease
+        self.is_local = is_local
+        self.num_reclaim_preemptions = 0  # requests preempted to give memory back
+
+    @classmethod
+    def for_colocated(cls, scheduler: WeaverScheduler, plan: PoolPlan,
+                      tenant: str) -> LeaseKeeper:
+        """A colocated engine's KV lives in its group's pool: vLLM's block pool takes blocks
+        from a lease on it. A cached free block would keep its pages in the lease, out of
+        ADBS's reach while this engine idles (an idle engine never syncs), so the engine
+        runs without prefix caching (weaver serve sets it; a user's flag is refused)."""
+        if scheduler.cache_config.enable_prefix_caching:
+            raise ValueError(
+                f"{tenant!r} keeps its KV in the colocated group's pool {plan.pool_name!r}, "
+                "which needs prefix caching off; remove enable_prefix_caching from its "
+                "engine arguments")
+        lease = LeasedTenantAllocator(
+            PoolClient(plan), tenant, plan.max_blocks(tenant),
+            lease_blocks=-(-scheduler.max_model_len // scheduler.block_size))
+        AllocatorBlockPool.adopt(scheduler.kv_cache_manager.block_pool, lease, tenant,
+                                 plan.tenant(tenant).first_block_id)
+        logger.info("%s leases every KV block from pool %s (up to %d blocks)", tenant,
+                    plan.pool_name, plan.max_blocks(tenant))
+        return cls(lease, is_local=True)
+
+    def before_schedule(self, scheduler: WeaverScheduler) -> None:
+        # Spares for what the next step may take (+ slack), no more: idle spares are pages
+        # the pool's other tenants and ADBS cannot use.
+        target = blocks_for_next_step(scheduler, remote_only=not self.is_local) \
+            + LEASE_SLACK_BLOCKS
+        if self.lease.sync(target):
+            self._give_back(scheduler, self.lease.num_to_release)
+        elif self.lease.is_starved and not scheduler.running and scheduler.waiting:
+            # Nothing can run until the pool has blocks again, and vLLM's engine loop calls
+            # schedule() back to back: nap instead of spinning on a shared core.
+            time.sleep(STARVED_NAP_S)
+
+    def _give_back(self, scheduler: WeaverScheduler, num_blocks: int) -> None:
+        """Preempt requests whose blocks are leased (a hot engine's remote ones; any of a
+        colocated engine's), newest first, until their blocks cover what the owner's
+        allocator asks back. They return to the waiting queue and are recomputed later,
+        placed where the memory then is."""
+        manager = scheduler.kv_cache_manager
         victims, freed = [], 0
-        for request in reversed(self.running):
+        for request in reversed(scheduler.running):
             if freed >= num_blocks:
                 break
-            if (self.weaver_lease_is_local
-                    or manager.placed.get(request.request_id) is Placement.REMOTE):
+            if self.is_local or manager.placed.get(request.request_id) is Placement.REMOTE:
                 victims.append(request)
                 freed += len(manager.get_block_ids(request.request_id)[0])
         now = time.monotonic()
         for request in victims:
-            self.running.remove(request)
-            self._preempt_request(request, now)
-        self.weaver_num_reclaim_preemptions += len(victims)
-        self.weaver_lease.report["reclaim_preemptions"] = self.weaver_num_reclaim_preemptions
+            scheduler.running.remove(request)
+            scheduler._preempt_request(request, now)
+        self.num_reclaim_preemptions += len(victims)
+        self.lease.report["reclaim_preemptions"] = self.num_reclaim_preemptions
         logger.info("gave %d leased blocks back to the pool: %d requests preempted",
                     freed, len(victims))
-        self.weaver_lease.sync(0)  # hand the freed blocks over now, take none
+        self.lease.sync(0)  # hand the freed blocks over now, take none
 
-    def shutdown(self) -> None:
-        super().shutdown()
-        if self.weaver_link is not None:
-            self.weaver_link.close()
-        if self.weaver_pool is not None:
-            self.weaver_pool.close()
-        if self.weaver_lease is not None:
-            with contextlib.suppress(OSError, EOFError):  # the owner may be gone already
-                self.weaver_lease.client.close()
+    def close(self) -> None:
+        with contextlib.suppress(OSError, EOFError):  # the owner may be gone already
+            self.lease.client.close()
+
+
+def blocks_for_next_step(scheduler: Scheduler, remote_only: bool = False) -> int:
+    """New blocks the next step needs at most: one per running request that fills its last
+    block, plus the whole prompt of the first waiting request (`remote_only`: counting only
+    the running requests whose KV is remote)."""
+    manager, block_size = scheduler.kv_cache_manager, scheduler.block_size
+    need = 0
+    for request in scheduler.running:
+        if remote_only and manager.placed.get(request.request_id) is not Placement.REMOTE:
+            continue
+        held = len(manager.get_block_ids(request.request_id)[0])
+        need += max(0, -(-(request.num_computed_tokens + 1) // block_size) - held)
+    if scheduler.waiting:
+        request = scheduler.waiting.peek_request()
+        need += -(-request.num_tokens // block_size)
+    return need
