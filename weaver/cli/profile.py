@@ -301,11 +301,8 @@ def _measure(args: argparse.Namespace, deployment, spec):
 
     from weaver.models.registry import resolve_model
     from weaver.splitting.deploy import profile_path_of
-    from weaver.vllm_ext.engine.split_profiler import (
-        MeasureSettings,
-        measure_split_profile,
-        pair_of,
-    )
+    from weaver.splitting.measured import MeasureSettings, pair_of
+    from weaver.vllm_ext.engine.split_profiler import measure_split_profile
 
     settings = MeasureSettings(args.batch, args.hot_batch, args.prompt_len, args.decode_tokens)
     _, hot, _ = pair_of(deployment, spec.name)
