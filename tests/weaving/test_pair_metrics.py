@@ -3,6 +3,10 @@ each side publishes in the pairs' directory: the one exporter of both launchers.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -54,21 +58,42 @@ def test_the_hot_side_exports_its_offload_counters_and_the_pair_state(files):
 def test_counters_keep_growing_across_a_restart_of_their_writer(files):
     registry = registry_of(files, "hot")
 
-    def tasks() -> float:
+    def tasks() -> float | None:
         return registry.get_sample_value("weaver_offload_tasks_total", {"hot": "h", "cold": "c"})
 
     def publish(pid: int, total: int) -> None:
         files.path("p1", "hot.stats").write_text(
             f'{{"hot": "h", "cold": "c", "offloaded_tasks": {total}, "pid": {pid}}}')
 
-    publish(100, 25)
-    assert tasks() == 25
-    publish(100, 20)  # a stale read of the same writer: no decrease
-    assert tasks() == 25
-    publish(200, 7)  # the hot engine restarted: its successor counts from 0
-    assert tasks() == 32
-    publish(200, 9)
-    assert tasks() == 34
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as successor:
+        try:
+            publish(os.getpid(), 25)
+            assert tasks() == 25
+            publish(os.getpid(), 20)  # a stale read of the same writer: no decrease
+            assert tasks() == 25
+            publish(successor.pid, 7)  # the hot engine restarted: it counts from 0
+            assert tasks() == 32
+            publish(successor.pid, 9)
+            assert tasks() == 34
+        finally:
+            successor.kill()
+    successor.wait()
+    assert tasks() == 34  # its writer gone, the counter stays where it was
+    assert registry.get_sample_value("weaver_pair_connected", {"pair": "p1"}) == 0
+
+
+def test_a_file_left_by_a_writer_that_died_before_counts_for_nothing(files):
+    """A new `vllm serve` of the hot model, started after its predecessor was killed,
+    counts from 0: the predecessor's stats file is not its own."""
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    files.path("p1", "hot.stats").parent.mkdir(parents=True, exist_ok=True)
+    files.path("p1", "hot.stats").write_text(
+        f'{{"hot": "h", "cold": "c", "fallback_tasks": 1050, "pid": {int(done.stdout)}}}')
+    registry = registry_of(files, "hot")
+    assert registry.get_sample_value("weaver_offload_fallbacks_total", {"model": "h"}) is None
+    files.publish("p1", "hot.stats", {"hot": "h", "cold": "c", "fallback_tasks": 0})
+    assert registry.get_sample_value("weaver_offload_fallbacks_total", {"model": "h"}) == 0
 
 
 def test_the_cold_side_exports_its_time_on_the_hot_models_tasks(files):

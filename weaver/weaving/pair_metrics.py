@@ -8,8 +8,11 @@ serve` (weaver/server/weaving.py), in the front end's under plain `vllm serve` (
 vLLM's /metrics serves with a single API server), where `cold` is the pair name on the hot
 side and the cold model's name on the cold side.
 
-A side that restarts counts from 0 again; its totals are added to what its predecessor
-(another process id in the file) had reached, so every counter only grows.
+Only a living writer's file is read: a file left by a process that died before this
+collector saw it (a plain `vllm serve` started after its predecessor was killed) counts
+for nothing. A side that restarts while the collector runs counts from 0 again; its totals
+are added to what its predecessor (another process id in the file) had reached, and while
+no writer lives the last totals stay, so every counter only grows.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class MonotoneTotals:
         self._pid: object = None
         self._base: dict[str, float] = {}
         self._last: dict[str, float] = {}
+        self.labels: tuple[str, str] | None = None  # (hot, cold) of the last stats read
 
     def update(self, pid: object, totals: dict[str, float]) -> dict[str, float]:
         if pid != self._pid and self._pid is not None:
@@ -54,6 +58,10 @@ class MonotoneTotals:
         self._pid = pid
         for key, value in totals.items():
             self._last[key] = max(value, self._last.get(key, 0.0))  # a stale read: no decrease
+        return self.current()
+
+    def current(self) -> dict[str, float]:
+        """The totals so far (what the last writer reached, on its predecessors' base)."""
         return {key: self._base.get(key, 0.0) + value for key, value in self._last.items()}
 
 
@@ -68,10 +76,10 @@ class PairStatsCollector(Collector):
     def collect(self) -> Iterator:
         families = self._families()
         for pair in self.pairs:
-            stats = self.files.read_even_if_dead(pair, f"{self.role}.stats")
+            stats = self.files.read(pair, f"{self.role}.stats")  # a living writer's only
             if self.role == "hot":
                 self._add_hot(families, pair, stats)
-            elif stats is not None:
+            else:
                 self._add_cold(families, pair, stats)
         yield from families.values()
 
@@ -102,19 +110,18 @@ class PairStatsCollector(Collector):
         }
 
     def _add_hot(self, families: dict, pair: str, stats: dict | None) -> None:
-        if stats is None:
+        tracker = self._totals[pair]
+        if stats is None:  # no living hot side: its counters as they were, not connected
             families["connected"].add_metric([pair], 0)
+            if tracker.labels is not None:
+                self._add_hot_totals(families, pair, tracker.labels, tracker.current())
             return
-        placement = stats.get("placement")
-        samples = series.placement_samples(placement)
+        samples = series.placement_samples(stats.get("placement"))
         raw = {key: float(stats.get(key) or 0) for key in HOT_TOTALS}
         raw["step_asides"] = samples[1] if samples is not None else 0.0
-        totals = self._totals[pair].update(stats.get("pid"), raw)
-        model, cold = stats.get("hot", ""), stats.get("cold", pair)
-        families["sequences"].add_metric([model], totals["remote_sequences"])
-        families["tasks"].add_metric([model, cold], totals["offloaded_tasks"])
-        families["fallbacks"].add_metric([model], totals["fallback_tasks"])
-        families["attaches"].add_metric([pair], totals["attaches"])
+        totals = tracker.update(stats.get("pid"), raw)
+        model, cold = tracker.labels = (stats.get("hot", ""), stats.get("cold", pair))
+        self._add_hot_totals(families, pair, tracker.labels, totals)
         families["connected"].add_metric([pair], 1 if stats.get("connected") else 0)
         families["remote_blocks"].add_metric([model, cold], stats.get("remote_blocks_used", 0))
         counts = stats.get("wait_counts") or [0] * (len(series.WAIT_BUCKETS) + 1)
@@ -126,15 +133,29 @@ class PairStatsCollector(Collector):
         families["wait"].add_metric([model, cold], buckets, sum_value=totals["wait_sum_s"])
         if samples is not None:
             families["active"].add_metric([model, cold], samples[0])
-            families["asides"].add_metric([model, cold], totals["step_asides"])
             families["factor"].add_metric([model, cold], samples[2])
 
-    def _add_cold(self, families: dict, pair: str, stats: dict) -> None:
-        totals = self._totals[pair].update(
-            stats.get("pid"), {key: float(stats.get(key) or 0) for key in COLD_TOTALS})
-        labels, busy = [stats.get("hot", ""), stats.get("cold", "")], families["busy"]
-        busy.add_metric([*labels, "poll_point"], totals["busy_at_poll_points_s"])
-        busy.add_metric([*labels, "idle"], totals["busy_by_idle_poller_s"])
+    @staticmethod
+    def _add_hot_totals(families: dict, pair: str, labels: tuple[str, str],
+                        totals: dict[str, float]) -> None:
+        model, cold = labels
+        families["sequences"].add_metric([model], totals["remote_sequences"])
+        families["tasks"].add_metric([model, cold], totals["offloaded_tasks"])
+        families["fallbacks"].add_metric([model], totals["fallback_tasks"])
+        families["attaches"].add_metric([pair], totals["attaches"])
+        families["asides"].add_metric([model, cold], totals["step_asides"])
+
+    def _add_cold(self, families: dict, pair: str, stats: dict | None) -> None:
+        tracker = self._totals[pair]
+        if stats is not None:
+            tracker.update(stats.get("pid"),
+                           {key: float(stats.get(key) or 0) for key in COLD_TOTALS})
+            tracker.labels = (stats.get("hot", ""), stats.get("cold", ""))
+        if tracker.labels is None:
+            return
+        totals, busy = tracker.current(), families["busy"]
+        busy.add_metric([*tracker.labels, "poll_point"], totals["busy_at_poll_points_s"])
+        busy.add_metric([*tracker.labels, "idle"], totals["busy_by_idle_poller_s"])
 
 
 def _counter(spec: tuple[str, str, tuple[str, ...]]) -> CounterMetricFamily:
