@@ -3,7 +3,7 @@
 Each engine does its part through the rendezvous files (weaver/weaving/rendezvous.py), so no
 process in front has to be up, and either side may start first, die or restart. `weaver
 serve` only plans the pairs, hands each engine its part (weaver/server/weaving.py) and
-reads the same files as a plain `vllm serve` does (weaver/weaving/plugin_metrics.py):
+reads the same files as a plain `vllm serve` does (weaver/weaving/pair_metrics.py):
 - `ColdLink` (a thread in the cold worker): for each pair it serves, waits for the hot
   engine's plan, creates the region for it (within the memory it lends), and answers with
   the region's name. A plan that changes (the hot engine restarted differently) gets a new
@@ -14,7 +14,7 @@ reads the same files as a plain `vllm serve` does (weaver/weaving/plugin_metrics
   HotWeaving.take_over_from), and says whether the pair is connected, so that sequences are
   placed remotely only then.
 Both publish their counters. Pure Python: vLLM is reached through the callables the engine
-hook hands in (weaver/vllm_ext/plugin_pairs.py).
+hook hands in (weaver/vllm_ext/pair_links.py).
 """
 
 from __future__ import annotations
