@@ -163,6 +163,15 @@ def test_a_spent_cold_budget_cuts_the_remote_sequences_once_per_cold_window():
     assert not placement.update(1.0 + COLD_CUT_HOLD_S + 0.1) and placement.remote_cap == 4
 
 
+def test_a_cold_cut_takes_the_recent_batch_not_a_step_that_ran_few_remote():
+    placement = AdaptivePlacement(AdaptiveTargets(cold_budget=1.10))
+    feed(placement, [(0.040, 4, 8, True)] * 30)
+    placement.observe_step(0.040, 4, 1)  # a step that ran one remote sequence
+    placement.observe_pair(PairLoad(cold_inflation=1.12))
+    assert not placement.update(5.0) and placement.is_open
+    assert placement.remote_cap == 6  # 3/4 of the 8 the cold side's window measured
+
+
 def test_a_spent_cold_budget_with_one_remote_sequence_steps_aside_and_holds_while_spent():
     placement = AdaptivePlacement(AdaptiveTargets(cold_budget=1.10, cooldown_s=5.0))
     placement.observe_step(0.040, 4, 1)

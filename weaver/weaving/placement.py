@@ -297,13 +297,19 @@ class AdaptivePlacement:
         if over is None or now < self._cold_cut_held_until or self._num_remote == 0:
             return None
         self._cold_cut_held_until = now + COLD_CUT_HOLD_S
-        return self._cut(self._num_remote, over)
+        # The batch the cold side's window measured: the recent woven steps' remote
+        # sequences, not the last step's alone (a step that happened to run few of them cut
+        # the cap to one, measured: benchmarks/README.md, "Goodput", run 6).
+        recent = round(self._woven_remote.value or 0)
+        return self._cut(max(self._num_remote, recent), over)
 
     def _cut(self, num_running_remote: int, why: str) -> str | None:
         """The remote cap to 3/4 of the sequences running remote; a reason to step aside
         when that is none."""
         self.remote_cap = int(REMOTE_CAP_DECREASE * num_running_remote)
-        self._woven_step = Ewma(TPOT_ALPHA)  # judge the smaller batch afresh
+        # Judge the smaller batch afresh: its step time and its make-up.
+        self._woven_step = Ewma(TPOT_ALPHA)
+        self._woven_local, self._woven_remote = Ewma(STEP_ALPHA), Ewma(STEP_ALPHA)
         if self.remote_cap == 0:
             return f"stepped aside: {why}, with {num_running_remote} remote sequence(s)"
         self.reason = f"weaving: at most {self.remote_cap} remote sequences ({why})"
