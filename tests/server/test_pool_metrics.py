@@ -51,3 +51,11 @@ def test_pool_series_follow_the_owners_running_totals(tmp_path):
     assert value("weaver_kv_pool_cached_blocks") == 1
     assert value("weaver_kv_pool_cache_evictions_total") == 9
     assert value("weaver_kv_pool_reclaims_total") == 3
+
+    # The owner restarted (weaver serve's Weaving.before_engine_start): it counts from 0,
+    # and the series go on growing from where they were.
+    metrics.forget("cold")
+    write_owner_stats(tmp_path / "p.stats.json", reclaims=1, evictions=2, cached=0)
+    metrics.refresh(pool, "cold")
+    assert value("weaver_kv_pool_reclaims_total") == 4
+    assert value("weaver_kv_pool_cache_evictions_total") == 11

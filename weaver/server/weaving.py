@@ -90,6 +90,10 @@ class UnifiedPoolMetrics:
             counter.labels(**labels).inc(delta)
         self._last[key] = max(total, self._last.get(key, 0.0))
 
+    def forget(self, source: str) -> None:
+        """A restarted owner counts from 0 again: its next totals are all new."""
+        self._last = {key: total for key, total in self._last.items() if key[0] != source}
+
     def refresh(self, pool: Any, owner: str) -> None:
         """The owner (the cold engine's scheduler) publishes its allocator's stats as a JSON
         file next to the pool; a missing or half-written one is skipped (logged)."""
@@ -178,8 +182,10 @@ class Weaving(ServeFeature):
 
     def before_engine_start(self, model: str) -> None:
         # A cold engine that died left its pool behind; its successor makes a new one (its
-        # regions are removed by its own ColdLink when it starts).
+        # regions are removed by its own ColdLink when it starts) and counts from 0.
         remove_pool_files([p for p in self.plans if p.cold == model])
+        if self.pool_metrics is not None:
+            self.pool_metrics.forget(model)
 
     async def after_start(self, engines: Mapping[str, Any],
                           stack: contextlib.AsyncExitStack) -> None:
