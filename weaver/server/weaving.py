@@ -211,10 +211,10 @@ class Weaving(ServeFeature):
             if cold is not None and cold.get("status") == "refused":
                 raise RuntimeError(f"weaving {plan.hot} -> {plan.cold}: the cold engine "
                                    f"refused the plan: {cold.get('reason')}")
-            waiting_for = self._not_linked_because(name, cold)
+            hot = self.files.read(name, "hot.stats") or {}
+            waiting_for = not_linked_because(cold, hot)
             if waiting_for is None:
                 return
-            hot = self.files.read(name, "hot.stats") or {}
             if hot.get("attach_failures", 0) > failures_before:
                 raise RuntimeError(f"weaving {plan.hot} -> {plan.cold}: the hot engine could "
                                    f"not attach the cold engine's region: "
@@ -225,15 +225,6 @@ class Weaving(ServeFeature):
             if cold is not None and cold.get("status") == "ready":
                 await hot_engine.step_once()
             await asyncio.sleep(LINK_LOOK_S)
-
-    def _not_linked_because(self, name: str, cold: dict[str, Any] | None) -> str | None:
-        """None when the pair is linked (the hot side attached the cold side's region)."""
-        if cold is None or cold.get("status") != "ready":
-            return "the cold engine has made no region for it yet"
-        hot = self.files.read(name, "hot.stats")
-        if hot is None or hot.get("attached_region") != cold.get("region_name"):
-            return "the hot engine has not attached the cold engine's region yet"
-        return None
 
     async def relink(self, model: str) -> None:
         """Wait for the pairs of an engine that restarted (weaver.server.supervisor) to link
@@ -273,14 +264,13 @@ class Weaving(ServeFeature):
         if placement:  # offload_ratio auto: is weaving on, and why (not)
             state.update(weaving_active=placement.get("weaving_active"),
                          policy_reason=placement.get("reason"))
-        reason = None
         if self.engines[plan.hot].is_dead:
             reason = "hot engine is down"
         elif self.engines[plan.cold].is_dead:
             reason = "cold engine is down"
         else:
             reason = (hot.get("degraded_reason") or self._link_failures.get(name)
-                      or self._not_linked_because(name, self.files.read(name, "cold")))
+                      or not_linked_because(self.files.read(name, "cold"), hot))
         return {**state, "status": "degraded" if reason else "ok", "reason": reason}
 
     async def refresh(self) -> None:
@@ -297,6 +287,16 @@ class Weaving(ServeFeature):
             remove_dead_cold_region(name, self.files.read_even_if_dead(name, "cold"))
         remove_pool_files(self.plans)
         shutil.rmtree(self.files.root, ignore_errors=True)
+
+
+def not_linked_because(cold: dict[str, Any] | None, hot: dict[str, Any]) -> str | None:
+    """Why a pair is not linked, from its cold side's answer and its hot side's stats as
+    read (a missing hot file: {}); None when the hot side attached the cold side's region."""
+    if cold is None or cold.get("status") != "ready":
+        return "the cold engine has made no region for it yet"
+    if hot.get("attached_region") != cold.get("region_name"):
+        return "the hot engine has not attached the cold engine's region yet"
+    return None
 
 
 def remove_pool_files(plans: list[PairPlan]) -> None:
