@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from weaver.processes import shm_files_of, shm_in_use
+
 READY_TIMEOUT_S = 420.0
 CHILD_EXIT_GRACE_S = 10.0  # a stopped server's processes' time to end by themselves
 
@@ -61,18 +63,9 @@ class RunningServer:
         unlink_left_over(mapped)
 
     def mapped_shm(self) -> set[str]:
-        """The /dev/shm files the server and its processes map or hold open now (a
-        region's doorbell pipes are open, not mapped)."""
-        paths: set[str] = set()
-        processes = self.descendants()
-        with contextlib.suppress(psutil.NoSuchProcess):
-            processes.append(psutil.Process(self.process.pid))
-        for proc in processes:
-            with contextlib.suppress(psutil.Error):
-                paths.update(m.path.removesuffix(" (deleted)") for m in proc.memory_maps()
-                             if m.path.startswith("/dev/shm/"))
-            paths.update(_open_shm_files(proc.pid))
-        return paths
+        """The /dev/shm files the server and its processes map or hold open now."""
+        pids = [self.process.pid, *(proc.pid for proc in self.descendants())]
+        return {path for pid in pids for path in shm_files_of(pid)}
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 90) -> int:
         if self.process.poll() is None:
@@ -135,28 +128,6 @@ def unlink_left_over(paths: set[str]) -> list[str]:
             os.unlink(path)
             removed.append(path)
     return removed
-
-
-def shm_in_use() -> set[str]:
-    """The /dev/shm files that some live process maps or holds open."""
-    used: set[str] = set()
-    for pid in psutil.pids():
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
-            used.update(line.split(None, 5)[5].strip().removesuffix(" (deleted)")
-                        for line in maps if "/dev/shm/" in line)
-        used.update(_open_shm_files(pid))
-    return used
-
-
-def _open_shm_files(pid: int) -> set[str]:
-    paths = set()
-    with contextlib.suppress(OSError):
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("/dev/shm/"):
-                    paths.add(target)
-    return paths
 
 
 def vllm_cli() -> list[str]:

@@ -25,6 +25,7 @@ from weaver.config.cpu_cores import pin_engine_processes, usable_cpu_cores
 from weaver.config.deployment import ModelSpec, Role
 from weaver.config.devices import EnginePlacement
 from weaver.models.registry import vllm_model_arg
+from weaver.processes import shm_files_of
 from weaver.vllm_ext.additional_config import SCHEDULER, WORKER_EXTENSION, phase_split_of, pool_of
 from weaver.vllm_ext.engine.flags import EngineFlagError, flags_for, parse_serve_args
 from weaver.vllm_ext.engine.stats import EngineStatsRecorder, attach_stats_recorder
@@ -197,17 +198,14 @@ def _engine_environment(env: dict[str, str]):
 
 
 def _shm_files_of(pids: list[int]) -> set[str]:
-    """The /dev/shm files that these processes and their children have mapped."""
+    """The /dev/shm files that these processes and their children hold."""
     import psutil
 
-    paths: set[str] = set()
+    tree: list[int] = []
     for pid in pids:
         with contextlib.suppress(psutil.Error):
-            root = psutil.Process(pid)
-            for proc in (root, *root.children(recursive=True)):
-                paths.update(m.path for m in proc.memory_maps()
-                             if m.path.startswith("/dev/shm/"))
-    return paths
+            tree += [pid, *(child.pid for child in psutil.Process(pid).children(recursive=True))]
+    return {path for pid in tree for path in shm_files_of(pid)}
 
 
 def _remove_left_over_shm(engine_name: str, paths: set[str]) -> None:
