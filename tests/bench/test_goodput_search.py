@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import pytest
 from bench_fake_server import FakeBehavior
@@ -158,7 +159,7 @@ def test_overloaded_run_fails_even_at_full_attainment():
     assert verdict.attainment == 1.0 and verdict.overloaded
     assert "median TTFT grew" in verdict.overload
     point = Point("a", 10.0, [verdict], [0])
-    assert not point.passed and "overloaded" in point.describe()
+    assert not point.passed and "not steady" in point.describe()
 
     # 10 % cut at the deadline: 90 % attainment would pass, but the run measured a drain.
     statuses = [RequestStatus.OK] * 18 + [RequestStatus.UNFINISHED, RequestStatus.NOT_SENT]
@@ -174,6 +175,31 @@ def test_overloaded_run_fails_even_at_full_attainment():
     warm = _config(seeds=(0,), warmup_requests=5)
     slow_start = judge_run(_run("a", 10.0, [None] * 5 + [0.01] * 15), 0, warm)
     assert slow_start.attainment == 1.0 and slow_start.num_measured == 15
+
+
+def test_a_run_held_at_once_is_a_burst_not_a_steady_state():
+    config = _config(seeds=(0,))
+    # 20 arrivals over 1.9 s whose requests live 1 s each: all in flight nearly at once.
+    held = _run("a", 10.0, [0.01] * NUM)
+    for record in held.records:
+        record.e2e_s = 1.0
+    verdict = judge_run(held, 0, config)
+    assert verdict.attainment == 1.0 and verdict.overloaded
+    assert "a burst" in verdict.overload and "--min-span-s" in verdict.overload
+    # The same requests living 0.5 s: their arrivals span 3.8 lifetimes, a steady state.
+    for record in held.records:
+        record.e2e_s = 0.5
+    assert not judge_run(held, 0, config).overloaded
+
+
+def test_min_span_scales_a_fast_rates_requests():
+    config = _config(num_requests=30, min_span_s=60.0)
+    assert config.num_requests_at(0.2) == 30  # 12 arrivals in 60 s: --num-requests rules
+    assert config.num_requests_at(1.6) == 96
+    assert config.num_requests_at(1.61) == 97  # rounded up, never short of the span
+    assert _config(num_requests=30).num_requests_at(4.0) == 30  # no span asked for
+    with pytest.raises(ValueError, match="--min-span-s"):
+        _config(min_span_s=-1.0)
 
 
 def test_overloaded_search_points_fail_in_the_goodput():
@@ -237,9 +263,10 @@ def test_ratios_seed_spread_and_results_file(tmp_path):
 
 def test_a_search_judged_again_under_other_slos():
     """Each request's TTFT is rate / 10 s (flat within a run): TTFT <= 0.5 s holds up to
-    5 req/s, <= 1 s up to 10; deployment b is half as fast."""
+    5 req/s, <= 1 s up to 10; deployment b is half as fast. 200 requests a run, so that a
+    run at 16 req/s spans more than 3 of its requests' 0.8 s lifetimes (a steady state)."""
     def runner(label: str, rate: float, seed: int, salt: int) -> RunResult:
-        return _run(label, rate, [rate / (10 if label == "a" else 20)] * NUM)
+        return _run(label, rate, [rate / (10 if label == "a" else 20)] * 10 * NUM)
 
     outcome = search_goodput(["b", "a"], runner, _config(seeds=(0, 1), max_rate=16.0,
                                                           rel_tolerance=0.1),
@@ -380,7 +407,7 @@ def test_cli_goodput_of_two_fake_servers(fake_server, tmp_path, capsys, monkeypa
             "--arrival", "gamma", "--burstiness", "1000", "--num-requests", "40",
             "--seeds", "0", "--start-rate", "35", "--max-rate", "200", "--rel-tolerance", "0.2",
             "--max-points", "5", "--drain-s", "0.5", "--ttft-slo-ms", "300",
-            "--no-progress", "--out", str(out)]
+            "--min-span-s", "0.5", "--no-progress", "--out", str(out)]
     monkeypatch.setattr("sys.argv", ["weaver", *argv])
     assert _main(argv) == 0
     printed = capsys.readouterr().out
@@ -394,6 +421,11 @@ def test_cli_goodput_of_two_fake_servers(fake_server, tmp_path, capsys, monkeypa
     common = {s["prompt"] for s in small.streams} & {s["prompt"] for s in large.streams}
     assert len(common) >= 40
     assert all(run["workload"]["warmup_requests"] == 4 for run in report["runs"])
+    # --min-span-s: a run at R req/s sent max(40, R x 0.5) requests.
+    for run in report["runs"]:
+        wanted = max(40, math.ceil(run["rate"] * 0.5))
+        assert run["workload"]["num_requests"] == len(run["records"]) == wanted
+    assert any(len(run["records"]) > 40 for run in report["runs"])  # above 80 req/s
 
 
 @pytest.mark.parametrize(("extra", "message"), [

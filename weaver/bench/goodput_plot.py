@@ -1,7 +1,7 @@
 """The figure of a goodput search, drawn from its results JSON only
 (weaver/bench/goodput_search.py writes it): SLO attainment against offered rate, one line
-per deployment with min-max bars over the seeds, the 90 % target dashed, overloaded points
-crossed out, and each deployment's goodput dotted and in the legend."""
+per deployment with min-max bars over the seeds, the 90 % target dashed, points whose runs
+were not steady crossed out, and each deployment's goodput dotted and in the legend."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def plot_goodput(report: Mapping[str, Any], out_path: str | os.PathLike[str]) ->
     fig, ax = plt.subplots(figsize=(6.0, 4.0))
     goodputs = report.get("goodput") or {}
     labels = list(goodputs or dict.fromkeys(p["label"] for p in points))
-    overload_label = "overloaded: fails"  # in the legend once
+    overload_label = "not steady: fails"  # in the legend once
     for label in labels:
         mine = sorted((p for p in points if p["label"] == label), key=lambda p: p["rate"])
         if not mine:

@@ -197,13 +197,15 @@ weaver/results/goodput.py). Prints and saves each deployment's goodput and its r
 first (the baseline).
 
 how it measures:
-  steady state  a run sends --num-requests open-loop arrivals (--arrival) at one rate; the
-                first --warmup-requests warm the server and are not counted; a request still
-                outstanding --drain-s after the last arrival is a miss
-  overload      a run with > 5 % of its counted requests outstanding at that deadline, or
+  steady state  a run sends --num-requests open-loop arrivals (--arrival) at one rate, or
+                rate x --min-span-s where that is more; the first --warmup-requests warm
+                the server and are not counted; a request still outstanding --drain-s
+                after the last arrival is a miss
+  not steady    a run with > 5 % of its counted requests outstanding at that deadline, or
                 whose median TTFT kept growing (last third > 2x the first third, and by more
-                than max(50 ms, TTFT target / 4)), measured a queue draining, not a steady
-                state: it fails whatever its attainment
+                than max(50 ms, TTFT target / 4)), measured a queue draining; one whose
+                counted arrivals spanned < 3x their median lifetime measured a burst that
+                the server held at once: either fails whatever its attainment
   seeds         a point is one run per workload seed (--seeds, the same for every
                 deployment); its attainment is the mean over the seeds, and each seed's own
                 goodput gives the spread of the result
@@ -252,6 +254,10 @@ def _register_goodput(commands: argparse._SubParsersAction) -> None:
                    "%(default)s)")
     g.add_argument("--max-points", type=int, default=SearchConfig.max_points,
                    help="at most this many rates per deployment (default: %(default)s)")
+    g.add_argument("--min-span-s", type=float, default=SearchConfig.min_span_s,
+                   help="each run's arrivals last at least this long: a run at rate R sends "
+                   "max(--num-requests, R x this) requests, so that a fast rate is judged "
+                   "over as long a stretch as a slow one (default: %(default)s)")
     g.add_argument("--drain-s", type=float, default=SearchConfig.drain_s,
                    help="a run's deadline is its last arrival + this (default: %(default)s)")
     g.add_argument("--slo-scale", default=None, metavar="TTFT_X,TPOT_X",
@@ -396,7 +402,9 @@ class _WorkloadBuilder:
         self.source_sha256 = file_sha256(self.source) if self.source.is_file() else None
         self._rows: list | None = None
 
-    def build(self, rate: float | None, seed: int) -> tuple[float | None, list, dict[str, Any]]:
+    def build(self, rate: float | None, seed: int, num_requests: int | None = None,
+              ) -> tuple[float | None, list, dict[str, Any]]:
+        """The workload at (rate, seed), of `num_requests` (default --num-requests)."""
         from weaver.workloads.builder import (
             WorkloadSpec,
             build_workload,
@@ -407,9 +415,10 @@ class _WorkloadBuilder:
         from weaver.workloads.filters import default_filter_name
 
         args, models = self.args, self.models
+        num_requests = args.num_requests if num_requests is None else num_requests
         spec = WorkloadSpec(
             models=models, trace=args.trace, rate=rate, arrival=args.arrival,
-            burstiness=args.burstiness, num_requests=args.num_requests,
+            burstiness=args.burstiness, num_requests=num_requests,
             length_scale=args.length_scale, max_model_len=_fit_len(args.max_model_len),
             power_law_alpha=args.power_law_alpha, time_scale=args.time_scale,
             filter_name=args.filter_name, seed=seed, traces_dir=args.traces_dir,
@@ -424,7 +433,7 @@ class _WorkloadBuilder:
             "trace_sha256": self.source_sha256,
             "filter": spec.filter_name or default_filter_name(args.trace),
             "arrival": args.arrival,
-            "burstiness": args.burstiness, "num_requests": args.num_requests,
+            "burstiness": args.burstiness, "num_requests": num_requests,
             "length_scale": args.length_scale, "max_model_len": args.max_model_len,
             "power_law_alpha": args.power_law_alpha, "time_scale": args.time_scale,
             "seed": seed, "rate": total,
@@ -560,6 +569,7 @@ def _goodput_handler(args: argparse.Namespace) -> int:
         warmup_requests=args.warmup_requests, start_rate=args.start_rate,
         min_rate=args.min_rate, max_rate=args.max_rate, rel_tolerance=args.rel_tolerance,
         max_points=args.max_points, drain_s=args.drain_s, judged_model=args.judged_model,
+        min_span_s=args.min_span_s,
     )
     if any(model.rate is not None for model in builder.models):
         raise ValueError("goodput searches the total rate: give --model NAME without =RATE "
@@ -672,7 +682,8 @@ def _goodput_runner(args: argparse.Namespace, builder: _WorkloadBuilder,
 
     def run(label: str, rate: float, seed: int, prompt_salt: int):
         if (rate, seed) not in workloads:  # built once, sent to every deployment
-            _, requests, description = builder.build(rate, seed)
+            _, requests, description = builder.build(rate, seed,
+                                                     config.num_requests_at(rate))
             description["warmup_requests"] = config.warmup_requests
             workloads[rate, seed] = requests, description
         requests, description = workloads[rate, seed]
