@@ -93,6 +93,28 @@ def test_async_llm_liveness_surface():  # EngineHandle.is_dead / check_health / 
     assert "req.app.state.server" in inspect.getsource(vllm_error.engine_error_handler)
 
 
+def test_fcfs_preemption_takes_the_last_running_request():  # vllm_ext/scheduler.py
+    # RoutingKVCacheManager._line_up_victim moves a request to the end of the running list
+    # for vLLM's FCFS preemption to take.
+    from vllm.v1.core.sched.request_queue import SchedulingPolicy
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    source = inspect.getsource(Scheduler.schedule)
+    for step in ("new_blocks = self.kv_cache_manager.allocate_slots(",
+                 "preempted_req = self.running[-1]", "preempted_req = self.running.pop()",
+                 "if preempted_req == request:"):
+        assert step in source, step
+    assert SchedulingPolicy.FCFS.value == "fcfs"
+
+
+def test_cpu_engines_spawn_their_processes():  # vllm_ext/engine/app.py _spawned_children
+    # The spawn lock ends once the EngineCore shows spawn_main; forked, it would last the
+    # whole build (engines would start one at a time again, correctly but slowly).
+    from vllm.platforms import cpu
+
+    assert 'os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"' in inspect.getsource(cpu)
+
+
 def test_weaver_plugin_entry_point_is_installed():  # weaver/vllm_ext/plugin.py
     from vllm.plugins import DEFAULT_PLUGINS_GROUP
 

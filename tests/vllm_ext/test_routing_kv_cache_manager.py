@@ -139,3 +139,53 @@ def test_auto_that_stepped_aside_sends_nothing_remote():
     assert manager.allocate_slots(FakeRequest("a"), 16) is not None
     assert manager.allocate_slots(FakeRequest("b"), 16) is None  # local full: it waits
     assert manager.remote.held == {}
+
+
+def _fcfs_grow(manager: RoutingKVCacheManager, running: list, request) -> list:
+    """vLLM's FCFS loop for one running request that needs a block (Scheduler.schedule):
+    preempt running[-1] until it can grow or is preempted itself; the victims."""
+    victims = []
+    while manager.allocate_slots(request, 1) is None:
+        victim = running.pop()
+        manager.free(victim)
+        victims.append(victim.request_id)
+        if victim is request:
+            break
+    return victims
+
+
+class FreeingPool(CountingPool):
+    def free(self, request: FakeRequest) -> None:
+        self.num_free += self.held.pop(request.request_id, 0)
+
+
+def test_a_request_that_cannot_grow_preempts_in_its_own_pool_only():
+    # Admission order l0 r0 l1 r1 r2: the local pool (2 blocks) is full, the remote one
+    # has room. l0 needs a block: vLLM alone would preempt r2, r1, then l1.
+    running: list = []
+    manager = RoutingKVCacheManager(FreeingPool(2), FreeingPool(8), 8, RatioPlacement(0.5),
+                                    running=lambda: running)
+    for name in ("l0", "r0", "l1", "r1", "r2"):
+        request = FakeRequest(name)
+        manager.placed[name] = Placement.REMOTE if name[0] == "r" else Placement.LOCAL
+        (manager.remote if name[0] == "r" else manager.local).allocate_slots(request, 1)
+        running.append(request)
+    assert _fcfs_grow(manager, running, running[0]) == ["l1"]
+    assert [r.request_id for r in running] == ["l0", "r0", "r1", "r2"]  # order kept
+    assert manager.num_victims_lined_up == 1
+    # The last local request itself cannot grow: it is the victim, no remote one is.
+    l0 = running[0]
+    manager.local.num_free = 0
+    assert _fcfs_grow(manager, running, l0) == ["l0"]
+    assert [r.request_id for r in running] == ["r0", "r1", "r2"]
+
+
+def test_without_the_running_list_vllms_victim_stands():
+    running: list = []
+    manager = RoutingKVCacheManager(FreeingPool(1), FreeingPool(8), 8, RatioPlacement(0.5))
+    for name in ("l0", "r0"):
+        request = FakeRequest(name)
+        manager.placed[name] = Placement.REMOTE if name[0] == "r" else Placement.LOCAL
+        (manager.remote if name[0] == "r" else manager.local).allocate_slots(request, 1)
+        running.append(request)
+    assert _fcfs_grow(manager, running, running[0]) == ["r0", "l0"]

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from weaver.kv.lease import LeasedTenantAllocator
@@ -54,6 +55,7 @@ logger = logging.getLogger(__name__)
 
 LEASE_SLACK_BLOCKS = 2  # spare remote blocks beyond what the next step is known to need
 STARVED_NAP_S = 0.01  # an idle engine waiting for pool blocks sleeps this long per loop
+VICTIM_LOG_EVERY = 100  # a victim lined up in its pool is logged the 1st, 101st, ... time
 
 # KVCacheManager's members that are the whole pool's, not a request's: they are the local
 # pool's (remote requests get no prefix caching, events or stats). Listed, not forwarded
@@ -98,7 +100,8 @@ class RoutingKVCacheManager:
 
     def __init__(self, local: KVCacheManager, remote: KVCacheManager, num_local_blocks: int,
                  placement: RatioPlacement | AdaptivePlacement,
-                 remote_available: Callable[[], bool] | None = None) -> None:
+                 remote_available: Callable[[], bool] | None = None,
+                 running: Callable[[], list[Request]] | None = None) -> None:
         self.local = local
         self.remote = remote
         self.num_local_blocks = num_local_blocks
@@ -107,6 +110,10 @@ class RoutingKVCacheManager:
         # the cold engine, is gone): then every new placement is local, whatever the ratio,
         # or a hot model that places everything remotely would wait forever.
         self.remote_available = remote_available
+        # The scheduler's running list (FCFS order), in which a request that cannot grow
+        # lines up its preemption victim (_line_up_victim); None: vLLM's victim, unchanged.
+        self.running = running
+        self.num_victims_lined_up = 0
         self.placed: dict[str, Placement] = {}
         self.num_placed_remote = 0  # requests ever placed remotely (a Prometheus counter)
         self._logged_remote_gone = False
@@ -118,8 +125,11 @@ class RoutingKVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int, *args, **kwargs):
         placed = self.placed.get(request.request_id)
         if placed is not None:
-            return self._pool(request.request_id).allocate_slots(
+            blocks = self._pool(request.request_id).allocate_slots(
                 request, num_new_tokens, *args, **kwargs)
+            if blocks is None:
+                self._line_up_victim(request, placed)
+            return blocks
         # A new (or preempted and re-admitted) request: decide where its KV lives.
         num_remote = self.num_running_remote
         order = self.placement.order(len(self.placed) - num_remote, num_remote)
@@ -139,6 +149,30 @@ class RoutingKVCacheManager:
                                                    self.num_running_remote)
                 return blocks
         return None
+
+    def _line_up_victim(self, request: Request, pool: Placement) -> None:
+        """A running request cannot grow in its pool; vLLM then preempts the last running
+        request, again and again until this one can grow or is preempted itself
+        (Scheduler.schedule, FCFS), whichever pool the victims are in. Freeing the other
+        pool's blocks cannot help it, so the last later request of its own pool is moved
+        to the end for vLLM to take, or, when there is none, this request itself (vLLM
+        then stops there): no sequence of the other pool is preempted for nothing."""
+        if self.running is None:
+            return
+        running = self.running()
+        try:
+            index = running.index(request)
+        except ValueError:
+            return  # not running (being admitted): vLLM preempts nothing for it
+        victim = next((later for later in range(len(running) - 1, index - 1, -1)
+                       if self.placed.get(running[later].request_id) is pool), index)
+        if victim != len(running) - 1:
+            running.append(running.pop(victim))
+            self.num_victims_lined_up += 1
+            if self.num_victims_lined_up % VICTIM_LOG_EVERY == 1:
+                logger.info("a %s request could not grow: its preemption victim was taken "
+                            "from its own pool (%d times so far)", pool.name.lower(),
+                            self.num_victims_lined_up)
 
     def _remote_is_available(self) -> bool:
         if self.remote_available is None or self.remote_available():
@@ -326,8 +360,12 @@ class HotRouting:
         # offload_ratio auto: each step's time and batch, and the pair's load, for the policy
         self.feed = (PlacementFeed(self.placement, plan.hot)
                      if isinstance(self.placement, AdaptivePlacement) else None)
+        # vLLM's FCFS preemption takes running[-1] (tests/vllm_ext/test_drift.py pins it);
+        # under the priority policy the victim is chosen otherwise and is left alone.
+        fcfs = scheduler.policy == SchedulingPolicy.FCFS
         routing_kv_cache_manager.install(scheduler, RoutingKVCacheManager(
-            local, remote, num_local, self.placement, remote_available=self.remote_available))
+            local, remote, num_local, self.placement, remote_available=self.remote_available,
+            running=(lambda: scheduler.running) if fcfs else None))
         logger.info(
             "weaving %s -> %s: %d local + %d remote KV blocks, offload ratio %s",
             plan.hot, plan.cold, num_local, plan.num_remote_blocks, plan.offload_ratio,
