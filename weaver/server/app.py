@@ -69,10 +69,12 @@ def _default_resolver(name: str, models_dir: Path | None) -> Path:
 
 
 async def _start_engine(spec: ModelSpec, model_path: Path, stack: contextlib.AsyncExitStack,
-                        additional_config: dict, placement: EnginePlacement):
+                        additional_config: dict, placement: EnginePlacement,
+                        spawn_lock: asyncio.Lock):
     from weaver.vllm_ext.engine.app import open_engine
 
-    return await open_engine(spec, model_path, stack, additional_config, placement)
+    return await open_engine(spec, model_path, stack, additional_config, placement,
+                             spawn_lock)
 
 
 @dataclass
@@ -127,18 +129,17 @@ async def start_engines(settings: ServeSettings, checked: CheckedEngines,
     # Set up first, so that what each feature reclaims runs after every engine stopped.
     for feature in features:
         feature.set_up(stack, settings.metrics.registry)
-    # One engine starts at a time: vLLM builds an engine synchronously anyway, and each
-    # engine's processes inherit the environment set for it alone (cpu_cores, visible
-    # GPUs), also when one restarts while another does.
-    start_lock = asyncio.Lock()
+    # The engines start together; one spawns its processes at a time, which inherit the
+    # environment set for it alone (cpu_cores, visible GPUs), also when one restarts
+    # while another does.
+    spawn_lock = asyncio.Lock()
 
     def opener(spec: ModelSpec) -> Callable:
         async def open_one(engine_stack: contextlib.AsyncExitStack):
-            async with start_lock:
-                for feature in features:
-                    feature.before_engine_start(spec.name)
-                return await _start_engine(spec, paths[spec.name], engine_stack,
-                                           configs[spec.name], placements[spec.name])
+            for feature in features:
+                feature.before_engine_start(spec.name)
+            return await _start_engine(spec, paths[spec.name], engine_stack,
+                                       configs[spec.name], placements[spec.name], spawn_lock)
         return open_one
 
     def count_restart(model: str, reason: str) -> None:
@@ -151,7 +152,7 @@ async def start_engines(settings: ServeSettings, checked: CheckedEngines,
     started = time.monotonic()
     for engine in engines.values():
         stack.push_async_callback(engine.close)
-        await engine.start()
+    await _start_together(list(engines.values()))
     logger.info("%d engines ready in %.1f s", len(engines), time.monotonic() - started)
     for feature in features:
         await feature.after_start(engines, stack)
@@ -160,6 +161,20 @@ async def start_engines(settings: ServeSettings, checked: CheckedEngines,
     for engine in engines.values():
         engine.watch()
     return Engines(engines, features)
+
+
+async def _start_together(engines: list[SupervisedEngine]) -> None:
+    """Start the engines side by side (most of a start is each engine's own processes
+    importing and loading); the first failure cancels the other starts (each then shuts
+    its engine down) and is raised as it is."""
+    starts = [asyncio.ensure_future(engine.start()) for engine in engines]
+    try:
+        await asyncio.gather(*starts)
+    except BaseException:
+        for start in starts:
+            start.cancel()
+        await asyncio.gather(*starts, return_exceptions=True)
+        raise
 
 
 async def _stop_watching(engines: dict[str, SupervisedEngine]) -> None:

@@ -91,6 +91,8 @@ class EngineHandle:
 ENGINE_TEARDOWN_GRACE_S = 10.0
 # How long a cancelled engine start is let finish so that it can be shut down.
 ORPHANED_BUILD_WAIT_S = 120.0
+# How often an engine start looks for its EngineCore process while it holds the spawn lock.
+SPAWN_POLL_S = 0.05
 
 
 def engine_cli_args(
@@ -227,35 +229,50 @@ def _engine_process_ids(client: Any) -> list[int]:
 
 
 @contextlib.asynccontextmanager
-async def _engine_client(args: Any):
+async def _engine_client(args: Any, environment: dict[str, str],
+                         spawn_lock: asyncio.Lock | None = None):
     """vLLM's `build_async_engine_client` (entrypoints/launchers/api_server/entry.py), with
     the engine built in a thread: `AsyncLLM.from_vllm_config` blocks until the EngineCore
     has started (seconds), and the gateway's event loop keeps serving the other models
     meanwhile, also when an engine is restarted. AsyncLLM starts its output handler on
-    the first request when it was built outside a running loop."""
+    the first request when it was built outside a running loop.
+
+    The engine's processes inherit `environment` (cpu_cores, visible GPUs): it is set in
+    this process from the engine's configuration until its EngineCore has been spawned
+    (which copies the environment; the worker inherits the EngineCore's), under
+    `spawn_lock`, so that engines started together each spawn with their own, and the
+    rest of their start-up (imports, weights, KV cache: most of it) runs side by side."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.launchers.cli_args import propagate_flash_late_interaction
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    engine_args = AsyncEngineArgs.from_cli_args(args)
-    propagate_flash_late_interaction(args, engine_args)
-    usage_context = UsageContext.OPENAI_API_SERVER
-    vllm_config = engine_args.create_engine_config(usage_context=usage_context)
-    build = asyncio.ensure_future(asyncio.to_thread(
-        AsyncLLM.from_vllm_config, vllm_config=vllm_config, usage_context=usage_context,
-        enable_log_requests=engine_args.enable_log_requests,
-        aggregate_engine_logging=engine_args.aggregate_engine_logging,
-        disable_log_stats=engine_args.disable_log_stats))
+    build: asyncio.Future | None = None
     try:
+        async with spawn_lock if spawn_lock is not None else contextlib.nullcontext():
+            with _engine_environment(environment):
+                engine_args = AsyncEngineArgs.from_cli_args(args)
+                propagate_flash_late_interaction(args, engine_args)
+                usage_context = UsageContext.OPENAI_API_SERVER
+                vllm_config = engine_args.create_engine_config(usage_context=usage_context)
+                spawned_before = _spawned_children()
+                build = asyncio.ensure_future(asyncio.to_thread(
+                    AsyncLLM.from_vllm_config, vllm_config=vllm_config,
+                    usage_context=usage_context,
+                    enable_log_requests=engine_args.enable_log_requests,
+                    aggregate_engine_logging=engine_args.aggregate_engine_logging,
+                    disable_log_stats=engine_args.disable_log_stats))
+                await _until_spawned(build, spawned_before)
         client = await asyncio.shield(build)
     except asyncio.CancelledError:
         # A thread cannot be interrupted: a start cancelled half-way (the server stopping
-        # while an engine restarts) lets the engine come up and shuts it down, so that no
-        # EngineCore outlives it; past the wait, the gateway's last reaping kills it.
-        with contextlib.suppress(Exception):
-            orphan = await asyncio.wait_for(build, ORPHANED_BUILD_WAIT_S)
-            orphan.shutdown(timeout=ENGINE_TEARDOWN_GRACE_S)
+        # while an engine restarts, or another engine's start failing) lets the engine
+        # come up and shuts it down, so that no EngineCore outlives it; past the wait,
+        # the gateway's last reaping kills it.
+        if build is not None:
+            with contextlib.suppress(Exception):
+                orphan = await asyncio.wait_for(build, ORPHANED_BUILD_WAIT_S)
+                orphan.shutdown(timeout=ENGINE_TEARDOWN_GRACE_S)
         raise
     try:
         await client.reset_mm_cache()
@@ -266,15 +283,41 @@ async def _engine_client(args: Any):
         client.shutdown(timeout=vllm_config.shutdown_timeout)
 
 
+def _spawned_children() -> set[int]:
+    """This process's children that are known to hold their own copy of the environment:
+    started by multiprocessing's spawn (the cmdline names spawn_main once the child has
+    exec'd) or titled by vLLM (VLLM::EngineCore, set after a fork or a spawn). Not the
+    resource tracker, which the first spawn starts just before the EngineCore."""
+    import psutil
+
+    spawned = set()
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            cmdline = child.cmdline()
+            if any("spawn_main" in part for part in cmdline) or \
+                    cmdline and cmdline[0].startswith("VLLM::"):
+                spawned.add(child.pid)
+    return spawned
+
+
+async def _until_spawned(build: asyncio.Future, spawned_before: set[int]) -> None:
+    """Until the build has started a process of its own (see _spawned_children), or has
+    ended (failed, or built in-process): only then may the environment change."""
+    while not build.done() and not _spawned_children() - spawned_before:
+        await asyncio.sleep(SPAWN_POLL_S)
+
+
 async def open_engine(
     spec: ModelSpec,
     model_path: Path,
     stack: contextlib.AsyncExitStack,
     additional_config: dict | None = None,
     placement: EnginePlacement | None = None,
+    spawn_lock: asyncio.Lock | None = None,
 ) -> EngineHandle:
     """Start the engine for `spec` (placed as `placement` says; a cpu engine when None);
-    it is shut down when `stack` closes."""
+    it is shut down when `stack` closes. Engines started at once share a `spawn_lock`
+    (see _engine_client)."""
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
 
@@ -283,8 +326,8 @@ async def open_engine(
     cores = usable_cpu_cores(f"model {spec.name!r}", spec.cpu_cores) if spec.cpu_cores else None
     logger.info("starting engine %s from %s on %s %s", spec.name, model_path, spec.device,
                 placement.environment)
-    with _engine_environment(placement.environment):
-        client = await stack.enter_async_context(_engine_client(args))
+    client = await stack.enter_async_context(
+        _engine_client(args, placement.environment, spawn_lock))
     # The stack unwinds last-in first-out: first our shutdown (vLLM's own in the context
     # above then finds the engine processes stopped), then the files of an engine that
     # could not tear down (killed, crashed) are removed.
