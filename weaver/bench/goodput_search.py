@@ -56,7 +56,7 @@ TTFT_GROWTH_OF_TARGET = 0.25
 # A run's measured arrivals must span this many times their median lifetime. Measured: a
 # KV-bound weaving pair "passed" at 3.2 and 4.0 req/s with runs whose 27 measured arrivals
 # spanned 6-12 s while each request lived 13-22 s: the whole run fit in its KV at once
-# (benchmarks/README.md, "Goodput", run 6).
+# (benchmarks/HISTORY.md, "Goodput: runs 4-6", run 6).
 MIN_SPAN_LIFETIMES = 3.0
 
 _NO_ITL = {"records": {"__all__": {"itl_s"}}}

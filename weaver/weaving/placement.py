@@ -120,7 +120,7 @@ STEP_ALPHA = 0.05
 # TPOT averages over its decode (prefill steps included). A shorter mean cut the cap for a
 # burst of arrivals whose prefills lengthened a few seconds of steps, while every
 # request's TPOT stayed well under the target: admitted requests then queued instead
-# (benchmarks/README.md, "Goodput", run 5).
+# (benchmarks/HISTORY.md, "Goodput: runs 4-6", run 5).
 TPOT_ALPHA = 0.01
 REMOTE_CAP_DECREASE = 0.75  # the remote cap after woven steps ran over the TPOT target
 REMOTE_CAP_HEADROOM = 0.9  # the cap grows while woven steps stay under this share of it
@@ -299,7 +299,7 @@ class AdaptivePlacement:
         self._cold_cut_held_until = now + COLD_CUT_HOLD_S
         # The batch the cold side's window measured: the recent woven steps' remote
         # sequences, not the last step's alone (a step that happened to run few of them cut
-        # the cap to one, measured: benchmarks/README.md, "Goodput", run 6).
+        # the cap to one, measured: benchmarks/HISTORY.md, "Goodput: runs 4-6").
         recent = round(self._woven_remote.value or 0)
         return self._cut(max(self._num_remote, recent), over)
 
