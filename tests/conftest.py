@@ -2,16 +2,59 @@
 
 The linear profile (the `lin` fixture), whose step times are easy to compute by hand,
 serves the simulator's tests and the profiling calibrations' tests; helpers travel as
-fixtures because test modules of different folders cannot import each other."""
+fixtures because test modules of different folders cannot import each other. Also the
+order in which `make test` hands modules to its two xdist workers, and the guard that holds
+every module to leaving no process running (tests/leftovers.py)."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
+import leftovers
 import pytest
 
 from weaver.sim.profile import ModelShape, Profile
+
+
+# `make test` runs the suite on two xdist workers (`-n 2 --dist loadfile
+# --no-loadscope-reorder`): a test file goes whole to one worker, so a module's tests share
+# its module-scoped engines and run in file order. Modules that start engines go first,
+# longest first (the `engine` mark's `seconds`: about what the module took on the 2-core
+# reference machine), so that the short modules fill the other worker at the end instead of
+# one long module running alone.
+def pytest_collection_modifyitems(config, items) -> None:
+    def engine_seconds(item) -> float:
+        mark = item.get_closest_marker("engine")
+        return -1.0 if mark is None else float(mark.kwargs.get("seconds", 0))
+
+    items.sort(key=lambda item: -engine_seconds(item))  # stable: file order kept within
+
+
+def pytest_configure(config) -> None:
+    # Each worker's engines run their OpenMP threads on a core of its own (unless a test or
+    # its deployment names cores). vLLM's own binding ("auto") keeps one core for the
+    # front end and binds every engine to the same other one (core 0 on a 2-core machine:
+    # its log's "core ids=[0]"), so both workers' engines would share that core.
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is not None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        cores = sorted(os.sched_getaffinity(0))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[int(worker[2:]) % len(cores)])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_process_left_behind(request):
+    """Fails the module's last test, naming the module, when a process it started still
+    runs once its fixtures are torn down (after a grace period); kills it, so that the next
+    module is judged on its own."""
+    before = set(leftovers.live_descendants())
+    yield
+    left = leftovers.left_running(before)
+    if left:
+        leftovers.kill(left)
+        pytest.fail(f"{request.module.__name__} left processes running: {left}",
+                    pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.engine
+pytestmark = pytest.mark.engine(seconds=35)
 
 SCRIPT = """
 import json, sys

@@ -24,7 +24,7 @@ import pytest
 from weaver.bench.prom_histogram import read_counter, read_histogram
 from weaver.bench.server_process import weaver_server
 
-pytestmark = pytest.mark.engine
+pytestmark = pytest.mark.engine(seconds=140)
 
 ENGINE = """
     model: {smollm2}

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from weaver.bench.server_process import weaver_server
 from weaver.config.deployment import load_deployment
 
-pytestmark = pytest.mark.engine
+pytestmark = pytest.mark.engine(seconds=200)
 
 API_KEY = "test-key"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -53,15 +53,13 @@ def test_engines_started_together_spawn_with_their_own_environment(tmp_path):
         return await asyncio.gather(*(_start(tmp_path, name, lock) for name in "abc"))
 
     os.environ.pop(VARIABLE, None)
-    started = time.monotonic()
     times = asyncio.run(main())
     assert {name: (tmp_path / name).read_text() for name in "abc"} == \
         {"a": "a", "b": "b", "c": "c"}
     assert VARIABLE not in os.environ  # restored once each had spawned
-    # Side by side: the last spawn came before the first build ended, and the three
-    # took less than two builds one after another would.
+    # Side by side: the last one released the lock before the first build ended (an
+    # order, not a duration: the suite shares its cores with other tests).
     assert max(released for released, _ in times) < min(built for _, built in times)
-    assert time.monotonic() - started < 2 * 2.2
 
 
 class _Engine:

@@ -21,7 +21,7 @@ from weaving_client import complete_all, make_prompts, metric, openai_client
 
 from weaver.bench.server_process import vllm_cli_env, vllm_server
 
-pytestmark = pytest.mark.engine
+pytestmark = pytest.mark.engine(seconds=185)
 
 NUM_PROMPTS = 16
 PAIR = "p1"

@@ -34,7 +34,7 @@ from weaving_client import complete_all, make_prompts, metric, openai_client
 
 from weaver.bench.server_process import weaver_server
 
-pytestmark = pytest.mark.engine
+pytestmark = pytest.mark.engine(seconds=140)
 
 NUM_PROMPTS = 16
 NUM_COLD_PROMPTS = 4

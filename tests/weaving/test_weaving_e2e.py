@@ -30,7 +30,7 @@ from weaving_client import complete_all, make_prompts, metric, openai_client
 from weaver.bench.server_process import weaver_server
 from weaver.mux.table import table_path
 
-pytestmark = pytest.mark.engine
+pytestmark = pytest.mark.engine(seconds=440)
 
 NUM_PROMPTS = 32
 MUX_MODELS = ("mux-a", "mux-b")

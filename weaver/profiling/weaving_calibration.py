@@ -30,6 +30,7 @@ from weaver.profiling.engine_profile import least_squares
 from weaver.profiling.serving_calibration import NOTES_KEY as SERVING_NOTES_KEY
 from weaver.profiling.serving_calibration import ServingDecodePoint
 from weaver.sim.perf_model import (
+    IDLE_POLL_INTERVAL_S,
     LinkModel,
     OffloadCostModel,
     PerfModel,
@@ -40,9 +41,6 @@ from weaver.sim.profile import Profile
 from weaver.weaving.placement import Placement, RatioPlacement
 
 NOTES_KEY = "weaving_calibration"
-# The cold side's idle poller wakes at once on a task; the model's idle wait is half a
-# period of this (as `weaver.sim.instance.Instance.idle_poll_interval_s`).
-IDLE_POLL_INTERVAL_S = 50e-6
 
 
 def num_remote_of(offload_ratio: float | str, batch_size: int) -> int:

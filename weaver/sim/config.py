@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from weaver.mux.turns import DEFAULT_SKIP_LIMIT
+from weaver.sim.perf_model import IDLE_POLL_INTERVAL_S
 from weaver.sim.profile import CPU_DEVICE, KNOWN_DEVICES, KNOWN_SHAPES
 from weaver.workloads.popularity import power_law_rates
 
@@ -111,7 +112,7 @@ class WeavingSpec(_Strict):
     region_fraction: float = Field(0.5, ge=0, le=1,
                                    description="share of the cold device's KV memory lent")
     poll_overhead_us: float = Field(20.0, ge=0, description="per cold step, polling cost")
-    idle_poll_interval_us: float = Field(50.0, gt=0)
+    idle_poll_interval_us: float = Field(IDLE_POLL_INTERVAL_S * 1e6, gt=0)
     split: Literal["none", "plan"] | dict[str, int] = Field(
         "none", description="operator splitting of the cold model (Weaver §4): none; plan: "
         "Algorithm 1's chunks for the modelled operators (weaver/splitting/algorithm.py); "

@@ -19,7 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from weaver.sim.engine import Engine, Event
-from weaver.sim.perf_model import OffloadCostModel, PerfModel, PollContext, operator_fractions
+from weaver.sim.perf_model import (
+    IDLE_POLL_INTERVAL_S,
+    OffloadCostModel,
+    PerfModel,
+    PollContext,
+    operator_fractions,
+)
 from weaver.sim.profile import blocks_for
 from weaver.weaving.placement import AdaptivePlacement, PairLoad, Placement, RatioPlacement
 from weaver.workloads.types import TraceRequest
@@ -465,7 +471,7 @@ class Instance:
         self.last_decode_s = 0.0
         self.external_loads: dict[str, float] = {}  # share of time serving others' attention
         self.poll_overhead_s = 0.0  # per step, for checking the offload channel
-        self.idle_poll_interval_s = 50e-6
+        self.idle_poll_interval_s = IDLE_POLL_INTERVAL_S
         # The cold model's operators as a task sees them (split chunks counted one by one);
         # None: unsplit (perf_model.operator_fractions).
         self.operator_fractions: tuple[float, ...] | None = None

@@ -96,6 +96,12 @@ class PerfModel:
                    + self.profile.woven_step_per_remote_seq_s * num_remote_seqs)
 
 
+# The period of the cold side's idle poller that the model assumes (a GPU poller checking
+# the task counter): a task that finds the cold side idle waits half of it on average. One
+# value for the simulator's deployments and the weaving calibration.
+IDLE_POLL_INTERVAL_S = 50e-6
+
+
 @dataclass(frozen=True)
 class PollContext:
     """What the cold side looks like to an arriving offloaded attention task.

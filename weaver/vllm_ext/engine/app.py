@@ -283,6 +283,21 @@ async def _engine_client(args: Any, environment: dict[str, str],
         client.shutdown(timeout=vllm_config.shutdown_timeout)
 
 
+def _fail_pending_requests(name: str, client: Any) -> None:
+    """End every request still waiting on the engine with vLLM's EngineDeadError, as its
+    output handler does when it reads the EngineCore's death. The supervisor may close a
+    dead engine first (its monitor marks the client dead before the handler reads that),
+    and the shutdown cancels the handler: a stream on the engine then waited forever
+    instead of being run again (a phase-split decode stream, seen in the suite under load)."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    pending = client.output_processor.get_num_unfinished_requests()
+    if pending:
+        logger.warning("engine %s closes with %d request(s) unfinished; ending them with "
+                       "an engine-dead error", name, pending)
+        client.output_processor.propagate_error(EngineDeadError())
+
+
 def _spawned_children() -> set[int]:
     """This process's children that are known to hold their own copy of the environment:
     started by multiprocessing's spawn (the cmdline names spawn_main once the child has
@@ -336,6 +351,7 @@ async def open_engine(
         pin_engine_processes(spec.name, process_ids, cores)
     stack.callback(_remove_left_over_shm, spec.name, _shm_files_of(process_ids))
     stack.callback(client.shutdown, timeout=ENGINE_TEARDOWN_GRACE_S)
+    stack.callback(_fail_pending_requests, spec.name, client)  # before the shutdown
     supported_tasks = await client.get_supported_tasks()
     app = build_app(args, supported_tasks, client.model_config)
     await init_app_state(client, app.state, args, supported_tasks)
