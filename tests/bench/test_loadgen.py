@@ -40,8 +40,11 @@ def test_measures_injected_ttft_itl_tpot_e2e(fake_server):
         assert len(rec.itl_s) == 9
         assert rec.sent_at_s >= req.arrival_s
         assert rec.sent_at_s == pytest.approx(req.arrival_s, abs=0.05)  # sent on time
-        # TTFT: at least the injected delay and what the server took; little more.
-        assert TTFT_S <= server_ttft <= rec.ttft_s < server_ttft + 0.05
+        # TTFT: at least the injected delay, and what the server took within a few ms
+        # either way (the client stamps the send once the request is on its way; with the
+        # machine's cores shared, the server may read it first); little more.
+        assert server_ttft >= TTFT_S
+        assert server_ttft - 0.01 <= rec.ttft_s < server_ttft + 0.05
         # TPOT and ITL within 30% of the injected 20 ms, and of what the server achieved
         # (on a loaded machine its sleeps may overrun; the metric must follow them).
         assert rec.tpot_s >= 0.7 * ITL_S
