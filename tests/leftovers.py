@@ -12,6 +12,8 @@ import time
 
 import psutil
 
+from weaver.processes import is_process_alive, is_resource_tracker
+
 # How long what a module started gets to exit after its fixtures are torn down: an
 # engine's teardown is asynchronous in part.
 GRACE_S = 20.0
@@ -23,11 +25,10 @@ def live_descendants() -> dict[int, str]:
     me, children = os.getpid(), {}
     for child in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
-            command = " ".join(child.cmdline())
-            if child.status() == psutil.STATUS_ZOMBIE or (
-                    child.ppid() == me and "multiprocessing.resource_tracker" in command):
+            if not is_process_alive(child.pid) or (
+                    child.ppid() == me and is_resource_tracker(child.pid)):
                 continue
-            children[child.pid] = command[:160]
+            children[child.pid] = " ".join(child.cmdline())[:160]
     return children
 
 

@@ -1,7 +1,8 @@
 """Whether a process still runs: for the owners of shared regions (weaver.offload.shm) and of
 half-built model folders (weaver.models.store), whose leftovers may be reclaimed once they
-are gone; and which /dev/shm files processes hold, so that what a stopped or killed one
-could not unlink is found (weaver/vllm_ext/engine/app.py, weaver/bench/server_process.py).
+are gone; whether it is multiprocessing's resource tracker (which the reapers leave be);
+and which /dev/shm files processes hold, so that what a stopped or killed one could not
+unlink is found (weaver/vllm_ext/engine/app.py, weaver/bench/server_process.py).
 Pure Python, over /proc."""
 
 from __future__ import annotations
@@ -27,6 +28,18 @@ def is_process_alive(pid: int) -> bool:
         return state not in (b"Z", b"X")
     except (OSError, IndexError):
         return True  # no procfs: trust kill(0)
+
+
+def is_resource_tracker(pid: int) -> bool:
+    """Whether process `pid` is multiprocessing's resource tracker (its command line is
+    `python -c 'from multiprocessing.resource_tracker import main;main(FD)'`): it ignores
+    SIGTERM and exits by itself once every process sharing it has exited, after unlinking
+    what it still tracks. False once it is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"multiprocessing.resource_tracker" in f.read()
+    except OSError:
+        return False
 
 
 def shm_files_of(pid: int) -> set[str]:

@@ -19,13 +19,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
 
 import uvicorn
 
 from weaver.config.deployment import Deployment, ModelSpec
 from weaver.config.devices import EnginePlacement, place_engines
 from weaver.kv.pool_plan import PoolPlan
+from weaver.processes import is_resource_tracker
 from weaver.server.features import (
     ServeFeature,
     engine_configs,
@@ -39,9 +39,6 @@ from weaver.server.metrics import GatewayMetrics
 from weaver.server.mux_pool import plan_mux_pools
 from weaver.server.phase_split import phase_split_backends
 from weaver.server.supervisor import SupervisedEngine
-
-if TYPE_CHECKING:
-    import psutil
 
 logger = logging.getLogger(__name__)
 
@@ -344,7 +341,7 @@ def reap_children(grace_s: float = CHILD_EXIT_GRACE_S) -> None:
     import psutil
 
     children = [c for c in psutil.Process().children(recursive=True)
-                if not _is_resource_tracker(c)]  # fmt: skip
+                if not is_resource_tracker(c.pid)]  # fmt: skip
     if not children:
         return
     logger.warning("terminating %d leftover child process(es): %s",
@@ -356,14 +353,3 @@ def reap_children(grace_s: float = CHILD_EXIT_GRACE_S) -> None:
     for child in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()
-
-
-def _is_resource_tracker(process: psutil.Process) -> bool:
-    """Whether a psutil.Process is multiprocessing's resource tracker (its command line is
-    `python -c 'from multiprocessing.resource_tracker import main;main(FD)'`)."""
-    import psutil
-
-    try:
-        return any("multiprocessing.resource_tracker" in part for part in process.cmdline())
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return False
