@@ -3,13 +3,15 @@
 The linear profile (the `lin` fixture), whose step times are easy to compute by hand,
 serves the simulator's tests and the profiling calibrations' tests; helpers travel as
 fixtures because test modules of different folders cannot import each other. Also the
-order in which `make test` hands modules to its two xdist workers, and the guard that holds
-every module to leaving no process running (tests/leftovers.py)."""
+order in which `make test` hands modules to its two xdist workers, and the guards that hold
+every module to leaving no process running and the session to leaving nothing in /dev/shm
+(tests/leftovers.py)."""
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import leftovers
@@ -43,14 +45,54 @@ def pytest_configure(config) -> None:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[int(worker[2:]) % len(cores)])
 
 
+# The /dev/shm guard. The session's process (the xdist controller under `make test`) lists
+# /dev/shm when it starts and again when every worker is done; an entry that appeared and
+# that no live process holds fails the run, naming the modules that ran when it was
+# created: /dev/shm is memory, and a machine that runs the suite often would run out of it.
+# Each worker reports its modules' (name, start, end) windows back to the controller.
+SHM_BEFORE = pytest.StashKey[set]()
+MODULE_WINDOWS = pytest.StashKey[list]()
+
+
+def pytest_sessionstart(session) -> None:
+    session.config.stash[SHM_BEFORE] = leftovers.shm_entries()
+    session.config.stash[MODULE_WINDOWS] = []
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    windows = node.workeroutput.get("module_windows", []) if hasattr(node, "workeroutput") else []
+    node.config.stash[MODULE_WINDOWS].extend(tuple(window) for window in windows)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    config = session.config
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller judges
+        config.workeroutput["module_windows"] = [list(w) for w in config.stash[MODULE_WINDOWS]]
+        return
+    left = leftovers.shm_left(config.stash[SHM_BEFORE])
+    if left:
+        leftovers.remove_shm(left)
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.ensure_newline()
+            reporter.write_sep("=", "left in /dev/shm", red=True)
+            reporter.write_line(leftovers.describe_shm_left(left, config.stash[MODULE_WINDOWS]))
+        if session.exitstatus == 0:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 @pytest.fixture(scope="module", autouse=True)
 def no_process_left_behind(request):
     """Fails the module's last test, naming the module, when a process it started still
     runs once its fixtures are torn down (after a grace period); kills it, so that the next
-    module is judged on its own."""
+    module is judged on its own. Also records when the module ran, for the /dev/shm guard."""
     before = set(leftovers.live_descendants())
+    started = time.time()
     yield
     left = leftovers.left_running(before)
+    windows = request.config.stash[MODULE_WINDOWS]
+    windows.append((request.module.__name__, started, time.time()))
     if left:
         leftovers.kill(left)
         pytest.fail(f"{request.module.__name__} left processes running: {left}",

@@ -1,5 +1,7 @@
-"""What a test module leaves behind: processes it started that still run once its
-fixtures are torn down. tests/conftest.py holds every module to leaving none.
+"""What the suite leaves behind: processes a test module started that still run once its
+fixtures are torn down, and /dev/shm entries (shared memory, semaphores, a region's pipes)
+that appeared during the session and that no live process holds. tests/conftest.py holds
+every module to leaving no process and the session to leaving no entry.
 
 A plain module, imported by name: pytest puts tests/ on sys.path."""
 
@@ -9,10 +11,13 @@ import contextlib
 import os
 import signal
 import time
+from pathlib import Path
 
 import psutil
 
-from weaver.processes import is_process_alive, is_resource_tracker
+from weaver.processes import is_process_alive, is_resource_tracker, shm_in_use
+
+SHM = Path("/dev/shm")
 
 # How long what a module started gets to exit after its fixtures are torn down: an
 # engine's teardown is asynchronous in part.
@@ -47,3 +52,46 @@ def kill(processes: dict[int, str]) -> None:
     for pid in processes:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def shm_entries() -> set[str]:
+    """The names in /dev/shm now."""
+    return {entry.name for entry in SHM.iterdir()} if SHM.is_dir() else set()
+
+
+def shm_left(before: set[str], grace_s: float = GRACE_S) -> dict[str, float]:
+    """The /dev/shm entries not in `before` that no live process maps or holds open after
+    up to GRACE_S (an engine's own atexit clean-up may still be running), with their
+    modification times (about when they were created: a semaphore or a segment is sized
+    once)."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        held = {Path(path).name for path in shm_in_use()}
+        left = {}
+        for name in shm_entries() - before - held:
+            with contextlib.suppress(FileNotFoundError):
+                left[name] = (SHM / name).stat().st_mtime
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
+
+
+def suspects(created_at: float, windows: list[tuple[str, float, float]]) -> list[str]:
+    """The modules that were running (a window of (module, start, end) wall-clock times)
+    when an entry was created: with two workers, one of them made it."""
+    return [module for module, start, end in windows if start - 1.0 <= created_at <= end + 1.0]
+
+
+def describe_shm_left(left: dict[str, float], windows: list[tuple[str, float, float]]) -> str:
+    lines = [f"the suite left {len(left)} entries in /dev/shm that no process holds "
+             "(removed now); the modules running when each was created:"]
+    for name, created_at in sorted(left.items(), key=lambda item: item[1]):
+        when = time.strftime("%H:%M:%S", time.localtime(created_at))
+        lines.append(f"  {name} ({when}): {', '.join(suspects(created_at, windows)) or '?'}")
+    return "\n".join(lines)
+
+
+def remove_shm(names: set[str] | dict[str, float]) -> None:
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            (SHM / name).unlink()

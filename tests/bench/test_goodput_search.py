@@ -171,6 +171,17 @@ def test_overloaded_run_fails_even_at_full_attainment():
     jitter = judge_run(_run("a", 10.0, [0.01] * 10 + [0.04] * 10), 0, config)
     assert not jitter.overloaded and jitter.ttft_last_s == pytest.approx(0.04)
 
+    # A queue rises through the run; long requests near its end raise the last third alone.
+    # Thirds of 1.3, 0.9, 5.7 s and of 3.1, 0.9, 5.7 s (a compute-bound run's two
+    # deployments at one rate) are both steady, whichever first third each drew.
+    for first in (1.3, 3.1):
+        end_burst = judge_run(_run("a", 1.0, [first] * 7 + [0.9] * 6 + [5.7] * 7), 0, config)
+        assert not end_burst.overloaded, end_burst.overload
+        assert end_burst.ttft_middle_s == pytest.approx(0.9)
+    # The middle a quarter of the way up is a queue building.
+    rising = judge_run(_run("a", 1.0, [0.2] * 7 + [0.7] * 6 + [1.8] * 7), 0, config)
+    assert rising.overloaded and "through 700 ms" in rising.overload
+
     # The warm-up requests are left out of both the attainment and the thirds.
     warm = _config(seeds=(0,), warmup_requests=5)
     slow_start = judge_run(_run("a", 10.0, [None] * 5 + [0.01] * 15), 0, warm)

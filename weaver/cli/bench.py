@@ -203,7 +203,8 @@ how it measures:
                 after the last arrival is a miss
   not steady    a run with > 5 % of its counted requests outstanding at that deadline, or
                 whose median TTFT kept growing (last third > 2x the first third, and by more
-                than max(50 ms, TTFT target / 4)), measured a queue draining; one whose
+                than max(50 ms, TTFT target / 4), the middle third already a quarter of
+                the way up), measured a queue draining; one whose
                 counted arrivals spanned < 3x their median lifetime measured a burst that
                 the server held at once: either fails whatever its attainment
   seeds         a point is one run per workload seed (--seeds, the same for every
