@@ -75,7 +75,7 @@ def pytest_sessionfinish(session, exitstatus) -> None:
         leftovers.remove_shm(left)
         reporter = config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
-            reporter.ensure_newline()
+            reporter.line("")  # after the progress line
             reporter.write_sep("=", "left in /dev/shm", red=True)
             reporter.write_line(leftovers.describe_shm_left(left, config.stash[MODULE_WINDOWS]))
         if session.exitstatus == 0:

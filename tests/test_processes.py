@@ -4,6 +4,7 @@ the gateway unlink after a process that could not is found this way."""
 from __future__ import annotations
 
 import mmap
+import multiprocessing
 import os
 from pathlib import Path
 
@@ -27,3 +28,11 @@ def test_a_mapped_segment_and_an_open_file_are_held_and_then_not():
     finally:
         mapped.unlink(missing_ok=True)
         opened.unlink(missing_ok=True)
+
+
+def test_a_semaphore_is_found_by_its_name_though_mapped_under_another():
+    # sem_open maps a temporary file, since unlinked, linked to the semaphore's name.
+    lock = multiprocessing.get_context("spawn").Lock()
+    path = f"/dev/shm/sem.{lock._semlock.name.lstrip('/')}"  # noqa: SLF001
+    assert os.path.exists(path)
+    assert path in shm_files_of(os.getpid()) and path in shm_in_use()

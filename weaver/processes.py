@@ -42,23 +42,48 @@ def is_resource_tracker(pid: int) -> bool:
         return False
 
 
-def shm_files_of(pid: int) -> set[str]:
+SHM_DIR = "/dev/shm"
+
+
+def shm_files_of(pid: int, names_by_inode: dict[int, set[str]] | None = None) -> set[str]:
     """The /dev/shm files process `pid` maps (vLLM's message queues, Weaver's regions and
-    pools, semaphores) or holds open (a region's doorbell pipes); empty once it is gone."""
+    pools, semaphores) or holds open (a region's doorbell pipes); empty once it is gone.
+
+    A POSIX semaphore (multiprocessing's `sem.mp-*`) is mapped under another name: glibc's
+    sem_open creates a temporary file, maps it, links it to the semaphore's name and
+    unlinks the temporary one, so the mapping reads `/dev/shm/sem.XXXXXX (deleted)`. The
+    files are found by the mapping's inode instead (`names_by_inode`: /dev/shm's names by
+    inode, listed once for many processes; listed here when None)."""
+    if names_by_inode is None:
+        names_by_inode = shm_names_by_inode()
     paths: set[str] = set()
     with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
-        paths.update(line.split(None, 5)[5].strip().removesuffix(" (deleted)")
-                     for line in maps if "/dev/shm/" in line)
+        for line in maps:
+            if f"{SHM_DIR}/" not in line:
+                continue
+            fields = line.split(None, 5)  # address perms offset device inode path
+            paths.add(fields[5].strip().removesuffix(" (deleted)"))
+            paths.update(names_by_inode.get(int(fields[4]), ()))
     with contextlib.suppress(OSError):
         for fd in os.listdir(f"/proc/{pid}/fd"):
             with contextlib.suppress(OSError):
                 target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith("/dev/shm/"):
+                if target.startswith(f"{SHM_DIR}/"):
                     paths.add(target)
     return paths
 
 
+def shm_names_by_inode() -> dict[int, set[str]]:
+    names: dict[int, set[str]] = {}
+    with contextlib.suppress(OSError), os.scandir(SHM_DIR) as entries:
+        for entry in entries:
+            with contextlib.suppress(OSError):
+                names.setdefault(entry.inode(), set()).add(entry.path)
+    return names
+
+
 def shm_in_use() -> set[str]:
     """The /dev/shm files that some live process maps or holds open."""
+    names_by_inode = shm_names_by_inode()
     return {path for entry in os.listdir("/proc") if entry.isdigit()
-            for path in shm_files_of(int(entry))}
+            for path in shm_files_of(int(entry), names_by_inode)}

@@ -75,7 +75,8 @@ class StepRunner:
         self.capacity = capacity
         self.calls: list[tuple[str, float, int, int]] = []
 
-    def __call__(self, label: str, rate: float, seed: int, salt: int) -> RunResult:
+    def __call__(self, label: str, rate: float, seed: int, salt: int,
+                 num_requests: int = NUM) -> RunResult:
         self.calls.append((label, rate, seed, salt))
         cap = self.capacity[label]
         cap = cap[seed] if isinstance(cap, dict) else cap
@@ -203,18 +204,55 @@ def test_a_run_held_at_once_is_a_burst_not_a_steady_state():
     assert not judge_run(held, 0, config).overloaded
 
 
+def test_a_point_failed_by_bursts_alone_is_run_again_longer():
+    # Requests live 8 s at 1 req/s: 20 arrivals span 19 s (a burst, under 3 x 8 s), 40 span
+    # 39 s (steady). Deployment "short" passes once its runs are long enough; "long" lives
+    # 30 s and stays a burst at 80 requests, the last doubling allowed: it fails there.
+    lifetimes = {"short": 8.0, "long": 30.0}
+    calls = []
+
+    def runner(label, rate, seed, salt, num_requests):
+        calls.append((label, rate, num_requests, salt))
+        run = _run(label, rate, [0.01] * num_requests)
+        for record in run.records:
+            record.e2e_s = lifetimes[label]
+        return run
+
+    config = _config(seeds=(0,), start_rate=1.0, max_rate=1.0, max_points=1,
+                     max_span_doublings=2)
+    outcome = search_goodput(["short", "long"], runner, config, show_progress=False)
+    assert [(label, n) for label, _, n, _ in calls] == [
+        ("short", 20), ("long", 20), ("short", 40), ("long", 40), ("long", 80)]
+    assert outcome.goodput("short") == 1.0 and outcome.capped("short")
+    assert outcome.goodput("long") == 0.0
+    # Only the longest runs count; the shorter points are kept aside.
+    assert [(p.label, len(p.verdicts)) for p in outcome.points] == [("short", 1), ("long", 1)]
+    assert [p.label for p in outcome.remeasured] == ["short", "long", "long"]
+    assert all(p.failed_by_bursts_alone for p in outcome.remeasured)
+    # A longer run gets prompts of its own: the deployment served the shorter run's.
+    salts = {n: salt for label, _, n, salt in calls if label == "long"}
+    assert len(set(salts.values())) == 3
+    report = outcome.to_json(["weaver"])
+    assert len(report["remeasured_points"]) == 3
+    # A drain is not a burst: a point whose TTFT grows is not run again.
+    growing = Point("a", 1.0, [judge_run(_run("a", 1.0, [0.2] * 7 + [0.7] * 6 + [1.8] * 7),
+                                         0, _config(seeds=(0,)))], [0])
+    assert not growing.passed and not growing.failed_by_bursts_alone
+
+
 def test_min_span_scales_a_fast_rates_requests():
     config = _config(num_requests=30, min_span_s=60.0)
     assert config.num_requests_at(0.2) == 30  # 12 arrivals in 60 s: --num-requests rules
     assert config.num_requests_at(1.6) == 96
     assert config.num_requests_at(1.61) == 97  # rounded up, never short of the span
     assert _config(num_requests=30).num_requests_at(4.0) == 30  # no span asked for
+    assert config.num_requests_at(1.6, span_doublings=2) == 384  # a burst's longer runs
     with pytest.raises(ValueError, match="--min-span-s"):
         _config(min_span_s=-1.0)
 
 
 def test_overloaded_search_points_fail_in_the_goodput():
-    def runner(label, rate, seed, salt):
+    def runner(label, rate, seed, salt, num_requests):
         # Full attainment everywhere, but above 2 req/s the TTFT keeps growing.
         step = 0.02 if rate > 2 else 0.0
         return _run(label, rate, [0.01 + step * i for i in range(NUM)])
@@ -226,7 +264,7 @@ def test_overloaded_search_points_fail_in_the_goodput():
 
 def test_ratios_seed_spread_and_results_file(tmp_path):
     # a: passes up to 2 req/s. b: up to 4 req/s, but seed 1 only reaches 85 % there.
-    def runner(label, rate, seed, salt):
+    def runner(label, rate, seed, salt, num_requests):
         if label == "a":
             share = 1.0 if rate <= 2 else 0.5
         else:
@@ -254,8 +292,8 @@ def test_ratios_seed_spread_and_results_file(tmp_path):
 
     write_report(outcome.to_json(["weaver", "bench", "goodput"]), path)
     report = json.loads(path.read_text())
-    assert list(report)[:8] == ["verdict", "goodput", "ratios", "slo", "search", "points",
-                                "command", "machine"]
+    assert list(report)[:9] == ["verdict", "goodput", "ratios", "slo", "search", "points",
+                                "remeasured_points", "command", "machine"]
     assert list(report)[-1] == "runs" and len(report["runs"]) == len(outcome.runs)
     assert path.read_text().startswith('{\n "verdict": "b: goodput 4 req/s')
     assert report["goodput"]["b"] == {"rate": 4.0, "per_seed": {"0": 4.0, "1": 2.0},
@@ -276,7 +314,7 @@ def test_a_search_judged_again_under_other_slos():
     """Each request's TTFT is rate / 10 s (flat within a run): TTFT <= 0.5 s holds up to
     5 req/s, <= 1 s up to 10; deployment b is half as fast. 200 requests a run, so that a
     run at 16 req/s spans more than 3 of its requests' 0.8 s lifetimes (a steady state)."""
-    def runner(label: str, rate: float, seed: int, salt: int) -> RunResult:
+    def runner(label: str, rate: float, seed: int, salt: int, num_requests: int) -> RunResult:
         return _run(label, rate, [rate / (10 if label == "a" else 20)] * 10 * NUM)
 
     outcome = search_goodput(["b", "a"], runner, _config(seeds=(0, 1), max_rate=16.0,
@@ -304,7 +342,7 @@ def test_a_search_judged_again_under_other_slos():
 def test_a_neighbours_tpot_is_compared_per_rate_pooled_over_seeds():
     """The cold model beside a judged hot one: its median TPOT under each deployment over
     the baseline's at the same rate, its requests pooled over the seeds."""
-    def runner(label: str, rate: float, seed: int, salt: int) -> RunResult:
+    def runner(label: str, rate: float, seed: int, salt: int, num_requests: int) -> RunResult:
         run = _run(label, rate, [0.01] * NUM)
         gap = {"base": 0.010, "woven": 0.011}[label] * (1 + seed)  # s per token
         cold = [RequestRecord(request_id=100 + i, model="cold", input_tokens=4,
@@ -329,7 +367,7 @@ def test_a_cut_search_keeps_its_points(tmp_path):
     path = tmp_path / "cut.json"
     step = StepRunner({"a": 100.0})
 
-    def runner(label, rate, seed, salt):
+    def runner(label, rate, seed, salt, num_requests):
         if rate > 2:
             raise KeyboardInterrupt  # the user stops the search
         return step(label, rate, seed, salt)
@@ -386,7 +424,7 @@ def test_search_finds_the_capacity_of_a_fake_server(fake_server):
                           min_rate=0.1 * capacity, max_rate=4 * capacity, rel_tolerance=0.1,
                           drain_s=0.5)
 
-    def runner(label, rate, seed, salt):
+    def runner(label, rate, seed, salt, num_requests):
         requests = [TraceRequest((i + 1) / rate, 4, tokens, "m", i) for i in range(num)]
         client = LoadGenConfig(server.url, show_progress=False, prompt_salt=salt,
                                duration_s=requests[-1].arrival_s + config.drain_s)

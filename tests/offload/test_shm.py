@@ -146,6 +146,38 @@ def test_fifo_wakeup_sleeps_until_notified(shm_name):
         hot.close()
 
 
+def test_a_cold_engine_closes_before_its_regions_at_exit(shm_name):
+    # Each region closes itself at exit too; the cold side must close first (atexit runs
+    # the last registered first), or its receivers find their regions closed (a
+    # ValueError in the worker's close, registered at its start) and its idle poller rings
+    # closed doorbells (EBADF).
+    here = os.path.dirname(__file__)
+    code = (
+        "import atexit, sys\n"
+        f"sys.path.insert(0, {here!r})\n"
+        "from test_shm import CHANNEL_LAYOUT, reference_executor\n"
+        "from weaver.offload.receiver import OffloadReceiver\n"
+        "from weaver.offload.shm import ShmRegion\n"
+        "from weaver.weaving.cold import ColdWeaving\n"
+        "held = []\n"
+        "atexit.register(lambda: held[0].close())  # the worker's close, registered first\n"
+        f"region = ShmRegion.create(CHANNEL_LAYOUT, {shm_name!r})\n"
+        f"held.append(ColdWeaving({{{shm_name!r}: OffloadReceiver(region, reference_executor)}}))\n"
+        "held[0].start_idle_poller()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert not any(os.path.exists(p) for p in region_paths(shm_name))
+
+
+def test_a_closed_regions_doorbell_is_not_rung(shm_name):
+    owner = ShmRegion.create(CHANNEL_LAYOUT, shm_name)
+    owner.close()
+    owner.wake_waiters()  # nothing to ring, no waiter: no EBADF
+
+
 def test_is_process_alive():
     assert is_process_alive(os.getpid())
     child = subprocess.Popen([sys.executable, "-c", "pass"])

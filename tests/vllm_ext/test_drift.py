@@ -51,6 +51,12 @@ def test_engine_app_launcher_functions():  # weaver/vllm_ext/engine/app.py
         assert step in steps, step
 
 
+def test_server_socket_is_bound_by_vllms_utility():  # vllm_ext/engine/app.py listening_socket
+    from vllm.entrypoints.launchers.launcher import create_server_socket
+
+    assert params(create_server_socket) == ["addr", "reuse_port"]
+
+
 def test_engine_cli_args_parse():  # weaver/vllm_ext/engine/app.py::engine_cli_args
     from pathlib import Path
 

@@ -20,6 +20,10 @@ attainment and goodput are weaver/results/goodput.py's, used here, never restate
 - A **point** is one run per seed at one rate (the same seeds for every deployment); its
   attainment is the mean over seeds, and it fails when that mean is below 90 % or any of
   its runs is not steady.
+- A point whose runs were too short (it would pass but for bursts) measured too little,
+  not too much: its deployment runs that rate again with twice the arrivals (new prompts),
+  up to `max_span_doublings` times, and only the longest point counts (the shorter ones
+  are kept in `remeasured`).
 - The **search**, per deployment: from `start_rate`, double while the point passes (up to
   `max_rate`) or halve while it fails (down to `min_rate`), then bisect between the highest
   passing and the lowest failing rate until (fail - pass) / fail <= `rel_tolerance`, in at
@@ -66,11 +70,13 @@ MIDDLE_SHARE_OF_GROWTH = 0.25
 # spanned 6-12 s while each request lived 13-22 s: the whole run fit in its KV at once
 # (benchmarks/HISTORY.md, "Goodput: runs 4-6", run 6).
 MIN_SPAN_LIFETIMES = 3.0
+BURST = "a burst"  # how a burst verdict names itself
 
 _NO_ITL = {"records": {"__all__": {"itl_s"}}}
 
-DeploymentRunner = Callable[[str, float, int, int], "RunResult"]
-"""(label, rate in req/s, workload seed, prompt salt) -> that run's result."""
+DeploymentRunner = Callable[[str, float, int, int, int], "RunResult"]
+"""(label, rate in req/s, workload seed, prompt salt, number of requests) -> that run's
+result. The same (rate, seed, number) is the same workload on every deployment."""
 
 
 @dataclass
@@ -93,6 +99,9 @@ class SearchConfig:
     # Judge the runs by this model's requests alone (the others are sent all the same:
     # a hot model's goodput beside a cold model's steady load); None: every request.
     judged_model: str | None = None
+    # How many times a point that failed only by bursts is run again, each time with twice
+    # the arrivals; 0: a burst fails the point.
+    max_span_doublings: int = 2
 
     def __post_init__(self) -> None:
         self.seeds = tuple(int(seed) for seed in self.seeds)
@@ -122,13 +131,16 @@ class SearchConfig:
             raise ValueError(f"--min-span-s must be >= 0 s, got {self.min_span_s}")
         if not self.drain_s > 0:
             raise ValueError(f"--drain-s must be > 0 s, got {self.drain_s}")
+        if self.max_span_doublings < 0:
+            raise ValueError(f"--max-span-doublings must be >= 0, got {self.max_span_doublings}")
         if self.salt_base is None:
             # Spaced by 1000: two searches' salts meet only past 1000 runs.
             self.salt_base = random.SystemRandom().randrange(1, 2**31) * 1000
 
-    def num_requests_at(self, rate: float) -> int:
-        """Requests in one run at `rate`: enough that their arrivals span min_span_s."""
-        return max(self.num_requests, math.ceil(rate * self.min_span_s))
+    def num_requests_at(self, rate: float, span_doublings: int = 0) -> int:
+        """Requests in one run at `rate`: enough that their arrivals span min_span_s, twice
+        as many for each time a burst asked for a longer run."""
+        return max(self.num_requests, math.ceil(rate * self.min_span_s)) * 2 ** span_doublings
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -154,6 +166,11 @@ class RunVerdict:
     @property
     def overloaded(self) -> bool:
         return self.overload is not None
+
+    @property
+    def is_burst(self) -> bool:
+        """Not steady only because its arrivals were too few to show a queue."""
+        return self.overload is not None and BURST in self.overload
 
 
 def measured_records(records: Sequence[RequestRecord], warmup: int) -> list[RequestRecord]:
@@ -217,7 +234,7 @@ def _burst(measured: Sequence[RequestRecord], seed: int) -> str | None:
     if span >= MIN_SPAN_LIFETIMES * lifetime:
         return None
     return (f"seed {seed}: its measured arrivals spanned {span:.1f} s, under "
-            f"{MIN_SPAN_LIFETIMES:g}x their median lifetime ({lifetime:.1f} s): a burst, not "
+            f"{MIN_SPAN_LIFETIMES:g}x their median lifetime ({lifetime:.1f} s): {BURST}, not "
             "a steady state (raise --min-span-s)")
 
 
@@ -263,6 +280,15 @@ class Point:
         from weaver.results.goodput import passes
 
         return passes(self.mean) and not self.overloaded
+
+    @property
+    def failed_by_bursts_alone(self) -> bool:
+        """Failed, but would pass were its bursts steady: it needs longer runs."""
+        from weaver.results.goodput import passes
+
+        reasons = [v for v in self.verdicts if v.overloaded]
+        return (not self.passed and bool(reasons) and all(v.is_burst for v in reasons)
+                and passes(self.mean))
 
     def describe(self) -> str:
         shares = self.attainments
@@ -327,6 +353,8 @@ class SearchOutcome:
     points: list[Point] = field(default_factory=list)
     runs: list[RunResult] = field(default_factory=list)
     complete: bool = False
+    # Points that failed only by bursts and were run again longer: kept, not counted.
+    remeasured: list[Point] = field(default_factory=list)
 
     def points_of(self, label: str) -> list[Point]:
         return [p for p in self.points if p.label == label]
@@ -436,6 +464,7 @@ class SearchOutcome:
             "search": {**self.config.to_json(), "labels": self.labels,
                        "complete": self.complete},
             "points": [p.to_json() for p in self.points],
+            "remeasured_points": [p.to_json() for p in self.remeasured],
             "command": list(command),
             "machine": machine_info(),
             # With these two and `runs`, `weaver bench summary/plot` read this file too.
@@ -469,8 +498,9 @@ def search_goodput(
     if len(set(labels)) != len(labels):
         raise ValueError(f"deployment labels repeat in {labels}; give each its own")
     outcome = SearchOutcome(labels, config)
-    salts: dict[tuple[float, int], int] = {}
-    bound = len(labels) * len(config.seeds) * config.max_points
+    salts: dict[tuple[float, int, int], int] = {}
+    doublings: dict[tuple[str, float], int] = {}  # (label, rate): a burst's longer runs
+    bound = len(labels) * len(config.seeds) * (config.max_points + config.max_span_doublings)
     with tqdm(total=bound, desc="goodput runs (at most)", disable=not show_progress) as bar:
         while True:
             plan = {label: next_rate(outcome.points_of(label), config) for label in labels}
@@ -480,17 +510,27 @@ def search_goodput(
             verdicts: dict[str, list[tuple[RunVerdict, int]]] = {label: [] for label in plan}
             for seed in config.seeds:  # seed-major: drift hits every deployment alike
                 for label, rate in plan.items():
-                    # The same (rate, seed) sends the same prompts to every deployment, and
-                    # no prompt twice to one: a repeat would be served from its prefix cache.
+                    # The same (rate, seed, length) sends the same prompts to every
+                    # deployment, and no prompt twice to one: a repeat would be served from
+                    # its prefix cache (a longer run again at a rate gets new ones).
                     assert config.salt_base is not None  # set by __post_init__
-                    salt = salts.setdefault((rate, seed), config.salt_base + len(salts) + 1)
-                    run = runner(label, rate, seed, salt)
+                    times = doublings.get((label, rate), 0)
+                    salt = salts.setdefault((rate, seed, times),
+                                            config.salt_base + len(salts) + 1)
+                    run = runner(label, rate, seed, salt, config.num_requests_at(rate, times))
                     outcome.runs.append(run)
                     verdicts[label].append((judge_run(run, seed, config), len(outcome.runs) - 1))
                     bar.update(1)
             for label, rate in plan.items():
                 point = Point(label, rate, [v for v, _ in verdicts[label]],
                               [i for _, i in verdicts[label]])
+                times = doublings.get((label, rate), 0)
+                if point.failed_by_bursts_alone and times < config.max_span_doublings:
+                    doublings[label, rate] = times + 1
+                    outcome.remeasured.append(point)
+                    bar.write(f"{point.describe()}: running it again with "
+                              f"{config.num_requests_at(rate, times + 1)} requests a run")
+                    continue  # next_rate gives the same rate again: this point is not counted
                 outcome.points.append(point)
                 bar.write(point.describe())  # above the bar, which stays at the bottom
                 if on_point is not None:

@@ -206,7 +206,9 @@ how it measures:
                 than max(50 ms, TTFT target / 4), the middle third already a quarter of
                 the way up), measured a queue draining; one whose
                 counted arrivals spanned < 3x their median lifetime measured a burst that
-                the server held at once: either fails whatever its attainment
+                the server held at once: either fails whatever its attainment, but a point
+                that fails by bursts alone is run again with twice the requests (at most
+                --max-span-doublings times), and only the longest runs count
   seeds         a point is one run per workload seed (--seeds, the same for every
                 deployment); its attainment is the mean over the seeds, and each seed's own
                 goodput gives the spread of the result
@@ -259,6 +261,9 @@ def _register_goodput(commands: argparse._SubParsersAction) -> None:
                    help="each run's arrivals last at least this long: a run at rate R sends "
                    "max(--num-requests, R x this) requests, so that a fast rate is judged "
                    "over as long a stretch as a slow one (default: %(default)s)")
+    g.add_argument("--max-span-doublings", type=int, default=SearchConfig.max_span_doublings,
+                   help="a point that fails only because its runs were bursts is run again "
+                   "with twice the requests, at most this many times (default: %(default)s)")
     g.add_argument("--drain-s", type=float, default=SearchConfig.drain_s,
                    help="a run's deadline is its last arrival + this (default: %(default)s)")
     g.add_argument("--slo-scale", default=None, metavar="TTFT_X,TPOT_X",
@@ -570,7 +575,7 @@ def _goodput_handler(args: argparse.Namespace) -> int:
         warmup_requests=args.warmup_requests, start_rate=args.start_rate,
         min_rate=args.min_rate, max_rate=args.max_rate, rel_tolerance=args.rel_tolerance,
         max_points=args.max_points, drain_s=args.drain_s, judged_model=args.judged_model,
-        min_span_s=args.min_span_s,
+        min_span_s=args.min_span_s, max_span_doublings=args.max_span_doublings,
     )
     if any(model.rate is not None for model in builder.models):
         raise ValueError("goodput searches the total rate: give --model NAME without =RATE "
@@ -675,19 +680,20 @@ def _scaled_slo(args: argparse.Namespace, builder: _WorkloadBuilder):
 
 def _goodput_runner(args: argparse.Namespace, builder: _WorkloadBuilder,
                     urls: dict[str, str], config):
-    """The search's DeploymentRunner: one run_benchmark of the workload at (rate, seed)."""
+    """The search's DeploymentRunner: one run_benchmark of the workload at (rate, seed) with
+    that many requests."""
     from weaver.bench.runner import run_benchmark
 
     isolated, roles = _isolated(args), _roles(args)
-    workloads: dict[tuple[float, int], tuple[list, dict[str, Any]]] = {}
+    workloads: dict[tuple[float, int, int], tuple[list, dict[str, Any]]] = {}
 
-    def run(label: str, rate: float, seed: int, prompt_salt: int):
-        if (rate, seed) not in workloads:  # built once, sent to every deployment
-            _, requests, description = builder.build(rate, seed,
-                                                     config.num_requests_at(rate))
+    def run(label: str, rate: float, seed: int, prompt_salt: int, num_requests: int):
+        key = rate, seed, num_requests
+        if key not in workloads:  # built once, sent to every deployment
+            _, requests, description = builder.build(rate, seed, num_requests)
             description["warmup_requests"] = config.warmup_requests
-            workloads[rate, seed] = requests, description
-        requests, description = workloads[rate, seed]
+            workloads[key] = requests, description
+        requests, description = workloads[key]
         client = dataclasses.replace(
             _client_config(args, urls[label]), prompt_salt=prompt_salt, show_progress=False,
             duration_s=max(r.arrival_s for r in requests) + config.drain_s,

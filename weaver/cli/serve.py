@@ -85,6 +85,7 @@ def single_model_deployment(model: str, flags: list[str]):
 def run(args: argparse.Namespace) -> int:
     from weaver.config.deployment import load_deployment
     from weaver.server.app import ServeSettings, check_engines, serve
+    from weaver.vllm_ext.engine.app import listening_socket
 
     if not 0 < args.port < 65536:
         raise SystemExit(f"--port {args.port} is not a TCP port (1-65535)")
@@ -110,9 +111,10 @@ def run(args: argparse.Namespace) -> int:
         models_dir=args.models_dir,
         log_level=args.log_level.lower(),
     )
-    # A model or device that cannot be had: say so and start nothing.
+    # A model, a device or a port that cannot be had: say so and start nothing.
     try:
         checked = check_engines(settings)
+        listener = listening_socket(settings.host, settings.port)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-    return serve(settings, checked)
+    return serve(settings, checked, listener)

@@ -419,6 +419,10 @@ class ShmRegion(RegionBase):
         return self._task_wakeup.wait(timeout_s)
 
     def wake_waiters(self) -> None:
+        # A region closed already (its own atexit close runs before the worker's, which
+        # stops the idle poller) has no doorbell left to ring, and no waiter on it.
+        if self._is_closed:
+            return
         self._task_wakeup.notify()
         self._done_wakeup.notify()
 

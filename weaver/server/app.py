@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -198,7 +199,8 @@ def gateway_config(settings: ServeSettings) -> GatewayConfig:
                          open_status_routes=serving.open_status_routes)
 
 
-async def run_server(settings: ServeSettings, checked: CheckedEngines) -> None:
+async def run_server(settings: ServeSettings, checked: CheckedEngines,
+                     listener: socket.socket) -> None:
     async with contextlib.AsyncExitStack() as stack:
         engines = await start_engines(settings, checked, stack)
         backends = engines.handles
@@ -228,7 +230,7 @@ async def run_server(settings: ServeSettings, checked: CheckedEngines) -> None:
             f"http://{settings.host}:{settings.port}/v1",
             flush=True,
         )
-        await server.serve()
+        await server.serve(sockets=[listener])
         logger.info("HTTP server stopped; shutting down %d engines", len(backends))
 
 
@@ -306,19 +308,21 @@ def _note_signal_during_shutdown(signum: int, _frame: object) -> None:
     logger.info("%s received; shutting down the engines", signal.Signals(signum).name)
 
 
-def serve(settings: ServeSettings, checked: CheckedEngines) -> int:
-    """Run the engines check_engines placed until SIGINT/SIGTERM; return the process exit
-    code."""
+def serve(settings: ServeSettings, checked: CheckedEngines, listener: socket.socket) -> int:
+    """Run the engines check_engines placed until SIGINT/SIGTERM, answering on `listener`
+    (bound, not yet listening); return the process exit code."""
     try:
-        asyncio.run(_run_with_signals(settings, checked))
+        asyncio.run(_run_with_signals(settings, checked, listener))
     except KeyboardInterrupt:
         logger.info("interrupted during start-up")
     finally:
+        listener.close()
         reap_children()
     return 0
 
 
-async def _run_with_signals(settings: ServeSettings, checked: CheckedEngines) -> None:
+async def _run_with_signals(settings: ServeSettings, checked: CheckedEngines,
+                            listener: socket.socket) -> None:
     # uvicorn installs its own handlers while it serves; before that (engines starting)
     # a signal cancels start-up so that the exit stack shuts the engines down.
     loop = asyncio.get_running_loop()
@@ -327,7 +331,7 @@ async def _run_with_signals(settings: ServeSettings, checked: CheckedEngines) ->
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, main_task.cancel)
     try:
-        await run_server(settings, checked)
+        await run_server(settings, checked, listener)
     except asyncio.CancelledError:
         logger.info("start-up cancelled by a signal; engines shut down")
 

@@ -18,6 +18,7 @@ executor its backend provides and installs the poll points.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -78,6 +79,16 @@ class ColdWeaving:
         self._receivers_changed = threading.Event()  # the idle poller re-reads the set
         self._idle_pass = threading.Lock()  # held by the idle poller over one pass
         self._idle_thread: threading.Thread | None = None
+        self._close_first_at_exit()
+
+    def _close_first_at_exit(self) -> None:
+        # A region created here closes itself at exit too (a safety net, weaver/offload/
+        # shm.py), and atexit runs the last registered first: registered again after every
+        # region, this close runs before theirs, stops the idle poller while its regions
+        # are open and tells each hot side it is going. The other way round, the poller
+        # rang closed doorbells (EBADF) and the receivers could not close.
+        atexit.unregister(self.close)
+        atexit.register(self.close)
 
     @classmethod
     def open(cls, plans: list[PairPlan], make_executor: Callable[[PairPlan], Any],
@@ -111,6 +122,7 @@ class ColdWeaving:
         receiver = OffloadReceiver(make(plan), make_executor(plan))
         with self.step_lock:
             self.receivers = {**self.receivers, plan.region_name: receiver}
+        self._close_first_at_exit()
         self._wake_idle_poller()
 
     def remove(self, region_name: str) -> None:
@@ -198,6 +210,7 @@ class ColdWeaving:
 
     def close(self) -> None:
         """Stop the idle poller, then close (and unlink) every region; safe to call twice."""
+        atexit.unregister(self.close)
         self.stop_idle_poller()
         for receiver in self.receivers.values():
             receiver.close()

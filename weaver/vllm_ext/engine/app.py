@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,6 +183,27 @@ def parse_engine_args(
         raise EngineFlagError(f"model {spec.name!r}: vLLM refuses its engine arguments: "
                               f"{exc}") from exc
     return args
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The gateway's TCP socket, bound before any engine starts, as vLLM's own server binds
+    its socket before building its engine (its api_server entry's setup_server): a port
+    taken meanwhile by another process (an engine's, another server's) would otherwise
+    fail the start-up only once every engine is up. Not listening yet: a client that
+    connects before the engines are ready is refused, as if nothing served there."""
+    import errno
+
+    from vllm.entrypoints.launchers.launcher import create_server_socket
+
+    try:
+        return create_server_socket((host, port), reuse_port=False)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise ValueError(f"port {port} on {host} is in use by another process; stop it "
+                             "or serve on another --port") from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise ValueError(f"--host {host} is not an address of this machine") from None
+        raise
 
 
 @contextlib.contextmanager
