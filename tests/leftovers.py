@@ -61,7 +61,7 @@ def shm_entries() -> set[str]:
 
 def shm_left(before: set[str], grace_s: float = GRACE_S) -> dict[str, float]:
     """The /dev/shm entries not in `before` that no live process maps or holds open after
-    up to GRACE_S (an engine's own atexit clean-up may still be running), with their
+    up to `grace_s` (an engine's own atexit clean-up may still be running), with their
     modification times (about when they were created: a semaphore or a segment is sized
     once)."""
     deadline = time.monotonic() + grace_s

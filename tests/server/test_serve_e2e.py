@@ -462,9 +462,16 @@ def test_sigterm_drains_then_leaves_no_child_process_nor_shared_memory(server, c
         load = pool.submit(run_load, client, MODELS, 8, 48)
         time.sleep(2)
         server.process.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
-        refused = httpx.post(f"{server.base_url}/v1/completions", headers=AUTH, timeout=30,
-                             json={"model": HOT, "prompt": "Hi", "max_tokens": 2})
+        # The drain begins once the gateway's loop has run the signal handler: under the
+        # other xdist worker's load that took over 0.5 s once (a request then got 200).
+        deadline = time.monotonic() + 10
+        while True:
+            refused = httpx.post(f"{server.base_url}/v1/completions", headers=AUTH,
+                                 timeout=30,
+                                 json={"model": HOT, "prompt": "Hi", "max_tokens": 2})
+            if refused.status_code != 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         # In flight when the signal came: finished within the drain's grace.
         assert load.result(timeout=120) == Counter({"ok": 8})
     assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
