@@ -15,9 +15,9 @@ from pathlib import Path
 
 import psutil
 
-from weaver.processes import is_process_alive, is_resource_tracker, shm_in_use
+from weaver.processes import SHM_DIR, is_process_alive, is_resource_tracker, shm_in_use
 
-SHM = Path("/dev/shm")
+SHM = Path(SHM_DIR)
 
 # How long what a module started gets to exit after its fixtures are torn down: an
 # engine's teardown is asynchronous in part.
