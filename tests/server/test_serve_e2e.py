@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 from weaver.bench.server_process import weaver_server
 from weaver.config.deployment import load_deployment
+from weaver.processes import shm_files_of, shm_names_by_inode
 
 pytestmark = pytest.mark.engine(seconds=200)
 
@@ -44,9 +45,9 @@ KILLED_ENGINE_SHM: set[str] = set()
 
 
 def shm_files(processes: list[psutil.Process]) -> set[str]:
-    """The /dev/shm files these processes have mapped (vLLM's message queues)."""
-    return {m.path for proc in processes for m in proc.memory_maps()
-            if m.path.startswith("/dev/shm/")}
+    """The /dev/shm files these processes map or hold (vLLM's message queues, semaphores)."""
+    names_by_inode = shm_names_by_inode()
+    return {path for proc in processes for path in shm_files_of(proc.pid, names_by_inode)}
 
 
 @pytest.fixture(scope="module")
