@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterable
 
 
 def is_process_alive(pid: int) -> bool:
@@ -82,8 +83,14 @@ def shm_names_by_inode() -> dict[int, set[str]]:
     return names
 
 
+def shm_files_of_processes(pids: Iterable[int]) -> set[str]:
+    """The /dev/shm files any of these processes maps or holds open (/dev/shm listed once
+    for all of them)."""
+    names_by_inode = shm_names_by_inode()
+    return {path for pid in pids for path in shm_files_of(pid, names_by_inode)}
+
+
 def shm_in_use() -> set[str]:
     """The /dev/shm files that some live process maps or holds open."""
-    names_by_inode = shm_names_by_inode()
-    return {path for entry in os.listdir("/proc") if entry.isdigit()
-            for path in shm_files_of(int(entry), names_by_inode)}
+    return shm_files_of_processes(int(entry) for entry in os.listdir("/proc")
+                                  if entry.isdigit())

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from weaver.bench.server_process import weaver_server
 from weaver.config.deployment import load_deployment
-from weaver.processes import shm_files_of, shm_names_by_inode
+from weaver.processes import shm_files_of_processes
 
 pytestmark = pytest.mark.engine(seconds=200)
 
@@ -46,8 +46,7 @@ KILLED_ENGINE_SHM: set[str] = set()
 
 def shm_files(processes: list[psutil.Process]) -> set[str]:
     """The /dev/shm files these processes map or hold (vLLM's message queues, semaphores)."""
-    names_by_inode = shm_names_by_inode()
-    return {path for proc in processes for path in shm_files_of(proc.pid, names_by_inode)}
+    return shm_files_of_processes(proc.pid for proc in processes)
 
 
 @pytest.fixture(scope="module")

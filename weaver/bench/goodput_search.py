@@ -70,7 +70,6 @@ MIDDLE_SHARE_OF_GROWTH = 0.25
 # spanned 6-12 s while each request lived 13-22 s: the whole run fit in its KV at once
 # (benchmarks/HISTORY.md, "Goodput: runs 4-6", run 6).
 MIN_SPAN_LIFETIMES = 3.0
-BURST = "a burst"  # how a burst verdict names itself
 
 _NO_ITL = {"records": {"__all__": {"itl_s"}}}
 
@@ -162,15 +161,12 @@ class RunVerdict:
     ttft_middle_s: float | None = None  # ... and of the middle one
     # Why the run measured a drain or a burst; None: a steady state.
     overload: str | None = None
+    # Not steady only because its arrivals were too few to show a queue (a burst).
+    is_burst: bool = False
 
     @property
     def overloaded(self) -> bool:
         return self.overload is not None
-
-    @property
-    def is_burst(self) -> bool:
-        """Not steady only because its arrivals were too few to show a queue."""
-        return self.overload is not None and BURST in self.overload
 
 
 def measured_records(records: Sequence[RequestRecord], warmup: int) -> list[RequestRecord]:
@@ -201,7 +197,7 @@ def judge_run(run: RunResult, seed: int, config: SearchConfig) -> RunVerdict:
     first = _median_ttft(measured[:third])
     middle = _median_ttft(measured[third : len(measured) - third]) if third else None
     last = _median_ttft(measured[len(measured) - third :]) if third else None
-    overload = None
+    overload, is_burst = None, False
     if outstanding > MAX_OUTSTANDING_SHARE:
         overload = (f"seed {seed}: {100 * outstanding:.0f} % of the measured requests were "
                     "outstanding at the deadline")
@@ -211,6 +207,7 @@ def judge_run(run: RunResult, seed: int, config: SearchConfig) -> RunVerdict:
                     f"through {1000 * middle:.0f} ms to {1000 * last:.0f} ms (last third)")
     else:
         overload = _burst(measured, seed)
+        is_burst = overload is not None
     return RunVerdict(
         seed=seed,
         attainment=attainment(measured, config.slo),
@@ -220,6 +217,7 @@ def judge_run(run: RunResult, seed: int, config: SearchConfig) -> RunVerdict:
         ttft_last_s=last,
         ttft_middle_s=middle,
         overload=overload,
+        is_burst=is_burst,
     )
 
 
@@ -234,7 +232,7 @@ def _burst(measured: Sequence[RequestRecord], seed: int) -> str | None:
     if span >= MIN_SPAN_LIFETIMES * lifetime:
         return None
     return (f"seed {seed}: its measured arrivals spanned {span:.1f} s, under "
-            f"{MIN_SPAN_LIFETIMES:g}x their median lifetime ({lifetime:.1f} s): {BURST}, not "
+            f"{MIN_SPAN_LIFETIMES:g}x their median lifetime ({lifetime:.1f} s): a burst, not "
             "a steady state (raise --min-span-s)")
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from weaver.processes import shm_files_of, shm_in_use, shm_names_by_inode
+from weaver.processes import shm_files_of_processes, shm_in_use
 
 READY_TIMEOUT_S = 420.0
 CHILD_EXIT_GRACE_S = 10.0  # a stopped server's processes' time to end by themselves
@@ -65,8 +65,7 @@ class RunningServer:
     def mapped_shm(self) -> set[str]:
         """The /dev/shm files the server and its processes map or hold open now."""
         pids = [self.process.pid, *(proc.pid for proc in self.descendants())]
-        names_by_inode = shm_names_by_inode()  # listed once for every process
-        return {path for pid in pids for path in shm_files_of(pid, names_by_inode)}
+        return shm_files_of_processes(pids)
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 90) -> int:
         if self.process.poll() is None:

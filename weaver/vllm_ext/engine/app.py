@@ -26,7 +26,7 @@ from weaver.config.cpu_cores import pin_engine_processes, usable_cpu_cores
 from weaver.config.deployment import ModelSpec, Role
 from weaver.config.devices import EnginePlacement
 from weaver.models.registry import vllm_model_arg
-from weaver.processes import shm_files_of, shm_names_by_inode
+from weaver.processes import shm_files_of_processes
 from weaver.vllm_ext.additional_config import SCHEDULER, WORKER_EXTENSION, phase_split_of, pool_of
 from weaver.vllm_ext.engine.flags import EngineFlagError, flags_for, parse_serve_args
 from weaver.vllm_ext.engine.stats import EngineStatsRecorder, attach_stats_recorder
@@ -229,8 +229,7 @@ def _shm_files_of(pids: list[int]) -> set[str]:
     for pid in pids:
         with contextlib.suppress(psutil.Error):
             tree += [pid, *(child.pid for child in psutil.Process(pid).children(recursive=True))]
-    names_by_inode = shm_names_by_inode()  # listed once for every process
-    return {path for pid in tree for path in shm_files_of(pid, names_by_inode)}
+    return shm_files_of_processes(tree)
 
 
 def _remove_left_over_shm(engine_name: str, paths: set[str]) -> None:
