@@ -114,6 +114,9 @@ def test_plan_command_writes_servable_files(cpu_config, tmp_path, capsys):
         assert f"weaver serve {path}" in printed
     # Three models on two cores: the baseline and the plain plan share a core.
     assert load_deployment(out / "dedicated.yaml").mux[0].mode == "temporal"
+    # The answer a user needs: does weaving pay, by how much, with which knobs.
+    assert "weaving pays here" in printed or "weaving does not pay here" in printed
+    assert "offload_ratio" in printed and "region_fraction" in printed
     (group,) = load_deployment(out / "muxserve.yaml").mux
     assert group.mode == "spatial-temporal" and len(group.models) == 2
     # The planner simulated that group as the file has it: each engine its own blocks.
@@ -128,3 +131,28 @@ def test_plan_command_refuses_a_config_without_serve_before_planning(tmp_path, c
     assert args.handler(args) == 2
     assert "have no `serve:`" in caplog.text
     assert not (tmp_path / "d").exists() and not (tmp_path / "tiny").exists()
+
+
+def _entry(label: str, policy: str, goodput: float, ratios: tuple = ()) -> dict:
+    pairs = [{"hot_gpu": 0, "cold_gpu": 1, "offload_ratio": r} for r in ratios]
+    return {"label": label, "policy": policy, "plan": {"gpus": [], "pairs": pairs},
+            "summary": {"_all": {"goodput_rps": goodput, "output_tokens_per_s": 0.0}}}
+
+
+@pytest.mark.parametrize(("woven", "expected"), [
+    (6.0, "weaving pays here: goodput +50% over the best plain placement, +100% over "
+          "dedicated (offload_ratio auto, region_fraction 0.5, split none, 1 pair(s)); "
+          "serve woven"),
+    (3.0, "weaving does not pay here: goodput -25% against the best plain placement "
+          "(offload_ratio auto, region_fraction 0.5, split none, 1 pair(s)); serve plain"),
+])
+def test_the_plan_says_whether_weaving_pays(woven, expected):
+    from weaver.sim.config import WeavingSpec
+    from weaver.sim.plan_deployment import weaving_answer
+
+    result = {"candidates": [_entry("plain", "muxserve", 4.0),
+                             _entry("woven", "weaver", woven, ("auto",))],
+              "baseline": _entry("dedicated", "dedicated", 3.0)}
+    assert weaving_answer(result, WeavingSpec()) == expected
+    result["candidates"].pop()
+    assert weaving_answer(result, WeavingSpec()).startswith("weaving: not planned")

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from weaver.mux.turns import Kind
@@ -7,6 +9,7 @@ from weaver.sim.cluster import Cluster
 from weaver.sim.config import SimConfig
 from weaver.sim.engine import Engine
 from weaver.sim.instance import SimRequest
+from weaver.sim.perf_model import mg1_poll_wait
 from weaver.sim.plan import Plan, default_plan
 from weaver.sim.policies import POLICY_CLASSES, get_policy
 from weaver.sim.runner import generate_requests, simulate
@@ -201,6 +204,28 @@ def test_a_split_cold_model_is_polled_between_its_chunks(make_config):
     assert split.poll_overhead_s == pytest.approx(unsplit.poll_overhead_s + 3 * 4e-6)
     with pytest.raises(ValueError, match="lm_head"):
         SimConfig.model_validate({**cfg.model_dump(), "weaving": {"split": {"nope": 2}}})
+
+
+def test_a_host_launched_task_waits_behind_the_whole_cold_step(make_config):
+    """weaving.control cpu, the paper's ablation baseline: a task queued behind the cold
+    step's pre-submitted kernels waits out half a step on average, not half an operator,
+    and no poll kernel costs the cold step anything."""
+    placement = {"gpus": [{"models": ["hot"]}, {"models": ["cold"]}],
+                 "pairs": [{"hot_gpu": 0, "cold_gpu": 1, "offload_ratio": 0.5}]}
+    cfg = make_config([("hot", 20.0), ("cold", 2.0)], num_gpus=2, placement=placement)
+    gpu = get_policy("weaver")(Cluster(cfg, Engine()), default_plan(cfg)).instances[1]
+    cpu_cfg = cfg.model_copy(update={"weaving": cfg.weaving.model_copy(
+        update={"control": "cpu"})})
+    cpu = get_policy("weaver")(Cluster(cpu_cfg, Engine()), default_plan(cfg)).instances[1]
+    gpu_ctx, cpu_ctx = gpu.poll_context(), cpu.poll_context()
+    busy = dataclasses.replace(cpu_ctx, busy_fraction=1.0)
+    assert mg1_poll_wait(busy) == pytest.approx(busy.step_s / 2)
+    assert mg1_poll_wait(busy) > 10 * mg1_poll_wait(dataclasses.replace(gpu_ctx,
+                                                                        busy_fraction=1.0))
+    assert cpu.poll_overhead_s == 0 < gpu.poll_overhead_s
+    with pytest.raises(ValueError, match="split needs control: gpu"):
+        SimConfig.model_validate({**cfg.model_dump(),
+                                  "weaving": {"control": "cpu", "split": "plan"}})
 
 
 def test_same_seed_same_results_other_seed_other_results(make_config):

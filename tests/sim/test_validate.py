@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -154,13 +155,75 @@ def test_repeats_are_compared_by_their_mean_with_the_measured_spread(cpu_profile
     assert cold["measured_spread"] == pytest.approx(0) and cold["is_within"]
 
 
-def test_repeats_of_different_workloads_are_refused(cpu_profile):
+def test_repeats_of_different_workloads_are_refused_other_seeds_are_not(cpu_profile):
     exact = _measured_by_the_sim(DEPLOYMENTS / "weaving.yaml", cpu_profile)
-    other = exact.model_copy(update={"workload": {"seed": 1}})
+    exact = exact.model_copy(update={"workload": {"trace": "azure-conv", "seed": 0}})
+    deployments = {"weaving": load_deployment(DEPLOYMENTS / "weaving.yaml")}
+    profiles = {"hot": cpu_profile, "cold": cpu_profile}
+    other = exact.model_copy(update={"workload": {"trace": "azure-code", "seed": 0}})
     with pytest.raises(ValueError, match="different workloads"):
-        validate_results(_results(exact, other),
-                         {"weaving": load_deployment(DEPLOYMENTS / "weaving.yaml")},
-                         {"hot": cpu_profile, "cold": cpu_profile})
+        validate_results(_results(exact, other), deployments, profiles)
+    # A goodput search's runs of one rate at several seeds: compared by their mean.
+    seed_1 = exact.model_copy(update={"workload": {"trace": "azure-conv", "seed": 1}})
+    assert validate_results(_results(exact, seed_1), deployments, profiles)["runs"][0][
+        "num_runs"] == 2
+
+
+class _TokensPerSecond:
+    """A stand-in for the goodput search's judge (`regrade`, tested in tests/bench): a
+    label's 'goodput' is the inverse of its hot requests' mean TPOT, so a slower decode
+    reads lower."""
+
+    def __init__(self, runs: list[RunResult]) -> None:
+        self.runs = runs
+
+    def _rate(self, run: RunResult) -> float:
+        hot = [r for r in run.records if r.model == "hot" and r.e2e_s is not None]
+        return 1 / statistics.fmean((r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in hot)
+
+    def goodput(self, label: str) -> float:
+        return statistics.fmean(self._rate(r) for r in self.runs if r.label == label)
+
+    def seed_goodputs(self, label: str) -> dict[int, float]:
+        return {i: self._rate(r) for i, r in enumerate(self.runs) if r.label == label}
+
+
+def test_a_goodput_search_is_judged_again_on_its_simulated_runs(cpu_profile):
+    """validate_goodput replays every run and hands the judge the simulated records: the
+    simulator's own runs come back equal; a run measured slower does not."""
+    from weaver.sim.validate import validate_goodput
+
+    exact = _measured_by_the_sim(DEPLOYMENTS / "weaving.yaml", cpu_profile)
+    deployments = {"weaving": load_deployment(DEPLOYMENTS / "weaving.yaml")}
+    profiles = {"hot": cpu_profile, "cold": cpu_profile}
+    search = {"labels": ["weaving"], "slo": {"ttft_ms": 10000.0, "tpot_ms": 60.0},
+              "judged_model": "hot"}
+    same = validate_goodput(search, [exact], _TokensPerSecond, deployments, profiles)
+    (row,) = same["goodput"]
+    assert row["ratio"] == pytest.approx(1.0) and same["num_within"] == 1
+    slow = validate_goodput(search, [_slower_hot(exact, 3.0)], _TokensPerSecond, deployments,
+                            profiles)
+    (row,) = slow["goodput"]
+    assert row["measured"] < row["simulated"] == pytest.approx(same["goodput"][0]["simulated"])
+
+
+def test_an_auto_pair_is_simulated_with_the_deployments_targets(cpu_profile):
+    from weaver.sim.cluster import Cluster
+    from weaver.sim.engine import Engine
+    from weaver.sim.plan import default_plan
+    from weaver.sim.policies import get_policy
+    from weaver.weaving.placement import AdaptivePlacement
+
+    deployment = load_deployment(DEPLOYMENTS / "kv_bound" / "weaving_auto.yaml")
+    config = sim_config_from_deployment(deployment, {"hot": cpu_profile, "cold": cpu_profile},
+                                        _requests())
+    pair = config.placement.pairs[0]
+    assert (pair.offload_ratio, pair.hot_tpot_ms, pair.cold_tpot_budget) == ("auto", 170, 1.10)
+    policy = get_policy("weaver")(Cluster(config, Engine()), default_plan(config))
+    (hot,) = policy.instances[0].servers.values()
+    assert isinstance(hot.placement, AdaptivePlacement)
+    assert hot.placement.hot_tpot_target_s == pytest.approx(0.170)
+    assert hot.placement.targets.cold_budget == pytest.approx(1.10)
 
 
 def test_validate_command_takes_repeats(tmp_path, cpu_profile, capsys):

@@ -164,6 +164,7 @@ def run_validate(args: argparse.Namespace) -> int:
     from weaver.sim.validate import (
         METRICS,
         deployment_paths_from_command,
+        format_goodput,
         format_table,
         validate_results,
     )
@@ -188,18 +189,42 @@ def run_validate(args: argparse.Namespace) -> int:
         report = validate_results(results, deployments, profiles, args.tolerance,
                                   label_profiles, args.mux_contended_speed,
                                   args.metrics or METRICS)
+        goodput = [_validate_search(path, deployments, profiles, label_profiles, args)
+                   for path in args.validate]
+        goodput = [g for g in goodput if g is not None]
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
     report["results"] = [str(path) for path in args.validate]
     report["deployments"] = {label: str(paths[label]) for label in sorted(deployments)}
     print(format_table(report))
+    if goodput:
+        report["goodput"] = goodput
+        for path, search in zip(args.validate, goodput, strict=False):
+            print(format_goodput(search, path))
     stem = Path(args.validate[0]).stem
     if len(args.validate) > 1:
         stem += f"_x{len(args.validate)}"
     path = _write_json(Path(args.out) / f"validate_{stem}.json", report)
     print(f"results: {path}")
     return 0
+
+
+def _validate_search(path: str, deployments: dict, profiles: dict, label_profiles: dict,
+                     args: argparse.Namespace) -> dict | None:
+    """A `weaver bench goodput` results file's goodputs, its measured and its simulated
+    runs judged by its own judge (`regrade`); None for another kind of results file."""
+    from weaver.bench.goodput_search import regrade, saved_runs
+    from weaver.results.goodput import Slo
+    from weaver.sim.validate import validate_goodput
+
+    report = json.loads(Path(path).read_text())
+    if "search" not in report or "points" not in report:
+        return None
+    slo = Slo.from_ms(**report["search"]["slo"])
+    return validate_goodput(report["search"], saved_runs(report),
+                            lambda runs: regrade(report, slo, runs), deployments, profiles,
+                            args.tolerance, label_profiles, args.mux_contended_speed)
 
 
 def _profiles(values: list[str], deployments: dict) -> tuple[dict[str, str], dict]:
@@ -227,7 +252,11 @@ def _profiles(values: list[str], deployments: dict) -> tuple[dict[str, str], dic
 
 def run_plan(args: argparse.Namespace) -> int:
     from weaver.sim import plots
-    from weaver.sim.plan_deployment import require_writable, write_plan_deployments
+    from weaver.sim.plan_deployment import (
+        require_writable,
+        weaving_answer,
+        write_plan_deployments,
+    )
     from weaver.sim.planner import plan_cluster
     from weaver.sim.profile import CPU_DEVICE
 
@@ -261,6 +290,7 @@ def run_plan(args: argparse.Namespace) -> int:
               f"SLO attainment={total['slo_attainment']:.1%}")
     print(f"chosen: {result['chosen']['label']}; goodput x{result['goodput_gain']:.2f}, token "
           f"throughput x{result['token_throughput_gain']:.2f} vs {result['baseline']['label']}")
+    print(weaving_answer(result, config.weaving))
     if not args.no_plot:
         print(f"plot: {plots.plot_plan(path, path.with_suffix('.png'))}")
     for name, deployment in written.items():
@@ -299,25 +329,50 @@ def _fmt(value: float | None, scale: float, unit: str) -> str:
 
 
 def _print_sweep(sweep: dict) -> None:
+    """One line per policy and rate, the seeds' figures averaged."""
     model = sweep["model"]
+    groups: dict[tuple[str, float], list[dict]] = {}
     for p in sweep["points"]:
-        s = p["summary"][model]
+        groups.setdefault((p["policy"], p["rate"]), []).append(p)
+
+    def mean(values: list[float | None]) -> float | None:
+        return None if None in values else sum(values) / len(values)
+
+    for (policy, rate), points in groups.items():
+        mine = [p["summary"][model] for p in points]
         others = "  ".join(
-            f"{name} p90 TPOT {_fmt(o['tpot_s']['p90'], 1e3, 'ms')}"
-            for name, o in p["summary"].items() if name not in (model, "_all"))
-        print(f"  {p['policy']:<12} rate {p['rate']:6.2f}  {s['output_tokens_per_s']:7.0f} tok/s"
-              f"  p90 TPOT {_fmt(s['tpot_s']['p90'], 1e3, 'ms')}  p90 TTFT "
-              f"{_fmt(s['ttft_s']['p90'], 1, 's')}  {'meets SLO' if p['meets_slo'] else '-':9}"
-              f"  {others}")
+            f"{name} p90 TPOT "
+            f"{_fmt(mean([p['summary'][name]['tpot_s']['p90'] for p in points]), 1e3, 'ms')}"
+            for name in points[0]["summary"] if name not in (model, "_all"))
+        attainment = mean([s["slo_attainment"] or 0.0 for s in mine])
+        print(f"  {policy:<12} rate {rate:6.2f}  "
+              f"{mean([s['output_tokens_per_s'] for s in mine]):7.0f} tok/s  "
+              f"mean TPOT {_fmt(mean([s['tpot_s']['mean'] for s in mine]), 1e3, 'ms')}  "
+              f"p90 TTFT {_fmt(mean([s['ttft_s']['p90'] for s in mine]), 1, 's')}  "
+              f"SLO met {attainment:6.1%}  {others}")
+    seeds = sweep.get("seeds", [sweep["seed"]])
+    by_seed = sweep.get("by_seed", {})
+
+    def spread(policy: str, key: str) -> str:
+        values = by_seed.get(policy, {}).get(key)
+        return "" if not values or len(values) < 2 else \
+            f" (seeds {min(values):.2f}-{max(values):.2f})"
+
     rates = sweep["max_rate_rps"]
     print(f"{model} goodput (>= 90 % of requests within TTFT {sweep['slo']['ttft_s']} s and "
-          f"TPOT {sweep['slo']['tpot_ms']} ms, at that rate and every lower one): "
-          + ", ".join(f"{k} {v:.2f} req/s" for k, v in rates.items()))
+          f"TPOT {sweep['slo']['tpot_ms']} ms, at that rate and every lower one; "
+          f"{len(seeds)} seeds pooled): "
+          + ", ".join(f"{k} {v:.2f} req/s{spread(k, 'goodput_rps')}" for k, v in rates.items()))
     paper = sweep.get("max_rate_mean_tpot_rps")
     if paper:
         print(f"{model} max rate as the paper reads it (mean TPOT <= "
               f"{sweep['slo']['tpot_ms']} ms, TTFT not looked at): "
-              + ", ".join(f"{k} {v:.2f} req/s" for k, v in paper.items()))
+              + ", ".join(f"{k} {v:.2f} req/s{spread(k, 'mean_tpot_max_rps')}"
+                          for k, v in paper.items()))
+    for policy, above in sweep.get("above_max_passing", {}).items():
+        if above:
+            print(f"note: {policy} passes again above its goodput, at "
+                  f"{', '.join(f'{r:g}' for r in above)} req/s (not monotone there)")
     if "dedicated" in rates and "weaver" in rates:
         if rates["dedicated"] > 0:
             gain = f"{rates['weaver'] / rates['dedicated'] - 1:+.0%}"

@@ -118,6 +118,11 @@ class WeavingSpec(_Strict):
         "Algorithm 1's chunks for the modelled operators (weaver/splitting/algorithm.py); "
         "or chunks per operator kind, as a deployment's `split` ({lm_head: 16}). A task "
         "then waits behind a chunk, not a whole operator")
+    control: Literal["gpu", "cpu"] = Field(
+        "gpu", description="how the cold side finds a task (the paper's ablation, its "
+        "Fig. 7a): gpu: a poll kernel between its operators (GPU-driven control flow); cpu: "
+        "the host launches the task on the cold stream, where it waits behind the step's "
+        "pre-submitted kernels (the whole step is one wait, no poll cost, no split)")
     chunk_overhead_us: float = Field(4.0, ge=0, description="what one more chunk adds to "
                                      "the cold step (a launch and a poll; ~4 us measured "
                                      "per poll launch on an H100, benchmarks/GPU_RUNBOOK.md)")
@@ -130,6 +135,14 @@ class WeavingSpec(_Strict):
 
             return validate_split_chunks(dict(value))
         return value
+
+    @model_validator(mode="after")
+    def _check_control(self) -> WeavingSpec:
+        if self.control == "cpu" and self.split != "none":
+            raise ValueError("weaving.split needs control: gpu (a host-launched task waits "
+                             "behind the whole pre-submitted step, however it is cut); set "
+                             "split: none or control: gpu")
+        return self
 
 
 class SplitwiseSpec(_Strict):
@@ -196,6 +209,11 @@ class PairSpec(_Strict):
     remote_blocks: int | None = Field(None, gt=0, description="blocks of the hot model "
                                       "lent by the cold side (a deployment's lend_kv_gib); "
                                       "default: weaving.region_fraction of its KV memory")
+    hot_tpot_ms: float | None = Field(None, gt=0, description="offload_ratio auto: the hot "
+                                      "TPOT target (a deployment's hot_tpot_ms); default: "
+                                      "relative to its local-only steps")
+    cold_tpot_budget: float = Field(1.10, ge=1, description="offload_ratio auto: how much "
+                                    "the cold model's TPOT may grow")
 
 
 class PlacementSpec(_Strict):
@@ -207,6 +225,10 @@ class SweepSpec(_Strict):
     model: str = Field(description="the model whose rate is swept")
     rates: list[float] = Field(min_length=1)
     policies: list[str] = Field(min_length=1)
+    num_seeds: int = Field(3, ge=1, description="each rate is simulated with the seeds "
+                           "seed, seed+1, ...; a max rate pools them (attainment and mean "
+                           "TPOT averaged over the seeds at each rate), and each seed's own "
+                           "max rate gives the spread")
     placements: dict[str, PlacementSpec] = Field(
         default_factory=dict, description="a placement of its own for a policy (e.g. "
         "MuxServe's models sharing a tensor-parallel mesh while dedicated gives each its "

@@ -144,4 +144,5 @@ def _pair(deployment: Deployment, entry, index: Mapping[str, int], shapes: Mappi
     block_bytes = block_size_of(hot) * shapes[hot.name].kv_bytes_per_token
     return {"hot_gpu": index[hot.name], "cold_gpu": index[cold.name],
             "offload_ratio": entry.offload_ratio,
-            "remote_blocks": num_lent_blocks(deployment, cold, block_bytes)}
+            "remote_blocks": num_lent_blocks(deployment, cold, block_bytes),
+            "hot_tpot_ms": entry.hot_tpot_ms, "cold_tpot_budget": entry.cold_tpot_budget}

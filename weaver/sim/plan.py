@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 from weaver.mux.turns import DEFAULT_SKIP_LIMIT
 from weaver.sim.config import PlacementSpec, SimConfig
+from weaver.weaving.placement import AUTO, SLO_TPOT_SHARE, AdaptiveTargets
 
 
 @dataclass
@@ -34,6 +35,14 @@ class WeavePair:
     cold_gpu: int
     offload_ratio: float | str  # a share in [0, 1], or "auto"
     remote_blocks: int | None = None  # blocks lent to the hot model; None: region_fraction
+    # offload_ratio "auto": the targets it holds weaving to (a deployment's weaving entry).
+    hot_tpot_ms: float | None = None
+    cold_tpot_budget: float = 1.10
+
+    def adaptive_targets(self) -> AdaptiveTargets:
+        return AdaptiveTargets(
+            hot_tpot_s=None if self.hot_tpot_ms is None else self.hot_tpot_ms / 1000,
+            cold_budget=self.cold_tpot_budget)
 
 
 @dataclass
@@ -60,7 +69,7 @@ def plan_from_spec(spec: PlacementSpec, default_ratio: float) -> Plan:
             for g in spec.gpus]
     pairs = [WeavePair(p.hot_gpu, p.cold_gpu,
                        default_ratio if p.offload_ratio is None else p.offload_ratio,
-                       p.remote_blocks)
+                       p.remote_blocks, p.hot_tpot_ms, p.cold_tpot_budget)
              for p in spec.pairs]
     return Plan(gpus, pairs)
 
@@ -96,5 +105,7 @@ def hot_cold_pairs(config: SimConfig, gpus: list[GpuPlan],
         hot, cold = order[k], order[-1 - k]
         if load(hot) <= load(cold):
             break
-        pairs.append(WeavePair(hot, cold, ratio))
+        # `auto` held to the SLO's TPOT, as a deployment of the plan would be.
+        target = SLO_TPOT_SHARE * config.slo.tpot_ms if ratio == AUTO else None
+        pairs.append(WeavePair(hot, cold, ratio, hot_tpot_ms=target))
     return pairs

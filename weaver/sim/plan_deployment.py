@@ -25,7 +25,7 @@ import yaml
 
 from weaver.config.deployment import parse_deployment
 from weaver.sim.cluster import Cluster
-from weaver.sim.config import SimConfig
+from weaver.sim.config import SimConfig, WeavingSpec
 from weaver.sim.engine import Engine
 from weaver.sim.plan import Plan
 from weaver.sim.profile import CPU_DEVICE
@@ -99,7 +99,10 @@ def deployment_from_plan(config: SimConfig, plan: Plan, mode: str = "spatial-tem
         hot_spec = next(m for m in models if m["name"] == hot)
         hot_spec["max_model_len"] = min(hot_spec["max_model_len"],
                                         blocks * hot_spec["block_size"])
-        weaving.append({"hot": hot, "cold": [cold], "offload_ratio": pair.offload_ratio})
+        entry = {"hot": hot, "cold": [cold], "offload_ratio": pair.offload_ratio}
+        if pair.hot_tpot_ms is not None:
+            entry["hot_tpot_ms"] = round(pair.hot_tpot_ms, 1)
+        weaving.append(entry)
     data = {"models": models, "weaving": weaving}
     if groups:
         data["mux"] = groups
@@ -148,6 +151,33 @@ def best_woven(result: dict) -> dict | None:
     """The planner's best simulated woven candidate; None when it wove none."""
     woven = [c for c in result["candidates"] if c["policy"] == "weaver"]
     return max(woven, key=_score) if woven else None
+
+
+def weaving_answer(result: dict, weaving: WeavingSpec) -> str:
+    """Does weaving pay for this deployment: the best woven candidate's simulated goodput
+    against the best plain one (MuxServe's placement) and the dedicated baseline, and the
+    knobs it used; or which plain placement to serve instead."""
+    plain, woven = best_plain(result), best_woven(result)
+    baseline = result["baseline"]["summary"]["_all"]["goodput_rps"]
+    plain_goodput = plain["summary"]["_all"]["goodput_rps"]
+    if woven is None:
+        return (f"weaving: not planned (no cold device to weave into); serve "
+                f"{plain['label']}")
+    woven_goodput = woven["summary"]["_all"]["goodput_rps"]
+    vs_plain = _relative(woven_goodput, plain_goodput)
+    vs_baseline = _relative(woven_goodput, baseline)
+    ratios = sorted({str(p["offload_ratio"]) for p in woven["plan"]["pairs"]})
+    knobs = (f"offload_ratio {'/'.join(ratios)}, region_fraction {weaving.region_fraction}, "
+             f"split {weaving.split}, {len(woven['plan']['pairs'])} pair(s)")
+    if woven_goodput > plain_goodput:
+        return (f"weaving pays here: goodput {vs_plain} over the best plain placement, "
+                f"{vs_baseline} over dedicated ({knobs}); serve {woven['label']}")
+    return (f"weaving does not pay here: goodput {vs_plain} against the best plain placement "
+            f"({knobs}); serve {plain['label']}")
+
+
+def _relative(value: float, base: float) -> str:
+    return "n/a (the base meets the SLO nowhere)" if base <= 0 else f"{value / base - 1:+.0%}"
 
 
 def mux_mode(entry: dict) -> str:

@@ -114,43 +114,84 @@ def meets_slo(summary: dict) -> bool:
 
 
 def rate_sweep(config: SimConfig, progress: bool = False) -> dict:
-    """For each policy, simulate each rate of the swept model. Its max rate under the SLO
-    is its goodput (weaver/results/goodput.py: the highest swept rate at and below which
-    >= 90 % of the requests meet the SLO); the measured throughput there (completions over
-    the span to the last one) is reported too, and beside it the paper's max rate (mean
-    TPOT within the target at that rate and every lower one: `mean_tpot_max_rate`)."""
+    """For each policy, simulate each rate of the swept model with `sweep.num_seeds` seeds.
+    Its max rate under the SLO is its goodput (weaver/results/goodput.py: the highest swept
+    rate at and below which >= 90 % of the requests meet the SLO, the seeds' attainments
+    averaged at each rate); each seed's own goodput gives the spread. Beside it the paper's
+    max rate (mean TPOT within the target at that rate and every lower one, the seeds' means
+    averaged: `mean_tpot_max_rate`), and the measured throughput at the goodput rate
+    (completions over the span to the last one, the seeds' mean). `above_max_passing` lists
+    the rates above a max rate that pass again (a sweep that is not monotone there)."""
     if config.sweep is None:
         raise ValueError(f"config {config.name} has no `sweep:` section")
     sweep = config.sweep
+    seeds = [config.seed + i for i in range(sweep.num_seeds)]
     points = []
-    grid = [(policy, rate) for policy in sweep.policies for rate in sweep.rates]
+    grid = [(policy, rate, seed) for policy in sweep.policies for rate in sweep.rates
+            for seed in seeds]
     if progress:
         from tqdm import tqdm
 
         grid = tqdm(grid, desc=f"sweep {config.name}", unit="run")
-    for policy, rate in grid:
+    for policy, rate, seed in grid:
         models = [m.model_copy(update={"rate": rate}) if m.name == sweep.model else m
                   for m in config.models]
-        cfg = config.model_copy(update={"models": models})
+        cfg = config.model_copy(update={"models": models, "seed": seed})
         placement = sweep.placements.get(policy)
         plan = None if placement is None else plan_from_spec(
             placement, config.weaving.offload_ratio)
         res = simulate(cfg, policy=policy, plan=plan, keep_requests=False)
-        points.append({"policy": policy, "rate": rate, "summary": res["summary"],
-                       "sim": res["sim"], "plan": res["plan"],
+        points.append({"policy": policy, "rate": rate, "seed": seed,
+                       "summary": res["summary"], "sim": res["sim"], "plan": res["plan"],
                        "meets_slo": meets_slo(res["summary"][sweep.model])})
-    best, best_rate, paper_rate = {}, {}, {}
-    tpot_s = slo_of(config).tpot_s
-    for policy in sweep.policies:
-        mine = [p for p in points if p["policy"] == policy]
-        best_rate[policy] = goodput_rate(
-            (p["rate"], p["summary"][sweep.model]["slo_attainment"] or 0.0) for p in mine)
-        best[policy] = max((p["summary"][sweep.model]["throughput_rps"] for p in mine
-                            if p["rate"] <= best_rate[policy]), default=0.0)
-        paper_rate[policy] = mean_tpot_max_rate(
-            ((p["rate"], p["summary"][sweep.model]["tpot_s"]["mean"]) for p in mine), tpot_s)
+    maxima = {policy: sweep_maxima([p for p in points if p["policy"] == policy],
+                                   sweep.model, slo_of(config).tpot_s)
+              for policy in sweep.policies}
     return {"config": config.name, "model": sweep.model, "slo": config.slo.model_dump(),
-            "duration_s": config.duration_s, "seed": config.seed, "points": points,
-            "max_rate_rps": best_rate, "max_throughput_rps": best,
+            "duration_s": config.duration_s, "seed": config.seed, "seeds": seeds,
+            "points": points,
+            "max_rate_rps": {k: m["goodput_rps"] for k, m in maxima.items()},
+            "max_throughput_rps": {k: m["throughput_rps"] for k, m in maxima.items()},
             # The paper's reading (mean TPOT within the TPOT target, TTFT ignored).
-            "max_rate_mean_tpot_rps": paper_rate}
+            "max_rate_mean_tpot_rps": {k: m["mean_tpot_max_rps"] for k, m in maxima.items()},
+            "by_seed": {k: {"goodput_rps": m["goodput_by_seed"],
+                            "mean_tpot_max_rps": m["mean_tpot_max_by_seed"]}
+                        for k, m in maxima.items()},
+            "above_max_passing": {k: m["above_max_passing"] for k, m in maxima.items()}}
+
+
+def sweep_maxima(points: list[dict], model: str, tpot_s: float) -> dict:
+    """Both max rates of one policy's sweep points (any number of seeds per rate), pooled
+    and per seed."""
+    def attainment(p: dict) -> float:
+        return p["summary"][model]["slo_attainment"] or 0.0
+
+    def mean_tpot(p: dict) -> float | None:
+        return p["summary"][model]["tpot_s"]["mean"]
+
+    goodput = goodput_rate((p["rate"], attainment(p)) for p in points)
+    shares: dict[float, list[float]] = {}
+    means: dict[float, list[float | None]] = {}
+    for p in points:
+        shares.setdefault(p["rate"], []).append(attainment(p))
+        means.setdefault(p["rate"], []).append(mean_tpot(p))
+    # A seed with no finished request makes its rate fail the paper's reading.
+    pooled_tpot = [(rate, None if None in ms else sum(ms) / len(ms))
+                   for rate, ms in means.items()]
+    of_seed: dict[int, list[dict]] = {}
+    for p in points:
+        of_seed.setdefault(p["seed"], []).append(p)
+    at_goodput = [p["summary"][model]["throughput_rps"] for p in points
+                  if p["rate"] == goodput]
+    return {
+        "goodput_rps": goodput,
+        "throughput_rps": sum(at_goodput) / len(at_goodput) if at_goodput else 0.0,
+        "mean_tpot_max_rps": mean_tpot_max_rate(pooled_tpot, tpot_s),
+        "goodput_by_seed": [goodput_rate((p["rate"], attainment(p)) for p in mine)
+                            for _, mine in sorted(of_seed.items())],
+        "mean_tpot_max_by_seed": [mean_tpot_max_rate(((p["rate"], mean_tpot(p))
+                                                      for p in mine), tpot_s)
+                                  for _, mine in sorted(of_seed.items())],
+        "above_max_passing": sorted(rate for rate, s in shares.items()
+                                    if rate > goodput and passes(sum(s) / len(s))),
+    }

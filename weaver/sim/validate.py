@@ -21,6 +21,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 from weaver.config.deployment import Deployment
 from weaver.results.records import ALL_MODELS, BenchResult, ModelSummary, RunResult
@@ -95,8 +96,9 @@ def simulate_run(run: RunResult, deployment: Deployment,
     config = sim_config_from_deployment(deployment, profiles, requests, name=run.label,
                                         contended_speed=contended_speed)
     sim = simulate(config, requests=requests, keep_requests=True)
-    simulated = bench_summary([bench_record(r) for r in sim["requests"]])
-    return {"policy": sim["policy"], "sim": sim["sim"], "summary": simulated}
+    records = [bench_record(r) for r in sim["requests"]]
+    return {"policy": sim["policy"], "sim": sim["sim"], "summary": bench_summary(records),
+            "records": records}
 
 
 def validate_runs(runs: Sequence[RunResult], deployment: Deployment,
@@ -105,7 +107,7 @@ def validate_runs(runs: Sequence[RunResult], deployment: Deployment,
     """Replay repeats of one deployment at one rate; compare the means of their summaries."""
     first = runs[0]
     for run in runs[1:]:
-        if run.workload != first.workload:
+        if _setting(run.workload) != _setting(first.workload):
             raise ValueError(f"runs of {first.label!r} at rate {first.rate} have different "
                              "workloads; repeats must come from the same benchmark command")
     replays = [simulate_run(run, deployment, profiles, contended_speed) for run in runs]
@@ -127,6 +129,51 @@ def validate_runs(runs: Sequence[RunResult], deployment: Deployment,
                               for rep in replays],
             "sims": [rep["sim"] for rep in replays],
             "comparisons": [c.to_dict() for c in comparisons]}
+
+
+def _setting(workload: Mapping) -> dict:
+    """A run's workload without what its seed draws: runs of one (deployment, rate) at
+    several seeds (a goodput search's) are compared by their means, each replayed alone."""
+    return {k: v for k, v in workload.items() if k not in ("seed", "requests")}
+
+
+class GoodputJudge(Protocol):
+    """What judges a search's runs (the bench's `regrade`, bound to its results file)."""
+
+    def __call__(self, runs: list[RunResult]) -> Any: ...
+
+
+def validate_goodput(search: Mapping, runs: list[RunResult], judge: GoodputJudge,
+                     deployments: Mapping[str, Deployment], profiles: Mapping[str, str],
+                     tolerance: float = DEFAULT_TOLERANCE,
+                     label_profiles: Mapping[str, Mapping[str, str]] | None = None,
+                     contended_speed: float = 1.0) -> dict:
+    """A `weaver bench goodput` search replayed: each of its `runs` in a simulated copy of
+    its deployment, then the measured and the simulated runs judged alike by `judge` (the
+    search's own: its SLO, warm-up, queue-growth and burst rules, seeds pooled; its outcome
+    answers `goodput(label)` and `seed_goodputs(label)`), so each deployment's goodput is
+    compared as sim / measured. `search`: the results file's `search` section."""
+    label_profiles = label_profiles or {}
+    missing = sorted({run.label for run in runs} - set(deployments))
+    if missing:
+        raise ValueError(f"no deployment file for run label(s) {missing}; pass "
+                         "--deployment LABEL=PATH")
+    simulated_runs = [
+        run.model_copy(update={"records": simulate_run(
+            run, deployments[run.label], {**profiles, **label_profiles.get(run.label, {})},
+            contended_speed)["records"]})
+        for run in runs]
+    measured, simulated = judge(runs), judge(simulated_runs)
+    rows = []
+    for label in search["labels"]:
+        comparison = Comparison(label, None, search.get("judged_model") or ALL_MODELS,
+                                "goodput_rps", measured.goodput(label), simulated.goodput(label),
+                                tolerance,
+                                measured_runs=tuple(measured.seed_goodputs(label).values()),
+                                simulated_runs=tuple(simulated.seed_goodputs(label).values()))
+        rows.append(comparison.to_dict())
+    return {"tolerance": tolerance, "slo": search["slo"], "goodput": rows,
+            "num_within": sum(r["is_within"] for r in rows), "num_checked": len(rows)}
 
 
 def validate_results(results: Sequence[BenchResult], deployments: Mapping[str, Deployment],
@@ -198,6 +245,24 @@ def format_table(report: dict) -> str:
                     f"{report['num_measured_spread_over_tolerance']} of them the measured "
                     f"runs themselves spread by more than {report['tolerance']:.0%}")
     lines.append(summary)
+    return "\n".join(lines)
+
+
+def format_goodput(report: dict, source: str) -> str:
+    """The goodput comparison of one search's results file (`validate_goodput`)."""
+    slo = report["slo"]
+    lines = [f"goodput of {source} (TTFT <= {slo['ttft_ms']:g} ms, TPOT <= {slo['tpot_ms']:g} "
+             "ms, the search's judge):",
+             f"{'deployment':<20} {'measured':>9} {'sim':>9} {'sim/meas':>8}  "
+             f"within {report['tolerance']:.0%}  per seed (measured / sim)"]
+    for c in report["goodput"]:
+        seeds = ", ".join(f"{m:g}/{s:g}" for m, s in zip(c["measured_runs"],
+                                                          c["simulated_runs"], strict=False))
+        lines.append(f"{c['label']:<20} {_num(c['measured'], 1):>9} {_num(c['simulated'], 1):>9} "
+                     f"{_num(c['ratio'], 1, 3):>8}  {'yes' if c['is_within'] else 'NO':<10}  "
+                     f"{seeds}")
+    lines.append(f"{report['num_within']} of {report['num_checked']} goodputs within "
+                 f"{report['tolerance']:.0%}")
     return "\n".join(lines)
 
 

@@ -38,6 +38,10 @@ import numpy as np
 
 _EPSILON = 1e-9  # so that r · n landing exactly on an integer counts as reached
 AUTO = "auto"  # the offload_ratio value that selects AdaptivePlacement
+# A planned `auto` pair's hot TPOT target as a share of the SLO's TPOT: the woven steps'
+# mean is held under it, which leaves their spread room under the SLO (the KV-bound
+# deployments: 170 ms under 200, benchmarks/deployments/kv_bound/weaving_auto.yaml).
+SLO_TPOT_SHARE = 0.85
 
 
 class Placement(str, Enum):

@@ -23,6 +23,7 @@ from weaver.sim.perf_model import (
     plan_cold_split,
     split_operator_fractions,
 )
+from weaver.sim.plan import WeavePair
 from weaver.sim.policies.muxserve import MuxServePolicy
 from weaver.weaving.placement import AUTO, placement_for
 
@@ -36,11 +37,12 @@ class WeaverPolicy(MuxServePolicy):
     def build(self) -> None:
         super().build()
         for pair in self.plan.pairs:
-            self._weave(pair.hot_gpu, pair.cold_gpu, pair.offload_ratio, pair.remote_blocks)
+            self._weave(pair)
 
-    def _weave(self, hot_gpu: int, cold_gpu: int, ratio: float | str,
-               remote_blocks: int | None = None) -> None:
+    def _weave(self, pair: WeavePair) -> None:
         spec = self.cluster.config.weaving
+        hot_gpu, cold_gpu = pair.hot_gpu, pair.cold_gpu
+        ratio, remote_blocks = pair.offload_ratio, pair.remote_blocks
         hot, cold = self.instances[hot_gpu], self.instances[cold_gpu]
         if ratio != AUTO and ratio <= 0:
             return
@@ -63,15 +65,21 @@ class WeaverPolicy(MuxServePolicy):
             server.remote = SeqSet(region, server.cfg.block_size, server.local.block_bytes)
             server.offload_ratio = ratio
             server.offload_policy = "ratio" if ratio == AUTO else spec.offload_policy
-            server.placement = placement_for(ratio)
+            server.placement = placement_for(ratio, pair.adaptive_targets())
             # Same device type everywhere, so the hot model's attention costs the same on
             # the cold GPU; a heterogeneous cluster would pass the cold device's profile.
             server.offload = OffloadCostModel(server.perf, server.perf,
                                               self.cluster.link(server.name),
                                               self.poll_wait_fn)
             server.remote_instance = cold
-        cold.poll_overhead_s = spec.poll_overhead_us * 1e-6
         cold.idle_poll_interval_s = spec.idle_poll_interval_us * 1e-6
+        if spec.control == "cpu":
+            # The paper's baseline: the host queues the task behind the kernels it already
+            # submitted for the cold step, so the step is one operator to wait out.
+            cold.operator_fractions = (1.0,)
+            cold.poll_overhead_s = 0.0
+            return
+        cold.poll_overhead_s = spec.poll_overhead_us * 1e-6
         if spec.split != "none":
             self._split(cold, next(iter(hot.servers.values())).perf)
 
