@@ -29,8 +29,12 @@ HOT_ARGS = ("--served-model-name", "hot", "--max-model-len", "512", "--dtype", "
             "--enforce-eager", "--block-size", "32", "--num-gpu-blocks-override", "17",
             "--max-num-seqs", "48", "--max-num-batched-tokens", "64",
             "--kv-cache-memory-bytes", str(1 << 28), "--additional-config",
+            # timeout_s: how long a killed cold server stalls the run once. Not less: a cold
+            # server beside the other xdist worker's engines once answered its first task
+            # after more than 3 s, which degrades the pair for good (the test then saw no
+            # offloaded task).
             json.dumps({"weaver": {"role": "hot", "pair": PAIR, "remote_kv_gib": 0.25,
-                                   "offload_ratio": 1.0, "timeout_s": 3.0}}))
+                                   "offload_ratio": 1.0, "timeout_s": 10.0}}))
 COLD_ARGS = ("--served-model-name", "cold", "--max-model-len", "512", "--dtype", "float32",
              "--enforce-eager", "--kv-cache-memory-bytes", str(100 << 20),
              "--additional-config",

@@ -40,9 +40,7 @@ class WeavePair:
     cold_tpot_budget: float = 1.10
 
     def adaptive_targets(self) -> AdaptiveTargets:
-        return AdaptiveTargets(
-            hot_tpot_s=None if self.hot_tpot_ms is None else self.hot_tpot_ms / 1000,
-            cold_budget=self.cold_tpot_budget)
+        return AdaptiveTargets.of_pair(self.hot_tpot_ms, self.cold_tpot_budget)
 
 
 @dataclass

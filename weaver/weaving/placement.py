@@ -86,6 +86,12 @@ class AdaptiveTargets:
     min_samples: int = 8  # decode steps before the step-time model is trusted
     min_tpot_samples: int = 50  # woven steps before their mean is held to the TPOT target
 
+    @classmethod
+    def of_pair(cls, hot_tpot_ms: float | None, cold_tpot_budget: float) -> AdaptiveTargets:
+        """From a weaving pair's settings (a deployment's `hot_tpot_ms`, `cold_tpot_budget`)."""
+        return cls(hot_tpot_s=None if hot_tpot_ms is None else hot_tpot_ms / 1000,
+                   cold_budget=cold_tpot_budget)
+
     def __post_init__(self) -> None:
         if self.hot_tpot_s is not None and not self.hot_tpot_s > 0:
             raise ValueError(f"the hot TPOT target must be > 0 s, got {self.hot_tpot_s}")

@@ -59,9 +59,7 @@ class PairPlan:
     cold_tpot_budget: float = 1.10
 
     def adaptive_targets(self) -> AdaptiveTargets:
-        return AdaptiveTargets(
-            hot_tpot_s=None if self.hot_tpot_ms is None else self.hot_tpot_ms / 1000,
-            cold_budget=self.cold_tpot_budget)
+        return AdaptiveTargets.of_pair(self.hot_tpot_ms, self.cold_tpot_budget)
 
     def layout(self) -> RegionLayout:
         return RegionLayout(
