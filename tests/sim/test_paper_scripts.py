@@ -1,0 +1,48 @@
+"""benchmarks/paper_figures.py and benchmarks/regime_map.py on shortened runs: their
+arithmetic and their JSON (the figures themselves belong to the benchmarks)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_script", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_compute_ceiling_is_the_gemm_flops_of_a_request_against_the_peak():
+    figures = _load("paper_figures")
+    config = figures.variant("paper_a100_40gb", "t", workload={"trace": "uniform:500-500:100-100"})
+    ceiling = figures.compute_ceiling(config, "hot")
+    flops = 2 * figures.get_shape("llama-3-8b").num_params * 600
+    assert ceiling["tflop_per_request"] == pytest.approx(flops / 1e12)
+    assert ceiling["rate_at_peak_rps"] == pytest.approx(312e12 / flops)
+    assert ceiling["rate_at_60%_of_peak_rps"] == pytest.approx(0.6 * 312e12 / flops)
+
+
+def test_a_regime_map_cell_gives_each_slo_its_goodputs_and_gains(tmp_path):
+    regime = _load("regime_map")
+    assert regime.main(["--models", "qwen2.5-3b", "--devices", "H100-80GB", "--workloads",
+                        "code", "--seeds", "1", "--duration-s", "3", "--jobs", "1",
+                        "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "regime_map.json").read_text())
+    assert result["verdict"].startswith("tight SLO:")
+    (cell,) = result["cells"]
+    assert cell["dedicated_capacity_rps"] > 0
+    assert set(cell["goodput_rps"]) == {"tight", "loose"}
+    assert set(cell["goodput_rps"]["loose"]) == {"dedicated", "muxserve", "weaver"}
+    # auto is held to 0.85x each SLO's TPOT, which is a multiple of the TPOT alone.
+    slos = cell["slos"]
+    assert slos["loose"]["tpot_ms"] == pytest.approx(2 * slos["tight"]["tpot_ms"])
+    assert (tmp_path / "regime_map.png").exists()
