@@ -30,9 +30,8 @@ from pathlib import Path
 
 from weaver.cli.simulate import resolve_config
 from weaver.sim.config import SimConfig
-from weaver.sim.plan import plan_from_spec
 from weaver.sim.profile import get_device, get_shape
-from weaver.sim.runner import generate_requests, rate_sweep, simulate
+from weaver.sim.runner import generate_requests, rate_sweep, simulate, sweep_plan
 
 PLATFORMS = {"A100-40GB": "paper_a100_40gb", "L40S": "paper_l40s"}
 TRACES = ("azure-conv", "azure-code")
@@ -50,12 +49,6 @@ def variant(base: str, name: str, **updates: dict | float | str) -> SimConfig:
     return SimConfig.model_validate(data)
 
 
-def with_rate(config: SimConfig, model: str, rate: float) -> SimConfig:
-    models = [m.model_copy(update={"rate": rate}) if m.name == model else m
-              for m in config.models]
-    return config.model_copy(update={"models": models})
-
-
 def spread(values: list[float]) -> dict:
     return {"mean": statistics.fmean(values), "min": min(values), "max": max(values),
             "per_seed": values}
@@ -63,9 +56,7 @@ def spread(values: list[float]) -> dict:
 
 def mean_tpot_ms(config: SimConfig, policy: str, seeds: list[int]) -> dict[str, dict]:
     """Mean TPOT (ms) of every model under `policy`, one run per seed."""
-    placement = config.sweep.placements.get(policy) if config.sweep else None
-    plan = None if placement is None else plan_from_spec(placement,
-                                                         config.weaving.offload_ratio)
+    plan = sweep_plan(config, policy)
     per_model: dict[str, list[float]] = {}
     for seed in seeds:
         result = simulate(config.model_copy(update={"seed": seed}), policy=policy, plan=plan,
@@ -153,8 +144,8 @@ def fig5a(seeds: int) -> dict:
     hot_rate = 10.0
     rows = []
     for cold_rate in (0.5, 1.0, 2.0, 5.0):
-        config = with_rate(with_rate(variant("paper_a100_40gb", "fig5a"), "hot", hot_rate),
-                           "cold", cold_rate)
+        config = variant("paper_a100_40gb", "fig5a").with_rate("hot", hot_rate).with_rate(
+            "cold", cold_rate)
         row = {"hot_to_cold": hot_rate / cold_rate, "cold_rate": cold_rate}
         for policy in ("weaver", "muxserve", "mux_temporal"):
             row[policy] = mean_tpot_ms(config, policy, _seeds(config, seeds))
@@ -171,8 +162,8 @@ def fig5b(seeds: int) -> dict:
     """Hot model at 15 req/s, the share of offloaded sequences varied (A100)."""
     rows = []
     for ratio in (0.0, 0.15, 0.3, 0.45, 0.5, 0.6, 0.75, 0.9):
-        config = with_rate(variant("paper_a100_40gb", "fig5b",
-                                   weaving={"offload_ratio": ratio}), "hot", 15.0)
+        config = variant("paper_a100_40gb", "fig5b",
+                         weaving={"offload_ratio": ratio}).with_rate("hot", 15.0)
         rows.append({"offload_ratio": ratio,
                      **mean_tpot_ms(config, "weaver", _seeds(config, seeds))})
     best = min(rows, key=lambda r: r["hot"]["mean"])
@@ -206,8 +197,8 @@ def ablation(seeds: int) -> dict:
              "gpu_control_split": {"control": "gpu", "split": "plan"}}
     rows = {}
     for label, weaving in steps.items():
-        config = with_rate(variant("paper_a100_40gb", f"ablation_{label}", weaving=weaving),
-                           "hot", 15.0)
+        config = variant("paper_a100_40gb", f"ablation_{label}",
+                         weaving=weaving).with_rate("hot", 15.0)
         rows[label] = mean_tpot_ms(config, "weaver", _seeds(config, seeds))
     cpu, gpu, split = (rows[k]["hot"]["mean"] for k in steps)
     cold_cpu, cold_gpu, cold_split = (rows[k]["cold"]["mean"] for k in steps)

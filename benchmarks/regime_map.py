@@ -94,9 +94,7 @@ MUXSERVE_PLACEMENT = {"gpus": [{"models": ["hot", "cold"], "tp": 2,
 
 def run(config: SimConfig, policy: str, rate: float, seed: int) -> dict:
     """The hot model's request records of one run."""
-    models = [m.model_copy(update={"rate": rate}) if m.name == "hot" else m
-              for m in config.models]
-    config = config.model_copy(update={"models": models, "seed": seed})
+    config = config.with_rate("hot", rate).model_copy(update={"seed": seed})
     plan = None
     if policy == "muxserve":
         from weaver.sim.config import PlacementSpec

@@ -285,6 +285,12 @@ class SimConfig(_Strict):
     def model(self, name: str) -> ModelSpec:
         return next(m for m in self.models if m.name == name)
 
+    def with_rate(self, model: str, rate: float) -> SimConfig:
+        """This config with one model's request rate changed (a sweep's point)."""
+        return self.model_copy(update={"models": [
+            m.model_copy(update={"rate": rate}) if m.name == model else m
+            for m in self.models]})
+
 
 def _check_placement(placement: PlacementSpec, names: list[str], num_gpus: int) -> None:
     used = sum(gpu.tp for gpu in placement.gpus)

@@ -134,13 +134,9 @@ def rate_sweep(config: SimConfig, progress: bool = False) -> dict:
 
         grid = tqdm(grid, desc=f"sweep {config.name}", unit="run")
     for policy, rate, seed in grid:
-        models = [m.model_copy(update={"rate": rate}) if m.name == sweep.model else m
-                  for m in config.models]
-        cfg = config.model_copy(update={"models": models, "seed": seed})
-        placement = sweep.placements.get(policy)
-        plan = None if placement is None else plan_from_spec(
-            placement, config.weaving.offload_ratio)
-        res = simulate(cfg, policy=policy, plan=plan, keep_requests=False)
+        cfg = config.with_rate(sweep.model, rate).model_copy(update={"seed": seed})
+        res = simulate(cfg, policy=policy, plan=sweep_plan(config, policy),
+                       keep_requests=False)
         points.append({"policy": policy, "rate": rate, "seed": seed,
                        "summary": res["summary"], "sim": res["sim"], "plan": res["plan"],
                        "meets_slo": meets_slo(res["summary"][sweep.model])})
@@ -158,6 +154,13 @@ def rate_sweep(config: SimConfig, progress: bool = False) -> dict:
                             "mean_tpot_max_rps": m["mean_tpot_max_by_seed"]}
                         for k, m in maxima.items()},
             "above_max_passing": {k: m["above_max_passing"] for k, m in maxima.items()}}
+
+
+def sweep_plan(config: SimConfig, policy: str) -> Plan | None:
+    """The placement a sweep gives `policy` (`sweep.placements`); None: the config's."""
+    placement = config.sweep.placements.get(policy) if config.sweep else None
+    return None if placement is None else plan_from_spec(placement,
+                                                         config.weaving.offload_ratio)
 
 
 def sweep_maxima(points: list[dict], model: str, tpot_s: float) -> dict:
