@@ -1,12 +1,15 @@
 """A hot runtime carries on after its cold engine restarted (weaving/hot.py,
 take_over_from): the new region gets the K/V of the remote sequences still running and the
-counters go on; a pair whose remote KV lived in the dead engine's unified pool cannot.
+counters go on; a pair whose remote KV lived in the dead engine's unified pool cannot. A
+pair degraded by one late task resumes once its cold side answers again (settle_step).
 
 Real shared-memory regions; `_Plan` stands in for the PairPlan fields the runtime reads."""
 
 from __future__ import annotations
 
 import os
+import threading
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -15,9 +18,11 @@ import torch
 
 from weaver.offload.layout import HotAttentionShape, RegionLayout
 from weaver.offload.naming import region_name, region_paths
+from weaver.offload.protocol import OffloadTask
+from weaver.offload.receiver import OffloadReceiver
 from weaver.offload.sender import OffloadSender
 from weaver.offload.shm import ShmRegion
-from weaver.weaving.hot import HotWeaving
+from weaver.weaving.hot import RESUME_FIRST_S, HotWeaving, RowGroup, StepRows
 
 SHAPE = HotAttentionShape(num_layers=2, num_q_heads=4, num_kv_heads=2, head_size=8,
                           block_size=4, dtype="float32")
@@ -31,6 +36,7 @@ class _Plan:
     shape: HotAttentionShape = SHAPE
     pool: object = None
     region_name: str = ""
+    timeout_s: float = 0.05
 
 
 @pytest.fixture
@@ -76,3 +82,68 @@ def test_a_pair_in_a_unified_pool_cannot_take_over(name):
     for runtime in (before, after):
         runtime.sender.close()
     owner.close()
+
+
+def _one_decode_step() -> StepRows:
+    rows = RowGroup(tokens=torch.tensor([0]), query_start_loc=torch.tensor([0, 1]),
+                    seq_lens=torch.tensor([3]), block_table=torch.tensor([[0]]))
+    return StepRows(local=None, remote_prefill=None, remote_decode=rows, num_new_remote=0)
+
+
+class _HereAttention:
+    """The remote pool as the hot side reads it when degraded: writes -1."""
+
+    def attend(self, ops, rows: RowGroup, query: torch.Tensor, output: torch.Tensor) -> None:
+        output[rows.tokens] = -1.0
+
+
+def _attend(runtime: HotWeaving) -> torch.Tensor:
+    query = torch.zeros(1, SHAPE.num_q_heads, SHAPE.head_size)
+    return runtime.attend(None, 0, _one_decode_step(), query, torch.zeros_like(query),
+                          scale=1.0, sliding_window=-1, softcap=0.0)
+
+
+def test_a_pair_degraded_by_a_late_task_resumes_once_its_cold_side_answers(name):
+    def cold_answers_ones(task: OffloadTask) -> None:
+        task.out.fill_(1.0)
+
+    owner = ShmRegion.create(LAYOUT, name)
+    receiver = OffloadReceiver(owner, cold_answers_ones)  # served only when polled here
+    runtime = HotWeaving(_Plan(region_name=name),
+                         OffloadSender(ShmRegion.attach(LAYOUT, name)), _HereAttention())
+    now = [100.0]
+    runtime.clock = lambda: now[0]
+    # Nobody polls: the task is late, its rows are attended here, the pair degrades.
+    assert torch.all(_attend(runtime) == -1.0)
+    assert "not done" in runtime.degraded_reason
+    assert runtime.resume_at == 100.0 + RESUME_FIRST_S
+    # Back-off over, but the late task is still unserved: no resume, a longer back-off.
+    now[0] += RESUME_FIRST_S
+    runtime.settle_step()
+    assert runtime.degraded_reason is not None
+    assert runtime.resume_at == now[0] + 2 * RESUME_FIRST_S
+    assert torch.all(_attend(runtime) == -1.0)  # still here: nothing was sent
+    assert receiver.poll() and receiver.stats.num_served == 1  # the late task, served now
+    now[0] += 2 * RESUME_FIRST_S
+    runtime.settle_step()
+    assert runtime.degraded_reason is None and runtime.stats.num_resumes == 1
+    served = threading.Thread(target=lambda: [receiver.poll() or time.sleep(0.001)
+                                              for _ in range(2000)
+                                              if receiver.stats.num_served < 2])
+    served.start()
+    assert torch.all(_attend(runtime) == 1.0)  # offloaded again, answered by the cold side
+    served.join()
+    assert runtime.drain_stats()["resumes"] == 1 and runtime.stats.num_fallback_tasks == 2
+    runtime.sender.close()
+    receiver.close()
+
+
+def test_a_pair_whose_cold_side_closed_stays_degraded(name):
+    owner = ShmRegion.create(LAYOUT, name)
+    receiver = OffloadReceiver(owner, lambda task: task.out.zero_())
+    runtime = HotWeaving(_Plan(region_name=name),
+                         OffloadSender(ShmRegion.attach(LAYOUT, name)), _HereAttention())
+    receiver.close()
+    assert torch.all(_attend(runtime) == -1.0)
+    assert "CLOSED" in runtime.degraded_reason and runtime.resume_at is None
+    runtime.sender.close()

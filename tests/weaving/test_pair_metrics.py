@@ -37,13 +37,14 @@ def test_the_hot_side_exports_its_offload_counters_and_the_pair_state(files):
     counts[-1] = 1
     files.publish("p1", "hot.stats", {
         "hot": "h", "cold": "c", "remote_sequences": 3, "offloaded_tasks": 10,
-        "fallback_tasks": 1, "attaches": 2, "connected": True, "remote_blocks_used": 5,
-        "wait_counts": counts, "wait_sum_s": 7.5})
+        "fallback_tasks": 1, "attaches": 2, "resumes": 1, "connected": True,
+        "remote_blocks_used": 5, "wait_counts": counts, "wait_sum_s": 7.5})
     text = scrape(files, "hot")
     for line in ('weaver_offload_sequences_total{model="h"} 3.0',
                  'weaver_offload_tasks_total{cold="c",hot="h"} 10.0',
                  'weaver_offload_fallbacks_total{model="h"} 1.0',
                  'weaver_pair_attaches_total{pair="p1"} 2.0',
+                 'weaver_pair_resumes_total{pair="p1"} 1.0',
                  'weaver_pair_connected{pair="p1"} 1.0',
                  'weaver_remote_kv_blocks_used{cold="c",hot="h"} 5.0',
                  'weaver_offload_wait_seconds_bucket{cold="c",hot="h",le="0.00075"} 0.0',

@@ -90,6 +90,15 @@ class OffloadSender:
             self._is_in_flight = False
         return not self._is_in_flight
 
+    def is_idle_and_open(self) -> bool:
+        """True when the cold side is open and has finished every task published to it,
+        read now from the region (a device wait clears the in-flight mark without knowing;
+        a synchronising read on CUDA: for a degraded pair's retry, not the hot path)."""
+        if int(self._transport.read_word(DONE_SEQ_OFFSET)) < self._last_seq:
+            return False
+        self._is_in_flight = False
+        return self._peer_status() in OPEN_STATUSES
+
     def can_submit(self) -> bool:
         """False while an earlier task (e.g. one that timed out) is still being served or
         the cold side is closing."""

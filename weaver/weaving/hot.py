@@ -10,7 +10,10 @@ Per layer and step:
   prefill included) run here meanwhile; then the cold side's output is merged back in
   batch order;
 - if the cold side times out or is gone, the pair turns degraded and the remote rows are
-  computed here from the remote pool: logged once, counted every time. On a host
+  computed here from the remote pool: logged once, counted every time. A pair degraded
+  while its cold side still lives (a task that timed out) is tried again after a back-off
+  (RESUME_FIRST_S, doubling to RESUME_MAX_S) once that side has finished the late task,
+  and resumes: one slow task does not degrade it for good. On a host
   transport the wait says so at once. On CUDA the wait is a kernel on the hot stream and
   the fallback a kernel right after it that attends the rows only if the wait did not end
   OK (no host synchronisation per layer); ``settle_step`` reads their count once per step
@@ -27,13 +30,20 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from weaver.offload.layout import COLD_INFLATION_OFFSET
-from weaver.offload.protocol import OffloadError, OffloadTicket, TaskBatch, WaitStatus
+from weaver.offload.protocol import (
+    OffloadError,
+    OffloadTicket,
+    OffloadTimeout,
+    TaskBatch,
+    WaitStatus,
+)
 from weaver.offload.sender import OffloadSender
 from weaver.offload.shm import ShmRegion, host_wait_policy
 from weaver.weaving.placement import Ewma
@@ -43,6 +53,11 @@ logger = logging.getLogger(__name__)
 
 ATTACH_TIMEOUT_S = 30.0  # how long a hot worker waits for its cold side's region
 WAIT_EWMA_ALPHA = 0.05  # weight of a new wait in the recent offload wait (per task)
+# A pair degraded by a late task, its cold side alive, is tried again after this long,
+# the delay doubling at each failed try up to RESUME_MAX_S (a cold engine that is slow for
+# good costs one timed-out task per try, so tries grow rare).
+RESUME_FIRST_S = 5.0
+RESUME_MAX_S = 300.0
 
 
 @dataclass
@@ -156,6 +171,7 @@ class HotWeavingStats:
     num_fallback_tasks: int = 0  # tasks computed here because the cold side failed
     num_remote_prefill_rows: int = 0
     num_remote_sequences: int = 0  # remote sequences seen starting their prefill
+    num_resumes: int = 0  # times offloading resumed after a late task had degraded the pair
     wait_seconds: list[float] = field(default_factory=list)  # drained by the metrics scrape
 
 
@@ -202,6 +218,11 @@ class HotWeaving:
         self.remote_kv = remote_kv if remote_kv is not None else RegionKV(sender)
         self.stats = HotWeavingStats()
         self.degraded_reason: str | None = None
+        # When to try the cold side again (monotonic seconds); None: not degraded, or
+        # degraded for good (the cold side closed or died: its restart brings a new runtime).
+        self.resume_at: float | None = None
+        self._resume_delay_s = RESUME_FIRST_S
+        self.clock = time.monotonic
         self.recent_wait = Ewma(WAIT_EWMA_ALPHA)  # the wait for a remote task, recently
         self._slot_split: _SlotSplit | None = None
         self._lock = threading.Lock()
@@ -291,7 +312,7 @@ class HotWeaving:
                                             scale=scale, sliding_window=sliding_window,
                                             softcap=softcap)
         except OffloadError as exc:
-            self.mark_degraded(f"submit failed: {exc}")
+            self.mark_degraded(f"submit failed: {exc}", may_resume=_is_late(exc))
             return None
 
     def _collect(self, ticket: OffloadTicket, output: torch.Tensor, rows: RowGroup) -> bool:
@@ -303,7 +324,7 @@ class HotWeaving:
                 # the cold side's or the fallback's, as the wait ended (settle_step counts).
                 task_output = self.sender.enqueue_fallback(ticket)
         except OffloadError as exc:
-            self.mark_degraded(f"wait failed: {exc}")
+            self.mark_degraded(f"wait failed: {exc}", may_resume=_is_late(exc))
             return False
         # Both [rows, num_heads, head_size]; the staging lives on the cold GPU when the
         # pair spans two (a peer copy in stream order; nothing moves on one device).
@@ -318,21 +339,49 @@ class HotWeaving:
     def settle_step(self) -> None:
         """Once per step, before the next one: device waits of the last step that did not
         end OK were answered by their fallbacks on the device; count them and stop
-        offloading (a no-op costing nothing on a host transport)."""
+        offloading (a no-op costing nothing on a host transport). A pair degraded by a late
+        task is tried again when its back-off is over."""
         num_failed = self.sender.take_num_device_fallbacks()
         if num_failed:
             self.stats.num_fallback_tasks += num_failed
             self.stats.num_offloaded_tasks -= num_failed
+            # The device does not say whether it timed out or the cold side closed; the
+            # try after the back-off reads the cold side's status and tells.
             self.mark_degraded(f"{num_failed} device wait(s) did not end OK (the cold side "
-                               "timed out or closed); their rows were attended here")
+                               "timed out or closed); their rows were attended here",
+                               may_resume=True)
+        if self.resume_at is not None and self.clock() >= self.resume_at:
+            self._try_resume()
+
+    def _try_resume(self) -> None:
+        """Resume offloading if the cold side is open and has finished every task sent to
+        it (a host read; on CUDA a synchronisation, once per back-off); otherwise back off
+        longer."""
+        if self.sender.is_idle_and_open():
+            logger.info("weaving %s -> %s resumed: the cold side answers again (it was "
+                        "degraded: %s)", self.plan.hot, self.plan.cold, self.degraded_reason)
+            self.degraded_reason = None
+            self.resume_at = None
+            self._resume_delay_s = RESUME_FIRST_S
+            self.stats.num_resumes += 1
+            return
+        self._resume_delay_s = min(2 * self._resume_delay_s, RESUME_MAX_S)
+        self.resume_at = self.clock() + self._resume_delay_s
 
     # --- health and stats ---------------------------------------------------------------
-    def mark_degraded(self, reason: str) -> None:
-        if self.degraded_reason is None:
-            self.degraded_reason = reason
-            logger.error(
-                "weaving %s -> %s degraded (%s): remote sequences' attention is now computed "
-                "on the hot side from the remote pool", self.plan.hot, self.plan.cold, reason)
+    def mark_degraded(self, reason: str, *, may_resume: bool = False) -> None:
+        """Stop offloading: remote rows are attended here from the remote pool. With
+        `may_resume` (a late task, its cold side alive) the cold side is tried again after
+        the back-off; otherwise the pair stays degraded until a new runtime takes over."""
+        if self.degraded_reason is not None:
+            return
+        self.degraded_reason = reason
+        self.resume_at = self.clock() + self._resume_delay_s if may_resume else None
+        logger.error(
+            "weaving %s -> %s degraded (%s): remote sequences' attention is now computed "
+            "on the hot side from the remote pool%s", self.plan.hot, self.plan.cold, reason,
+            f"; trying the cold side again in {self._resume_delay_s:.0f} s" if may_resume
+            else "")
 
     def pair_load(self) -> dict[str, float | None]:
         """What the adaptive placement weighs (weaving/placement.py PairLoad): the cold
@@ -351,6 +400,13 @@ class HotWeaving:
             "fallback_tasks": self.stats.num_fallback_tasks,
             "remote_prefill_rows": self.stats.num_remote_prefill_rows,
             "remote_sequences": self.stats.num_remote_sequences,
+            "resumes": self.stats.num_resumes,
             "degraded_reason": self.degraded_reason,
             "wait_seconds": waits,
         }
+
+
+def _is_late(exc: OffloadError) -> bool:
+    """A task that was late or is still being served (its cold side alive), not one the
+    cold side failed or a side that closed or died."""
+    return isinstance(exc, OffloadTimeout) and exc.reason in ("timeout", "busy")

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 _registered: set[tuple[str, str, tuple[str, ...]]] = set()
 # The totals in a side's stats file that export as counters.
 HOT_TOTALS = ("remote_sequences", "offloaded_tasks", "fallback_tasks", "attaches",
-              "step_asides", "wait_sum_s")
+              "resumes", "step_asides", "wait_sum_s")
 COLD_TOTALS = ("busy_at_poll_points_s", "busy_by_idle_poller_s")
 
 
@@ -101,6 +101,9 @@ class PairStatsCollector(Collector):
             "attaches": CounterMetricFamily(
                 "weaver_pair_attaches", "Regions of the cold engine this hot engine attached "
                 "(one more each time the cold engine restarts)", labels=["pair"]),
+            "resumes": CounterMetricFamily(
+                "weaver_pair_resumes", "Times offloading resumed after a late task had "
+                "degraded the pair (its cold engine answering again)", labels=["pair"]),
             "connected": GaugeMetricFamily(
                 "weaver_pair_connected", "1 while the pair's cold engine is attached and "
                 "sequences may go remote", labels=["pair"]),
@@ -143,6 +146,7 @@ class PairStatsCollector(Collector):
         families["tasks"].add_metric([model, cold], totals["offloaded_tasks"])
         families["fallbacks"].add_metric([model], totals["fallback_tasks"])
         families["attaches"].add_metric([pair], totals["attaches"])
+        families["resumes"].add_metric([pair], totals["resumes"])
         families["asides"].add_metric([model, cold], totals["step_asides"])
 
     def _add_cold(self, families: dict, pair: str, stats: dict | None) -> None:
