@@ -1,7 +1,8 @@
 """Greedy decoding of a batch of sequences over a paged KV cache, every sequence local or
-the remote ones woven through ``HotWeaving`` (weaver/weaving/hot.py), per layer as the
-attention backend drives it: new K/V through ``write_kv``, then ``attend`` over the
-step's rows (remote decode rows published to the cold side, the rest attended here).
+the remote ones woven through one cold side's ``HotWeaving`` (weaver/weaving/hot.py), per
+layer as the attention backend drives it, through ``HotPairs`` (weaving/hot_pairs.py): new
+K/V through ``write_kv``, then ``attend`` over the step's rows (remote decode rows
+published to the cold side, the rest attended here).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from benchmarks.two_process.paged_batch import (
 from benchmarks.two_process.reference_ops import ReferenceAttentionOps
 from benchmarks.two_process.tiny_llama import TinyLlama
 from weaver.weaving.hot import HotWeaving
+from weaver.weaving.hot_pairs import HotPairs
 
 
 @dataclass
@@ -39,6 +41,7 @@ class PagedDecoder:
         self.sequences = sequences
         self.block_size = block_size
         self.weaving = weaving
+        self.pairs = None if weaving is None else HotPairs.of(weaving)
         self.device = device
         self.num_local_blocks = num_local_blocks_for(sequences)
         self.max_blocks_per_seq = max(len(s.block_ids) for s in sequences)
@@ -72,7 +75,7 @@ class PagedDecoder:
             ops.write(ops.local_kv, k, v, batch.slot_mapping)
             ops.attend(ops.local_kv, batch.rows.local, q, output)
             return output
-        self.weaving.write_kv(ops, k, v, batch.slot_mapping,
+        self.pairs.write_kv(ops, k, v, batch.slot_mapping,
                               self.num_local_blocks * self.block_size)
-        return self.weaving.attend(ops, layer, batch.rows, q, output, scale=ops.scale,
+        return self.pairs.attend(ops, layer, batch.rows, q, output, scale=ops.scale,
                                    sliding_window=-1, softcap=0.0)

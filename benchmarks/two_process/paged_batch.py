@@ -1,7 +1,7 @@
 """Sequences in a paged KV cache and one decode step's batch, as vLLM's attention backend
-would hand it to the weaving runtime (weaver/weaving/hot.py).
+would hand it to the weaving runtime (weaver/weaving/hot_pairs.py).
 
-Block ids follow the hot scheduler's convention (hot.py ``classify_requests``): a
+Block ids follow the hot scheduler's convention (hot_pairs.py ``classify_requests``): a
 sequence's blocks are ids in its pool, the local cache's or the remote pool's; in the
 step's slot mapping and first-block ids the remote pool's ids come after the local
 cache's, so ``num_local_blocks`` splits them. The query rows of a step are the sequences'
@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from weaver.weaving.hot import RowGroup, StepRows, classify_requests
+from weaver.weaving.hot import RemoteRows, RowGroup
+from weaver.weaving.hot_pairs import StepRows, classify_requests
 
 
 @dataclass
@@ -92,7 +93,7 @@ def build_step(sequences: list[Sequence], *, block_size: int, num_local_blocks: 
                             dtype=torch.int32)
     first_blocks = torch.tensor([s.block_ids[0] + (num_local_blocks if s.is_remote else 0)
                                  for s in sequences])
-    split = classify_requests(first_blocks, query_lens, seq_lens, num_local_blocks)
+    split = classify_requests(first_blocks, query_lens, seq_lens, [num_local_blocks])
     table = torch.zeros(len(sequences), max_blocks_per_seq, dtype=torch.int32)
     for i, seq in enumerate(sequences):
         table[i, : len(seq.block_ids)] = torch.tensor(seq.block_ids, dtype=torch.int32)
@@ -117,9 +118,9 @@ def build_step(sequences: list[Sequence], *, block_size: int, num_local_blocks: 
         positions=torch.tensor(positions, device=device),
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
         sample_rows=torch.tensor(last_rows, device=device),
-        rows=StepRows(local=group(split.local), remote_prefill=group(split.remote_prefill),
-                      remote_decode=group(split.remote_decode),
-                      num_new_remote=split.num_new_remote),
+        rows=StepRows(local=group(split.local), remotes=[
+            RemoteRows(0, prefill=group(prefill), decode=group(decode))
+            for prefill, decode in split.remote if prefill.numel() or decode.numel()]),
     )
 
 

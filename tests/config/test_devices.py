@@ -208,7 +208,8 @@ def test_serve_refuses_a_gpu_deployment_here_before_starting_any_engine(tmp_path
 
 def test_config_refuses_what_serve_would_refuse(tmp_path, capsys):
     """`weaver config FILE` runs the plans `weaver serve` makes before its engines start:
-    a hot model over two cold ones passes the schema but not the weaving plan."""
+    a hot model over two cold ones, one of which keeps its KV in a unified pool, passes
+    the schema but not the weaving plan."""
     from weaver.cli.main import main
 
     model_dir = tmp_path / "m"
@@ -219,12 +220,13 @@ def test_config_refuses_what_serve_would_refuse(tmp_path, capsys):
     small = {"model": str(model_dir), "max_model_len": 512, "block_size": 32}
     data = {"models": [{"name": "h", "role": "hot", **small},
                        {"name": "c1", "role": "cold", "lend_kv_gib": 0.05, **small},
-                       {"name": "c2", "role": "cold", "lend_kv_gib": 0.05, **small}],
+                       {"name": "c2", "role": "cold", "lend_kv_gib": 0.05, "unified_kv": True,
+                        **small}],
             "weaving": [{"hot": "h", "cold": ["c1", "c2"]}]}
     config = tmp_path / "two_colds.yaml"
     config.write_text(yaml.safe_dump(data))
     assert main(["config", str(config)]) == 1
-    assert "one cold model per hot model" in capsys.readouterr().out
+    assert "weave into it alone" in capsys.readouterr().out
     data["weaving"] = [{"hot": "h", "cold": ["c1"]}]
     data["models"] = data["models"][:2]
     config.write_text(yaml.safe_dump(data))

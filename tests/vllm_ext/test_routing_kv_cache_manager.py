@@ -2,9 +2,10 @@
 and that it stands in for all of vLLM's KVCacheManager (a drift check: nothing falls
 through to one pool unlisted).
 
-The two pools are stand-ins for vLLM's KVCacheManager that only count blocks: placement
-reads nothing else of them. The engine-level behaviour (a unified pool whose owner dies)
-is pinned end to end in tests/weaving/test_unified_pool_e2e.py."""
+The pools (the local one, one remote one per cold engine) are stand-ins for vLLM's
+KVCacheManager that only count blocks: placement reads nothing else of them. The
+engine-level behaviour (a unified pool whose owner dies) is pinned end to end in
+tests/weaving/test_unified_pool_e2e.py."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class CountingPool:
     def __init__(self, num_free: int) -> None:
         self.num_free = num_free
         self.held: dict[str, int] = {}
+        self.block_pool = self  # what placement reads of a remote pool: its free count
 
     def allocate_slots(self, request: FakeRequest, num_new_tokens: int, *args, **kwargs):
         if self.num_free < 1:
@@ -42,9 +44,12 @@ class CountingPool:
         self.held[request.request_id] = self.held.get(request.request_id, 0) + 1
         return ("blocks", request.request_id)
 
+    def get_num_free_blocks(self) -> int:
+        return self.num_free
+
 
 def routing(ratio: float, *, local: int, remote: int, remote_available=None):
-    return RoutingKVCacheManager(CountingPool(local), CountingPool(remote), 8,
+    return RoutingKVCacheManager(CountingPool(local), [CountingPool(remote)], 8,
                                  RatioPlacement(ratio), remote_available=remote_available)
 
 
@@ -54,13 +59,13 @@ def test_all_remote_places_every_request_remotely_while_the_pool_gives_blocks():
         assert manager.allocate_slots(FakeRequest(f"r{i}"), 16) is not None
     assert set(manager.placed.values()) == {Placement.REMOTE}
     # Ratio 1.0 means "always remote": no spill to local when the remote pool is full.
-    manager.remote.num_free = 0
+    manager.remotes[0].num_free = 0
     assert manager.allocate_slots(FakeRequest("r3"), 16) is None
 
 
 def test_once_the_remote_pool_is_gone_new_requests_are_placed_locally():
     available = [True]
-    manager = routing(1.0, local=4, remote=4, remote_available=lambda: available[0])
+    manager = routing(1.0, local=4, remote=4, remote_available=lambda cold: available[0])
     assert manager.allocate_slots(FakeRequest("before"), 16) is not None
     available[0] = False  # e.g. the unified pool's owner died: its lease is broken
     assert manager.allocate_slots(FakeRequest("after"), 16) is not None
@@ -68,14 +73,14 @@ def test_once_the_remote_pool_is_gone_new_requests_are_placed_locally():
     assert manager.local.held == {"after": 1}
     # A request already placed keeps its pool (its K/V are where they are).
     assert manager.allocate_slots(FakeRequest("before"), 1) is not None
-    assert manager.remote.held == {"before": 2}
+    assert manager.remotes[0].held == {"before": 2}
 
 
 def test_a_spilling_ratio_never_tries_a_remote_pool_that_is_gone():
-    manager = routing(0.5, local=1, remote=4, remote_available=lambda: False)
+    manager = routing(0.5, local=1, remote=4, remote_available=lambda cold: False)
     assert manager.allocate_slots(FakeRequest("a"), 16) is not None
     assert manager.allocate_slots(FakeRequest("b"), 16) is None  # local full: it waits
-    assert manager.remote.held == {}
+    assert manager.remotes[0].held == {}
 
 
 def _public_members(cls: type) -> set[str]:
@@ -108,7 +113,7 @@ def test_pool_wide_members_are_the_local_pools():
     local, remote = CountingPool(1), CountingPool(1)
     local.usage, local.block_pool = 0.25, "local pool"
     local.evict_blocks = lambda ids: ("evicted", ids)
-    manager = RoutingKVCacheManager(local, remote, 8, RatioPlacement(0.5))
+    manager = RoutingKVCacheManager(local, [remote], 8, RatioPlacement(0.5))
     assert manager.usage == 0.25 and manager.block_pool == "local pool"
     assert manager.evict_blocks({3}) == ("evicted", {3})
     with pytest.raises(AttributeError):
@@ -118,7 +123,7 @@ def test_pool_wide_members_are_the_local_pools():
 def test_auto_places_locally_until_the_local_pool_is_full_then_fills_the_remote_pool():
     from weaver.weaving.placement import AdaptivePlacement
 
-    manager = RoutingKVCacheManager(CountingPool(2), CountingPool(3), 8, AdaptivePlacement())
+    manager = RoutingKVCacheManager(CountingPool(2), [CountingPool(3)], 8, AdaptivePlacement())
     for i in range(2):  # not KV-bound: nothing goes remote
         assert manager.allocate_slots(FakeRequest(f"l{i}"), 16) is not None
     assert set(manager.placed.values()) == {Placement.LOCAL}
@@ -135,10 +140,10 @@ def test_auto_that_stepped_aside_sends_nothing_remote():
     placement.observe_step(0.05, 4, 1)  # one remote sequence running
     placement.observe_pair(PairLoad(cold_inflation=1.3))  # over the 1.10 budget
     assert placement.update(now=0.0) and not placement.is_open
-    manager = RoutingKVCacheManager(CountingPool(1), CountingPool(3), 8, placement)
+    manager = RoutingKVCacheManager(CountingPool(1), [CountingPool(3)], 8, placement)
     assert manager.allocate_slots(FakeRequest("a"), 16) is not None
     assert manager.allocate_slots(FakeRequest("b"), 16) is None  # local full: it waits
-    assert manager.remote.held == {}
+    assert manager.remotes[0].held == {}
 
 
 def _fcfs_grow(manager: RoutingKVCacheManager, running: list, request) -> list:
@@ -154,6 +159,14 @@ def _fcfs_grow(manager: RoutingKVCacheManager, running: list, request) -> list:
     return victims
 
 
+def place(manager: RoutingKVCacheManager, request, cold: int | None) -> None:
+    """Place a request as allocate_slots would: locally (None) or on cold `cold`."""
+    manager.placed[request.request_id] = Placement.LOCAL if cold is None else Placement.REMOTE
+    if cold is not None:
+        manager.cold_of[request.request_id] = cold
+    (manager.local if cold is None else manager.remotes[cold]).allocate_slots(request, 1)
+
+
 class FreeingPool(CountingPool):
     def free(self, request: FakeRequest) -> None:
         self.num_free += self.held.pop(request.request_id, 0)
@@ -163,12 +176,11 @@ def test_a_request_that_cannot_grow_preempts_in_its_own_pool_only():
     # Admission order l0 r0 l1 r1 r2: the local pool (2 blocks) is full, the remote one
     # has room. l0 needs a block: vLLM alone would preempt r2, r1, then l1.
     running: list = []
-    manager = RoutingKVCacheManager(FreeingPool(2), FreeingPool(8), 8, RatioPlacement(0.5),
+    manager = RoutingKVCacheManager(FreeingPool(2), [FreeingPool(8)], 8, RatioPlacement(0.5),
                                     running=lambda: running)
     for name in ("l0", "r0", "l1", "r1", "r2"):
         request = FakeRequest(name)
-        manager.placed[name] = Placement.REMOTE if name[0] == "r" else Placement.LOCAL
-        (manager.remote if name[0] == "r" else manager.local).allocate_slots(request, 1)
+        place(manager, request, 0 if name[0] == "r" else None)
         running.append(request)
     assert _fcfs_grow(manager, running, running[0]) == ["l1"]
     assert [r.request_id for r in running] == ["l0", "r0", "r1", "r2"]  # order kept
@@ -182,10 +194,51 @@ def test_a_request_that_cannot_grow_preempts_in_its_own_pool_only():
 
 def test_without_the_running_list_vllms_victim_stands():
     running: list = []
-    manager = RoutingKVCacheManager(FreeingPool(1), FreeingPool(8), 8, RatioPlacement(0.5))
+    manager = RoutingKVCacheManager(FreeingPool(1), [FreeingPool(8)], 8, RatioPlacement(0.5))
     for name in ("l0", "r0"):
         request = FakeRequest(name)
-        manager.placed[name] = Placement.REMOTE if name[0] == "r" else Placement.LOCAL
-        (manager.remote if name[0] == "r" else manager.local).allocate_slots(request, 1)
+        place(manager, request, 0 if name[0] == "r" else None)
         running.append(request)
     assert _fcfs_grow(manager, running, running[0]) == ["r0", "l0"]
+
+
+def test_a_remote_request_goes_to_the_connected_cold_with_most_free_blocks():
+    connected = [True, True, True]
+    manager = RoutingKVCacheManager(FreeingPool(0), [FreeingPool(2), FreeingPool(3),
+                                                     FreeingPool(9)], 8, RatioPlacement(1.0),
+                                    remote_available=lambda cold: connected[cold])
+    connected[2] = False  # its side is not linked (or died): skipped, however free
+    for name in ("a", "b", "c", "d"):
+        assert manager.allocate_slots(FakeRequest(name), 16) is not None
+    assert manager.cold_of == {"a": 1, "b": 0, "c": 1, "d": 0}  # the freer first, ties: order
+    assert manager.num_running_on(0) == 2 == manager.num_running_on(1)
+    assert manager.num_running_remote == 4
+    assert manager.allocate_slots(FakeRequest("e"), 16) is not None  # cold 1's last block
+    assert manager.allocate_slots(FakeRequest("f"), 16) is None  # both full: it waits
+    manager.free(FakeRequest("a"))
+    assert "a" not in manager.cold_of and "a" not in manager.placed
+
+
+def test_auto_sends_no_new_sequence_to_a_cold_over_its_budget():
+    from weaver.weaving.placement import AdaptivePlacement, PairLoad
+
+    placement = AdaptivePlacement()
+    placement.observe_pair(PairLoad.of_colds([{"cold_inflation": 1.3}, {"cold_inflation": 1.0}]))
+    manager = RoutingKVCacheManager(CountingPool(0), [CountingPool(9), CountingPool(2)], 8,
+                                    placement)
+    for name in ("a", "b"):
+        assert manager.allocate_slots(FakeRequest(name), 16) is not None
+    assert manager.cold_of == {"a": 1, "b": 1}
+    assert manager.allocate_slots(FakeRequest("c"), 16) is None
+
+
+def test_a_request_that_cannot_grow_preempts_on_its_own_cold_only():
+    running: list = []
+    manager = RoutingKVCacheManager(FreeingPool(8), [FreeingPool(2), FreeingPool(8)], 8,
+                                    RatioPlacement(1.0), running=lambda: running)
+    for name, cold in (("a0", 0), ("b0", 1), ("a1", 0), ("b1", 1)):
+        request = FakeRequest(name)
+        place(manager, request, cold)
+        running.append(request)
+    assert _fcfs_grow(manager, running, running[0]) == ["a1"]  # not b1 of the other cold
+    assert [r.request_id for r in running] == ["a0", "b0", "b1"]

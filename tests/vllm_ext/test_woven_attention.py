@@ -1,6 +1,7 @@
 """Weaver's attention backend (weaver/vllm_ext/attention/backend.py) over vLLM's real CPU_ATTN
 builder and kernel: a batch split by vLLM's micro-batch slicing, into a cold engine's groups
-of sequences or a hot step's local and remote requests, gives the rows of the whole batch.
+of sequences or a hot step's local and remote requests (of one or two cold engines), gives
+the rows of the whole batch.
 
 Bit-identical without vLLM's KV split. With it (the default), vLLM's scheduler may cut a
 long context across threads differently for a smaller batch, so a row can differ in its
@@ -11,6 +12,8 @@ engine tests check that greedy tokens stay equal.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,6 +31,7 @@ from weaver.vllm_ext.attention.backend import SequenceGroupsMetadata, WovenMetad
 from weaver.vllm_ext.attention.partition import split_requests
 from weaver.vllm_ext.layers import AttentionChunks
 from weaver.weaving.hot import HotWeaving, RegionKV
+from weaver.weaving.hot_pairs import HotPairs
 
 # Mixed step: two decodes, a first prefill chunk, a later chunk over earlier context, more
 # decodes; contexts from 1 token to several blocks.
@@ -99,48 +103,97 @@ class _Region:
         return 0  # a host region: fallbacks are counted where they run
 
 
+@dataclass
+class _Plan:
+    """The PairPlan fields the hot pairs read (a region of `num_remote_blocks` blocks)."""
+
+    cold: str
+    num_remote_blocks: int
+    hot: str = "h"
+    shape: object = field(default_factory=lambda: SimpleNamespace(block_size=BLOCK_SIZE))
+
+
+def degraded_cold(cold: str, pool: torch.Tensor) -> HotWeaving:
+    region = _Region(pool)
+    runtime = HotWeaving(plan=_Plan(cold, pool.shape[0]), sender=region,
+                         remote_kv=RegionKV(region))
+    runtime.degraded_reason = "a test: no cold side"
+    return runtime
+
+
 @pytest.mark.parametrize("kv_split", ["0", "1"])
-def test_a_woven_step_gives_the_rows_of_the_whole_batch(monkeypatch, kv_split):
-    """Local, remote-prefill and remote-decode requests interleaved; the remote ones'
-    blocks live in another pool (ids from num_local). With the pair degraded the hot side
-    attends the remote decode rows itself, through the same groups."""
+def test_a_woven_step_over_two_colds_gives_the_rows_of_the_whole_batch(monkeypatch, kv_split):
+    """Local requests and the remote ones of two cold engines, prefill and decode,
+    interleaved; each cold's blocks live in its own pool (ids from num_local, then from
+    num_local + the first cold's blocks). With both pairs degraded the hot side attends the
+    remote decode rows itself, through the same groups."""
     monkeypatch.setenv("VLLM_CPU_ATTN_SPLIT_KV", kv_split)
     num_local = 20
-    is_remote = [False, True, True, False, True, False, True]
+    side = torch.tensor([-1, 0, 1, -1, 1, -1, 0])  # -1 local, else the cold's index
     query, local_kv, local_table = random_step(QUERY_LENS, SEQ_LENS, num_blocks=num_local,
                                                 seed=1)
-    _, remote_kv, remote_table = random_step(QUERY_LENS, SEQ_LENS, num_blocks=num_local,
-                                             seed=2, first_block_id=num_local)
-    table = torch.where(torch.tensor(is_remote)[:, None], remote_table, local_table)
+    _, first_kv, first_table = random_step(QUERY_LENS, SEQ_LENS, num_blocks=20, seed=2,
+                                           first_block_id=num_local)
+    _, second_kv, second_table = random_step(QUERY_LENS, SEQ_LENS, num_blocks=24, seed=3,
+                                             first_block_id=num_local + 20)
+    table = torch.where((side == 0)[:, None], first_table,
+                        torch.where((side == 1)[:, None], second_table, local_table))
     cm = common_metadata(QUERY_LENS, SEQ_LENS, table)
-    # The whole batch over one cache holding both pools, remote ids past the local ones.
-    whole = whole_batch_attention(query, torch.cat([local_kv, remote_kv]), cm)
+    # The whole batch over one cache holding every pool, each after the one before.
+    whole = whole_batch_attention(query, torch.cat([local_kv, first_kv, second_kv]), cm)
 
-    region = _Region(remote_kv)
-    runtime = HotWeaving(plan=None, sender=region, remote_kv=RegionKV(region))
-    runtime.degraded_reason = "a test: no cold side"
-    builder = woven_builder(3)
-    builder.weaver_hot, builder.weaver_num_local_blocks = runtime, num_local
+    pairs = HotPairs.of(degraded_cold("c0", first_kv), degraded_cold("c1", second_kv))
+    builder = woven_builder(5)  # the local group, then each cold's prefill and decode
+    builder.weaver_hot, builder.weaver_num_local_blocks = pairs, num_local
     md = builder.build(0, cm)
     assert isinstance(md, WovenMetadata)
     step = md.step
     assert step.local.seq_lens.tolist() == [1, 75, 33]
-    assert step.remote_prefill.seq_lens.tolist() == [40]  # request 2, its first chunk
-    assert step.remote_decode.seq_lens.tolist() == [90, 200, 64]
-    assert step.num_new_remote == 1 == runtime.stats.num_remote_sequences
-    assert int(step.remote_decode.block_table.max()) < num_local  # rebased to the pool
+    first, second = step.remotes
+    assert (first.cold, first.prefill, first.decode.seq_lens.tolist()) == (0, None, [90, 64])
+    assert second.cold == 1 and second.decode.seq_lens.tolist() == [200]
+    assert second.prefill.seq_lens.tolist() == [40]  # request 2, its first chunk
+    assert [cold.stats.num_remote_sequences for cold in pairs.colds] == [0, 1]
+    assert int(first.decode.block_table.max()) < 20  # rebased to its own pool
+    assert int(second.decode.block_table.max()) < 24
     impl = cpu_impl()
-    impl.weaver_hot, impl.weaver_layer_index = runtime, 0
+    impl.weaver_hot, impl.weaver_layer_index = pairs, 0
     out = torch.full_like(query, float("nan"))
     impl.forward(Layer(), query, None, None, local_kv, md, out)
-    assert runtime.stats.num_fallback_tasks == 1
+    assert [cold.stats.num_fallback_tasks for cold in pairs.colds] == [1, 1]
     assert_rows_equal(out, whole, kv_split)
+
+
+def test_new_kv_goes_to_the_pool_of_its_slot():
+    """Slots below the local count stay local; each cold's range, rebased, goes to its
+    pool (slot = block id x block size + offset, the ranges one after another)."""
+    pools = [torch.zeros(4, 1, BLOCK_SIZE, 2), torch.zeros(2, 1, BLOCK_SIZE, 2)]
+    pairs = HotPairs.of(degraded_cold("c0", pools[0]), degraded_cold("c1", pools[1]))
+    written: dict[str, list[int]] = {}
+
+    class Ops:
+        layer_index = 0
+        local_kv = torch.zeros(3, 1, BLOCK_SIZE, 2)
+
+        def write(self, kv_layer, key, value, slots):
+            name = {id(Ops.local_kv): "local", id(pools[0]): "c0", id(pools[1]): "c1"}
+            written[name[id(kv_layer)]] = slots.tolist()
+
+    local_slots = 3 * BLOCK_SIZE
+    slots = torch.tensor([5, local_slots + 1, local_slots + 4 * BLOCK_SIZE + 3, 0,
+                          local_slots + 4 * BLOCK_SIZE - 1])
+    key = torch.zeros(5, 1, 1)
+    pairs.write_kv(Ops(), key, key, slots, local_slots)
+    assert written == {"local": [5, 0], "c0": [1, 4 * BLOCK_SIZE - 1], "c1": [3]}
+    written.clear()
+    pairs.write_kv(Ops(), key[:2], key[:2], torch.tensor([7, 2]), local_slots)
+    assert written == {"local": [7, 2]}  # nothing remote: one write of the whole step
 
 
 def test_a_step_with_nothing_remote_is_vllms_own():
     query, _, table = random_step(QUERY_LENS, SEQ_LENS, num_blocks=20)
     builder = woven_builder(3)
-    builder.weaver_hot = HotWeaving(plan=None, sender=_Region(torch.empty(0)))
+    builder.weaver_hot = HotPairs.of(degraded_cold("c0", torch.empty(8)))
     builder.weaver_num_local_blocks = 20
     md = builder.build(0, common_metadata(QUERY_LENS, SEQ_LENS, table))
     assert type(md).__name__ == "CPUAttentionMetadata"

@@ -255,8 +255,9 @@ def group_seq_lens(md) -> dict | None:
     if not isinstance(md, WovenMetadata):
         return None
     step = md.step
-    groups = {"local": step.local, "remote_prefill": step.remote_prefill,
-              "remote_decode": step.remote_decode}
+    (remote,) = step.remotes  # one cold side
+    groups = {"local": step.local, "remote_prefill": remote.prefill,
+              "remote_decode": remote.decode}
     return {name: None if rows is None else rows.seq_lens.tolist()
             for name, rows in groups.items()}
 
@@ -266,13 +267,14 @@ def run_hot(plan, protocol) -> None:
     from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 
     from weaver.weaving.hot import HotWeaving
+    from weaver.weaving.hot_pairs import HotPairs
 
     backend, preloaded = woven_triton_backend()
     with tempfile.TemporaryDirectory() as model_dir:
         vllm_config = tiny_vllm_config(Path(model_dir))
     data = StepData(plan.num_remote_blocks)
     hot = HotWeaving.attach(plan)
-    woven, md, local_kv = run_woven(backend, hot, vllm_config, data)
+    woven, md, local_kv = run_woven(backend, HotPairs.of(hot), vllm_config, data)
     region_kv = hot.sender.kv_layer(0).clone()
     plain, whole_kv = run_unsplit(vllm_config, data, plan.num_remote_blocks)
     result = {

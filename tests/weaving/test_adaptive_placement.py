@@ -18,6 +18,7 @@ from weaver.weaving.placement import (
     Placement,
     RatioPlacement,
     StepTimeModel,
+    cold_order,
     placement_for,
 )
 
@@ -215,7 +216,7 @@ def test_the_schedulers_feed_times_steps_and_reads_the_pair_every_interval(monke
         reads.append(report["policy"])
         if len(reads) == 2:
             raise TimeoutError("the worker did not answer")
-        return {"cold_inflation": 1.3, "offload_wait_s": 0.002}
+        return [{"cold_inflation": 1.3, "offload_wait_s": 0.002}]  # one pair's
 
     feed.step_ended(4, 1, True, now=1.0)  # no step was started: nothing to observe
     assert placement.model.samples == deque()
@@ -253,3 +254,23 @@ def test_the_feed_logs_a_cut_of_the_remote_cap_but_not_its_growth(monkeypatch):
         feed.step_starts(now=step * PAIR_LOAD_INTERVAL_S)
         feed.step_ended(2, 3, True, now=step * PAIR_LOAD_INTERVAL_S + 0.010)
     assert placement.remote_cap > 3 and len(said) == 1
+
+
+def test_several_colds_the_best_ones_factor_drives_the_cap_and_one_over_budget_takes_none():
+    load = PairLoad.of_colds([{"cold_inflation": 1.25, "offload_wait_s": 0.004}, None,
+                              {"cold_inflation": 1.05, "offload_wait_s": 0.002}])
+    assert load.cold_inflation == 1.05 and load.offload_wait_s == pytest.approx(0.003)
+    assert load.cold_inflations == (1.25, None, 1.05)
+    placement = AdaptivePlacement(AdaptiveTargets(cold_budget=1.10))
+    placement.observe_step(0.05, 4, 2)
+    placement.observe_pair(load)
+    assert not placement.update(now=1.0) and placement.remote_cap is None  # one is within
+    assert [placement.cold_is_open(i) for i in range(3)] == [False, True, True]
+    assert PairLoad.of_colds([None]) == PairLoad(cold_inflations=(None,))
+
+
+def test_a_remote_sequence_goes_to_the_open_cold_with_most_free_blocks():
+    assert cold_order([3, 9, 9, 20], [True, True, True, False]) == [1, 2, 0]
+    assert cold_order([0, 4], [True, True]) == [1]  # a full cold is not tried
+    assert cold_order([5, 5], [False, False]) == []
+    assert RatioPlacement(0.5).cold_is_open(7)

@@ -14,7 +14,8 @@ import time
 import torch
 
 from weaver.offload.protocol import OffloadResult, OffloadTicket, TaskBatch, WaitStatus
-from weaver.weaving.hot import HotWeaving, RowGroup, StepRows
+from weaver.weaving.hot import HotWeaving, RemoteRows, RowGroup
+from weaver.weaving.hot_pairs import HotPairs, StepRows
 
 NUM_HEADS, HEAD_SIZE = 4, 8
 
@@ -61,20 +62,20 @@ class _HostAttention:
 
 
 class _Plan:
-    hot, cold, timeout_s = "h", "c", 1.0
+    hot, cold, timeout_s, num_remote_blocks = "h", "c", 1.0, 2
 
 
 def _decode_step() -> StepRows:
     rows = RowGroup(tokens=torch.tensor([0, 1]), query_start_loc=torch.tensor([0, 1, 2]),
                     seq_lens=torch.tensor([5, 9]), block_table=torch.tensor([[0], [1]]))
-    return StepRows(local=None, remote_prefill=None, remote_decode=rows, num_new_remote=0)
+    return StepRows(local=None, remotes=[RemoteRows(0, prefill=None, decode=rows)])
 
 
 def _attend(runtime: HotWeaving, layer: int, step: StepRows) -> torch.Tensor:
     query = torch.zeros(2, NUM_HEADS, HEAD_SIZE)
     output = torch.zeros_like(query)
-    return runtime.attend(None, layer, step, query, output, scale=1.0, sliding_window=-1,
-                          softcap=0.0)
+    return HotPairs.of(runtime).attend(None, layer, step, query, output, scale=1.0,
+                                       sliding_window=-1, softcap=0.0)
 
 
 def test_each_device_wait_gets_its_fallback_and_failures_degrade_the_pair_once_per_step():

@@ -22,7 +22,8 @@ from weaver.offload.protocol import OffloadTask
 from weaver.offload.receiver import OffloadReceiver
 from weaver.offload.sender import OffloadSender
 from weaver.offload.shm import ShmRegion
-from weaver.weaving.hot import RESUME_FIRST_S, HotWeaving, RowGroup, StepRows
+from weaver.weaving.hot import RESUME_FIRST_S, HotWeaving, RemoteRows, RowGroup
+from weaver.weaving.hot_pairs import HotPairs, StepRows
 
 SHAPE = HotAttentionShape(num_layers=2, num_q_heads=4, num_kv_heads=2, head_size=8,
                           block_size=4, dtype="float32")
@@ -37,6 +38,7 @@ class _Plan:
     pool: object = None
     region_name: str = ""
     timeout_s: float = 0.05
+    num_remote_blocks: int = LAYOUT.num_remote_blocks
 
 
 @pytest.fixture
@@ -87,7 +89,7 @@ def test_a_pair_in_a_unified_pool_cannot_take_over(name):
 def _one_decode_step() -> StepRows:
     rows = RowGroup(tokens=torch.tensor([0]), query_start_loc=torch.tensor([0, 1]),
                     seq_lens=torch.tensor([3]), block_table=torch.tensor([[0]]))
-    return StepRows(local=None, remote_prefill=None, remote_decode=rows, num_new_remote=0)
+    return StepRows(local=None, remotes=[RemoteRows(0, prefill=None, decode=rows)])
 
 
 class _HereAttention:
@@ -99,8 +101,9 @@ class _HereAttention:
 
 def _attend(runtime: HotWeaving) -> torch.Tensor:
     query = torch.zeros(1, SHAPE.num_q_heads, SHAPE.head_size)
-    return runtime.attend(None, 0, _one_decode_step(), query, torch.zeros_like(query),
-                          scale=1.0, sliding_window=-1, softcap=0.0)
+    return HotPairs.of(runtime).attend(None, 0, _one_decode_step(), query,
+                                       torch.zeros_like(query), scale=1.0, sliding_window=-1,
+                                       softcap=0.0)
 
 
 def test_a_pair_degraded_by_a_late_task_resumes_once_its_cold_side_answers(name):

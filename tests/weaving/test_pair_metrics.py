@@ -111,3 +111,17 @@ def test_registering_reads_no_file_and_makes_no_directory(tmp_path):
     text = scrape(files, "hot")
     assert not files.root.exists()  # the first publisher makes it
     assert 'weaver_pair_connected{pair="p1"} 0.0' in text
+
+
+def test_a_hot_model_over_two_colds_exports_one_sample_per_model_and_one_per_pair(files):
+    registry = CollectorRegistry()
+    registry.register(PairStatsCollector(files, "hot", ("p1", "p2")))
+    for pair, cold, tasks in (("p1", "c1", 4), ("p2", "c2", 6)):
+        files.publish(pair, "hot.stats", {"hot": "h", "cold": cold, "remote_sequences": 2,
+                                          "offloaded_tasks": tasks, "fallback_tasks": 1})
+    text = generate_latest(registry).decode()
+    assert text.count("weaver_offload_fallbacks_total{") == 1
+    assert 'weaver_offload_fallbacks_total{model="h"} 2.0' in text
+    assert 'weaver_offload_sequences_total{model="h"} 4.0' in text
+    assert 'weaver_offload_tasks_total{cold="c1",hot="h"} 4.0' in text
+    assert 'weaver_offload_tasks_total{cold="c2",hot="h"} 6.0' in text

@@ -6,7 +6,13 @@ import pytest
 
 from weaver.config.deployment import parse_deployment
 from weaver.weaving.placement import Placement, RatioPlacement
-from weaver.weaving.plan import PairPlan, lend_kv_gib_for, plan_pairs, region_bytes_of
+from weaver.weaving.plan import (
+    PairPlan,
+    lend_kv_gib_for,
+    plan_pairs,
+    region_bytes_of,
+    remote_block_offsets,
+)
 
 
 def placements(ratio: float, n: int) -> str:
@@ -90,10 +96,26 @@ def test_plan_refuses_a_region_smaller_than_one_sequence(tmp_path):
         plan_pairs(deployment(0.01), dirs, "pfx")
 
 
-def test_plan_says_one_cold_per_hot_for_now(tmp_path):
+def test_a_hot_model_over_two_colds_gets_a_plan_each_with_its_remote_range(tmp_path):
     dirs = {"h": write_model(tmp_path, "h", 30, 9, 3, 576)}
-    with pytest.raises(ValueError, match="one cold model per hot model"):
-        plan_pairs(deployment(0.25, ["c", "d"]), dirs, "pfx")
+    plans = plan_pairs(deployment(0.25, ["d", "c"]), dirs, "pfx")
+    assert [(p.hot, p.cold, p.num_remote_blocks) for p in plans] == [("h", "d", 182),
+                                                                     ("h", "c", 182)]
+    assert remote_block_offsets(plans) == [0, 182]  # d's ids first, then c's
+    with pytest.raises(ValueError, match="lists a cold model twice"):
+        deployment(0.25, ["c", "c"])
+
+
+def test_a_hot_model_over_several_colds_cannot_lease_from_a_unified_pool(tmp_path):
+    data = deployment(0.25, ["c", "d"]).model_dump()
+    data["models"][2]["unified_kv"] = True
+    dirs = {"h": write_model(tmp_path, "h", 30, 9, 3, 576), "d": dirs_of_cold(tmp_path)}
+    with pytest.raises(ValueError, match="unified_kv: false on it or weave into it alone"):
+        plan_pairs(parse_deployment(data), dirs, "pfx")
+
+
+def dirs_of_cold(tmp_path):
+    return write_model(tmp_path, "cold", 3, 6, 1, 384)
 
 
 def unified_deployment(hot_block_size: int, hot_dtype: str = "float32"):

@@ -1,17 +1,19 @@
 """Weaving end to end on real vLLM engines, through the OpenAI endpoint.
 
-One server hosts six engines: `ref` (SmolLM2, dedicated: weaving off), `hot` (the same
+One server hosts nine engines: `ref` (SmolLM2, dedicated: weaving off), `hot` (the same
 model weaving into `cold` with `offload_ratio: auto`: local first, and remote once its
 local KV is full, while weaving pays: weaver/weaving/placement.py), `hot-all` (every
-sequence remote), `cold` (a random-weight Llama of another shape: 3 layers, 6 q / 1 kv
-heads, head 64, against SmolLM2's 30 layers, 9 q / 3 kv heads), and `mux-a`, `mux-b`
+sequence remote), `hot-two` (every sequence remote, each on one of two colds: `cold` or
+`cold2`, whichever has more free lent blocks), `cold` (a random-weight Llama of another
+shape: 3 layers, 6 q / 1 kv heads, head 64, against SmolLM2's 30 layers, 9 q / 3 kv
+heads), `cold2` (another shape again: 2 layers, 4 q / 2 kv heads, head 32), and `mux-a`, `mux-b`
 (SmolLM2 twice, colocated in a spatial-temporal mux group, taking turns step by step:
 weaver/mux/, their KV in one pool the gateway hosts, quotas moved by ADBS:
 weaver/server/mux_pool.py). The SmolLM2 engines have the same capped local KV (16 usable
 blocks of 32 tokens; `mux-b` brings 48 to the pool, so `mux-a` can borrow up to 32 more)
 and a small prefill chunk (64 tokens), so long prompts span several chunks and the batch
-is KV-bound. Tests run in file order; the last ones kill the cold engine and stop the
-server. Engine restarts are off here, so a killed cold engine stays down and its pairs
+is KV-bound. Tests run in file order; the last ones kill `cold2`, then `cold`, and stop
+the server. Engine restarts are off here, so a killed cold engine stays down and its pairs
 stay degraded; restarts and re-attachment are pinned in tests/server/test_serve_e2e.py.
 """
 
@@ -30,7 +32,7 @@ from weaving_client import complete_all, make_prompts, metric, openai_client
 from weaver.bench.server_process import weaver_server
 from weaver.mux.table import table_path
 
-pytestmark = pytest.mark.engine(seconds=440)
+pytestmark = pytest.mark.engine(seconds=540)
 
 NUM_PROMPTS = 32
 MUX_MODELS = ("mux-a", "mux-b")
@@ -52,6 +54,8 @@ models:
     role: hot{engine}
   - name: hot-all
     role: hot{engine}
+  - name: hot-two
+    role: hot{engine}
   - name: mux-a
     role: dedicated{engine}
   - name: mux-b
@@ -61,7 +65,13 @@ models:
     role: cold
     kv_cache_gib: 0.1
     max_model_len: 512
-    lend_kv_gib: 0.25
+    lend_kv_gib: 0.375
+  - name: cold2
+    model: {tiny2}
+    role: cold
+    kv_cache_gib: 0.1
+    max_model_len: 512
+    lend_kv_gib: 0.125
 serving:
   restart: {{enabled: false}}
 mux:
@@ -70,6 +80,7 @@ mux:
 weaving:
   - {{hot: hot, cold: [cold], offload_ratio: auto, hot_tpot_ms: 60000, timeout_s: 3.0}}
   - {{hot: hot-all, cold: [cold], offload_ratio: 1.0, timeout_s: 3.0}}
+  - {{hot: hot-two, cold: [cold, cold2], offload_ratio: 1.0, timeout_s: 3.0}}
 """
 
 
@@ -78,12 +89,13 @@ weaving:
 def server(tmp_path_factory, smollm2_dir):
     from weaver.models.registry import prepare_model
 
-    tiny = prepare_model("tiny-llama-b")
+    tiny, tiny2 = prepare_model("tiny-llama-b"), prepare_model("tiny-llama-a")
     root = tmp_path_factory.mktemp("weaving")
     config = root / "deployment.yaml"
     engine = SMOLLM2_ENGINE.format(smollm2=smollm2_dir, local_blocks=LOCAL_BLOCKS)
     mux_b_engine = SMOLLM2_ENGINE.format(smollm2=smollm2_dir, local_blocks=3 * LOCAL_BLOCKS - 2)
-    config.write_text(DEPLOYMENT.format(engine=engine, mux_b_engine=mux_b_engine, tiny=tiny))
+    config.write_text(DEPLOYMENT.format(engine=engine, mux_b_engine=mux_b_engine, tiny=tiny,
+                                        tiny2=tiny2))
     with weaver_server(config, root / "serve.log") as running:
         yield running
 
@@ -166,6 +178,44 @@ def test_health_reports_weaving_pairs(server):
     pairs = {(p["hot"], p["cold"]): p for p in server.health().json()["weaving"]}
     assert pairs[("hot", "cold")]["status"] == "ok"
     assert pairs[("hot-all", "cold")]["offload_ratio"] == 1.0
+
+
+def tasks_of(server, hot: str, cold: str) -> float:
+    return metric(server, f'weaver_offload_tasks_total{{cold="{cold}",hot="{hot}"}}')
+
+
+def test_a_hot_model_over_two_colds_is_token_exact_and_offloads_to_both(
+        server, client, reference):
+    outputs = complete_all(client, "hot-two", reference["prompts"])
+    assert outputs == reference["outputs"]
+    assert metric(server, 'weaver_offload_sequences_total{model="hot-two"}') >= NUM_PROMPTS
+    assert tasks_of(server, "hot-two", "cold") > 0 and tasks_of(server, "hot-two", "cold2") > 0
+    assert metric(server, 'weaver_offload_fallbacks_total{model="hot-two"}') == 0
+    pairs = {(p["hot"], p["cold"]): p for p in server.health().json()["weaving"]}
+    assert pairs[("hot-two", "cold")]["status"] == pairs[("hot-two", "cold2")]["status"] == "ok"
+
+
+def test_killing_one_of_two_colds_falls_back_its_sequences_only(server, client, reference):
+    """cold2 SIGKILLed mid-run: its running sequences are attended on the hot side from
+    their remote KV, new ones go to cold, which keeps serving tasks; nothing is lost."""
+    cold2_pids = server.health().json()["models"]["cold2"]["engine_pids"]
+    on_cold2 = tasks_of(server, "hot-two", "cold2")
+    with cf.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(complete_all, client, "hot-two", reference["prompts"])
+        deadline = time.monotonic() + 120
+        while tasks_of(server, "hot-two", "cold2") < on_cold2 + 600:
+            assert time.monotonic() < deadline and not pending.done()
+            time.sleep(0.2)
+        on_cold_at_kill = tasks_of(server, "hot-two", "cold")
+        for pid in cold2_pids:
+            psutil.Process(pid).kill()
+        outputs = pending.result(timeout=600)
+    assert outputs == reference["outputs"]
+    assert metric(server, 'weaver_offload_fallbacks_total{model="hot-two"}') > 0
+    assert tasks_of(server, "hot-two", "cold") > on_cold_at_kill  # counted after the kill
+    pairs = {(p["hot"], p["cold"]): p for p in server.health().json()["weaving"]}
+    assert pairs[("hot-two", "cold2")]["status"] == "degraded"
+    assert pairs[("hot-two", "cold")]["status"] == "ok"
 
 
 def test_killing_the_cold_engine_mid_run_loses_no_request(server, client, reference):

@@ -416,6 +416,8 @@ class Deployment(BaseModel):
 
     @staticmethod
     def _check_pair(pair: WeavingSpec, by_name: dict[str, ModelSpec]) -> None:
+        if len(set(pair.cold)) != len(pair.cold):
+            raise ValueError(f"weaving {pair.hot!r} lists a cold model twice: {pair.cold}")
         for name, role in [(pair.hot, Role.HOT)] + [(c, Role.COLD) for c in pair.cold]:
             spec = by_name.get(name)
             if spec is None:

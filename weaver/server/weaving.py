@@ -154,10 +154,12 @@ class Weaving(ServeFeature):
 
     def engine_section(self, model: str) -> dict[str, Any]:
         section: dict[str, Any] = {}
-        for name, plan in zip(self.names, self.plans, strict=True):
-            if plan.hot == model:
-                section.update(hot_section(plan))
-                section.update(link_section_for(LinkSection("hot", (name,), str(self.files.root))))
+        hot = [(name, plan) for name, plan in zip(self.names, self.plans, strict=True)
+               if plan.hot == model]
+        if hot:  # one plan per cold engine it weaves into, in the order of its entry
+            section.update(hot_section([plan for _, plan in hot]))
+            section.update(link_section_for(LinkSection(
+                "hot", tuple(name for name, _ in hot), str(self.files.root))))
         mine = [name for name, plan in zip(self.names, self.plans, strict=True)
                 if plan.cold == model]
         if mine:

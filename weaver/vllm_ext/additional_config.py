@@ -28,7 +28,7 @@ class LinkSection:
     (weaver/weaving/pair_link.py), whichever launcher started it: the plugin writes it from
     the user's block, `weaver serve` from its plan."""
 
-    role: str  # "hot" (one pair) or "cold" (every pair it serves)
+    role: str  # "hot" or "cold": every pair the engine is in (a hot one's in plan order)
     pairs: tuple[str, ...]
     root: str  # the pairs' directory (weaver/weaving/rendezvous.py)
     lend_bytes: int = 0  # cold: the KV it lends, all pairs together
@@ -49,11 +49,11 @@ def link_of(additional_config: Any) -> LinkSection | None:
     return LinkSection.from_dict(data) if data else None
 
 
-def hot_plan(vllm_config: Any) -> PairPlan | None:
-    """The weaving plan of a hot engine, or None for any other engine."""
+def hot_plans(vllm_config: Any) -> list[PairPlan]:
+    """The weaving plans of a hot engine, one per cold engine it weaves into (in the order
+    its remote block ranges follow one another); [] for any other engine."""
     section = (getattr(vllm_config, "additional_config", None) or {}).get(KEY) or {}
-    data = section.get("hot")
-    return PairPlan.from_dict(data) if data else None
+    return [PairPlan.from_dict(data) for data in section.get("hot") or ()]
 
 
 def split_section(vllm_config: Any) -> dict:
@@ -87,9 +87,12 @@ def phase_split_of(additional_config: dict) -> tuple[str, str] | None:
 
 # Each feature of `weaver serve` writes its own keys of the block (weaver/server/features.py);
 # these build them, so that the format the engine reads is written in one place.
-def hot_section(plan: PairPlan) -> dict[str, Any]:
-    """A hot engine's weaving plan (read back by `hot_plan`)."""
-    return {"hot": plan.to_dict()}
+def hot_section(plans: list[PairPlan]) -> dict[str, Any]:
+    """A hot engine's weaving plans, one per cold engine (read back by `hot_plans`)."""
+    if len({plan.cold for plan in plans}) != len(plans) or len({p.hot for p in plans}) > 1:
+        raise ValueError(f"a hot engine's plans name one hot model and each cold once: "
+                         f"{[(p.hot, p.cold) for p in plans]}")
+    return {"hot": [plan.to_dict() for plan in plans]}
 
 
 def link_section_for(link: LinkSection) -> dict[str, Any]:

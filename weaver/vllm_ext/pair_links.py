@@ -4,9 +4,9 @@ Its `link` section (weaver/vllm_ext/additional_config.py: written by `weaver ser
 or, under plain `vllm serve`, by the plugin from the user's block) says which side it is:
 - a cold engine's worker starts serving regions (`weaver_join_pairs`: a ColdLink thread
   makes one for each hot engine that publishes a plan, weaver/weaving/pair_link.py);
-- a hot engine's scheduler gets a HotLink, ticked before each step, which attaches the cold
-  side's region through the worker (`weaver_attach_hot`, vLLM's collective_rpc) and
-  publishes the pair's counters.
+- a hot engine's scheduler gets a HotLink per pair (one per cold engine it weaves into),
+  ticked before each step, which attaches that cold side's region through the worker
+  (`weaver_attach_hot`, vLLM's collective_rpc) and publishes the pair's counters.
 Reached from the plugin's EngineCore hook (weaver/vllm_ext/plugin.py).
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from weaver.vllm_ext.additional_config import hot_plan, link_of
+from weaver.vllm_ext.additional_config import hot_plans, link_of
 
 
 def on_engine_core_ready(engine_core: Any) -> None:
@@ -30,12 +30,18 @@ def on_engine_core_ready(engine_core: Any) -> None:
     from weaver.weaving.pair_link import HotLink
     from weaver.weaving.rendezvous import PairFiles
 
-    plan = hot_plan(vllm_config)
-    if plan is None:
-        raise ValueError("a hot engine's link section needs its plan (additional_config "
-                         "weaver.hot)")
-    (pair,) = link.pairs
-    engine_core.scheduler.weaver_hot.link = HotLink(
-        PairFiles(Path(link.root)), pair, plan,
-        attach=lambda plan_data, handle: rpc("weaver_attach_hot", args=(plan_data, handle)),
-        read_stats=lambda: rpc("weaver_stats")[0])
+    plans = hot_plans(vllm_config)
+    if len(plans) != len(link.pairs):
+        raise ValueError(f"a hot engine's link section names pairs {list(link.pairs)} but it "
+                         f"has {len(plans)} plan(s) (additional_config weaver.hot): one each")
+    files = PairFiles(Path(link.root))
+    engine_core.scheduler.weaver_hot.links = [
+        HotLink(files, pair, plan,
+                attach=lambda plan_data, handle: rpc("weaver_attach_hot",
+                                                     args=(plan_data, handle)),
+                read_stats=_stats_reader(rpc, plan.cold))
+        for pair, plan in zip(link.pairs, plans, strict=True)]
+
+
+def _stats_reader(rpc: Any, cold: str) -> Any:
+    return lambda: rpc("weaver_stats", args=(cold,))[0]

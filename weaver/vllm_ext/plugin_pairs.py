@@ -30,6 +30,7 @@ from weaver.vllm_ext.additional_config import (
     SCHEDULER,
     WORKER_EXTENSION,
     LinkSection,
+    hot_section,
     link_section_for,
 )
 from weaver.weaving import rendezvous
@@ -83,6 +84,10 @@ def plugin_weaving(additional_config: Any) -> PluginWeaving | None:
         raise ValueError(f"--additional-config weaver (role {role}) has unknown field(s) "
                          f"{unknown}; a {role} engine takes {sorted(fields)}")
     raw_pairs = section.get("pair")
+    if role == "hot" and isinstance(raw_pairs, list):
+        raise ValueError("--additional-config weaver: a hot engine under vllm serve weaves "
+                         "into one cold engine, so its 'pair' is one name; to weave a hot "
+                         "model into several colds, serve them with weaver serve")
     pairs = tuple(raw_pairs) if isinstance(raw_pairs, list) and role == "cold" else (raw_pairs,)
     for pair in pairs:
         rendezvous.check_pair_name(pair)
@@ -160,7 +165,7 @@ def complete_engine_config(vllm_config: Any) -> None:
     vllm_config.additional_config[KEY].update(link_section_for(link))
     if weaving.role == "hot":
         plan = hot_plan_for(vllm_config, weaving, model)
-        vllm_config.additional_config[KEY]["hot"] = plan.to_dict()
+        vllm_config.additional_config[KEY].update(hot_section([plan]))
         logger.info("weaving pair %s: hot engine %r places %d remote blocks (ratio %s) "
                     "once its cold engine answers", weaving.pair, model,
                     plan.num_remote_blocks, plan.offload_ratio)

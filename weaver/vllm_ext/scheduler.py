@@ -2,15 +2,17 @@
 engine and the unified pool's allocator on a cold engine that keeps its KV there.
 
 Composed, not copied (docs/vllm-hooks.md, "Scheduler"), one collaborator per role:
-- a hot engine (its ``additional_config`` carries a weaving plan; ``HotRouting``): after
-  vLLM's ``Scheduler.__init__`` the KV-cache manager is wrapped by ``RoutingKVCacheManager``
-  (patches/routing_kv_cache_manager.py), which owns two ``KVCacheManager``s. The remote one
-  is built over ``num_local + num_remote`` blocks with ids ``1..num_local-1`` pinned, so it
-  hands out exactly ``[num_local, num_local + num_remote)``. Those ids travel unchanged to
-  the worker, whose attention recognises a remote request by its first block id, so no side
-  channel is needed. Admission sees both pools, which is where the hot model's larger
-  batches come from. When the remote blocks live in the cold device's unified pool they
-  are leased from its allocator a step at a time (``weaver.kv.lease``).
+- a hot engine (its ``additional_config`` carries its weaving plans, one per cold engine;
+  ``HotRouting``): after vLLM's ``Scheduler.__init__`` the KV-cache manager is wrapped by
+  ``RoutingKVCacheManager`` (patches/routing_kv_cache_manager.py), which owns the local
+  ``KVCacheManager`` and one remote one per cold engine. The `i`-th remote one is built over
+  ``first_i + num_remote_i`` blocks with ids ``1..first_i-1`` pinned, so it hands out
+  exactly ``[first_i, first_i + num_remote_i)`` (``first_i``: past the local ids and the
+  earlier colds' ranges, weaver/weaving/plan.py remote_block_offsets). Those ids travel
+  unchanged to the worker, whose attention tells a request's cold engine by its first
+  block id, so no side channel is needed. Admission sees every pool, which is where the hot
+  model's larger batches come from. When the remote blocks live in the cold device's
+  unified pool they are leased from its allocator a step at a time (``weaver.kv.lease``).
 - a pool engine (a cold engine with ``unified_kv``): its block pool allocates through the
   pool's allocator, which this process owns (``weaver.kv.owner.PoolOwner``).
 - an engine of a colocated group with ``unified_kv`` (``LeaseKeeper``): its block pool takes
@@ -36,15 +38,17 @@ from weaver.kv.lease import LeasedTenantAllocator
 from weaver.kv.owner import PoolClient, PoolOwner
 from weaver.kv.pool_plan import PoolPlan
 from weaver.patches import routing_kv_cache_manager
-from weaver.vllm_ext.additional_config import hot_plan, pool_section
+from weaver.vllm_ext.additional_config import hot_plans, pool_section
 from weaver.vllm_ext.block_pool import AllocatorBlockPool, open_pool_owner
 from weaver.weaving.placement import (
     AdaptivePlacement,
     Placement,
     RatioPlacement,
+    cold_order,
     placement_for,
 )
 from weaver.weaving.placement_feed import PlacementFeed
+from weaver.weaving.plan import remote_block_offsets
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -96,67 +100,90 @@ def connect_pair_load(engine_core: Any) -> None:
 
 class RoutingKVCacheManager:
     """Stands in for vLLM's `KVCacheManager`: per-request calls go to the pool that holds
-    the request; the pool-wide members are the local pool's (LOCAL_ATTRIBUTES/METHODS)."""
+    the request (the local one, or one cold engine's remote one); the pool-wide members
+    are the local pool's (LOCAL_ATTRIBUTES/METHODS)."""
 
-    def __init__(self, local: KVCacheManager, remote: KVCacheManager, num_local_blocks: int,
-                 placement: RatioPlacement | AdaptivePlacement,
-                 remote_available: Callable[[], bool] | None = None,
+    def __init__(self, local: KVCacheManager, remotes: list[KVCacheManager],
+                 num_local_blocks: int, placement: RatioPlacement | AdaptivePlacement,
+                 remote_available: Callable[[int], bool] | None = None,
                  running: Callable[[], list[Request]] | None = None) -> None:
         self.local = local
-        self.remote = remote
+        self.remotes = remotes
         self.num_local_blocks = num_local_blocks
         self.placement = placement
-        # False once the remote pool can give no more blocks (a unified pool whose owner,
-        # the cold engine, is gone): then every new placement is local, whatever the ratio,
-        # or a hot model that places everything remotely would wait forever.
+        # False for a cold whose remote pool can give no more blocks now (its side is not
+        # connected, or its unified pool's owner is gone): new placements skip it; with
+        # none left every new placement is local, whatever the ratio, or a hot model that
+        # places everything remotely would wait forever.
         self.remote_available = remote_available
         # The scheduler's running list (FCFS order), in which a request that cannot grow
         # lines up its preemption victim (_line_up_victim); None: vLLM's victim, unchanged.
         self.running = running
         self.num_victims_lined_up = 0
         self.placed: dict[str, Placement] = {}
+        self.cold_of: dict[str, int] = {}  # a remote request's cold engine (plan order)
         self.num_placed_remote = 0  # requests ever placed remotely (a Prometheus counter)
-        self._logged_remote_gone = False
+        self._said_gone: set[int] = set()  # colds logged as unavailable
         self.peak_running_remote = 0
 
     def _pool(self, request_id: str) -> KVCacheManager:
-        return self.remote if self.placed.get(request_id) is Placement.REMOTE else self.local
+        cold = self.cold_of.get(request_id)
+        return self.local if cold is None else self.remotes[cold]
+
+    def _pool_key(self, request_id: str) -> int:
+        """Which pool holds a placed request: -1 local, i the i-th cold's."""
+        return self.cold_of.get(request_id, -1)
 
     def allocate_slots(self, request: Request, num_new_tokens: int, *args, **kwargs):
-        placed = self.placed.get(request.request_id)
-        if placed is not None:
-            blocks = self._pool(request.request_id).allocate_slots(
+        request_id = request.request_id
+        if request_id in self.placed:
+            blocks = self._pool(request_id).allocate_slots(
                 request, num_new_tokens, *args, **kwargs)
             if blocks is None:
-                self._line_up_victim(request, placed)
+                self._line_up_victim(request, self._pool_key(request_id))
             return blocks
         # A new (or preempted and re-admitted) request: decide where its KV lives.
         num_remote = self.num_running_remote
         order = self.placement.order(len(self.placed) - num_remote, num_remote)
-        if not self._remote_is_available():
+        if not any(self._remote_is_available(cold) for cold in range(len(self.remotes))):
             order = [Placement.LOCAL]
         for choice in order:
-            pool = self.remote if choice is Placement.REMOTE else self.local
-            if choice is Placement.REMOTE and kwargs.get("new_computed_blocks") is not None:
-                # Prefix-cache hits are local blocks; a remote request starts from none.
-                kwargs = {**kwargs, "new_computed_blocks": None, "num_new_computed_tokens": 0}
-            blocks = pool.allocate_slots(request, num_new_tokens, *args, **kwargs)
-            if blocks is not None:
-                self.placed[request.request_id] = choice
-                if choice is Placement.REMOTE:
+            if choice is Placement.LOCAL:
+                blocks = self.local.allocate_slots(request, num_new_tokens, *args, **kwargs)
+                if blocks is not None:
+                    self.placed[request_id] = choice
+                    return blocks
+                continue
+            # Prefix-cache hits are local blocks; a remote request starts from none.
+            remote_kwargs = kwargs if kwargs.get("new_computed_blocks") is None else {
+                **kwargs, "new_computed_blocks": None, "num_new_computed_tokens": 0}
+            for cold in self.cold_order():
+                blocks = self.remotes[cold].allocate_slots(request, num_new_tokens, *args,
+                                                           **remote_kwargs)
+                if blocks is not None:
+                    self.placed[request_id] = choice
+                    self.cold_of[request_id] = cold
                     self.num_placed_remote += 1
                     self.peak_running_remote = max(self.peak_running_remote,
                                                    self.num_running_remote)
-                return blocks
+                    return blocks
         return None
 
-    def _line_up_victim(self, request: Request, pool: Placement) -> None:
+    def cold_order(self) -> list[int]:
+        """The colds a new remote request may go to, in the order to try them
+        (weaver/weaving/placement.py cold_order)."""
+        is_open = [self._remote_is_available(cold) and self.placement.cold_is_open(cold)
+                   for cold in range(len(self.remotes))]
+        free = [remote.block_pool.get_num_free_blocks() for remote in self.remotes]
+        return cold_order(free, is_open)
+
+    def _line_up_victim(self, request: Request, pool: int) -> None:
         """A running request cannot grow in its pool; vLLM then preempts the last running
         request, again and again until this one can grow or is preempted itself
-        (Scheduler.schedule, FCFS), whichever pool the victims are in. Freeing the other
+        (Scheduler.schedule, FCFS), whichever pool the victims are in. Freeing another
         pool's blocks cannot help it, so the last later request of its own pool is moved
         to the end for vLLM to take, or, when there is none, this request itself (vLLM
-        then stops there): no sequence of the other pool is preempted for nothing."""
+        then stops there): no sequence of another pool is preempted for nothing."""
         if self.running is None:
             return
         running = self.running()
@@ -165,39 +192,47 @@ class RoutingKVCacheManager:
         except ValueError:
             return  # not running (being admitted): vLLM preempts nothing for it
         victim = next((later for later in range(len(running) - 1, index - 1, -1)
-                       if self.placed.get(running[later].request_id) is pool), index)
+                       if running[later].request_id in self.placed
+                       and self._pool_key(running[later].request_id) == pool), index)
         if victim != len(running) - 1:
             running.append(running.pop(victim))
             self.num_victims_lined_up += 1
             if self.num_victims_lined_up % VICTIM_LOG_EVERY == 1:
                 logger.info("a %s request could not grow: its preemption victim was taken "
-                            "from its own pool (%d times so far)", pool.name.lower(),
-                            self.num_victims_lined_up)
+                            "from its own pool (%d times so far)",
+                            "local" if pool < 0 else "remote", self.num_victims_lined_up)
 
-    def _remote_is_available(self) -> bool:
-        if self.remote_available is None or self.remote_available():
-            self._logged_remote_gone = False
+    def _remote_is_available(self, cold: int) -> bool:
+        if self.remote_available is None or self.remote_available(cold):
+            self._said_gone.discard(cold)
             return True
-        if not self._logged_remote_gone:
-            self._logged_remote_gone = True
-            logger.warning("no remote KV blocks can be had now (the cold side is not "
-                           "connected, or its pool is gone): new and recomputed requests are "
-                           "placed locally until it is back")
+        if cold not in self._said_gone:
+            self._said_gone.add(cold)
+            logger.warning("no remote KV blocks can be had now on cold engine %d of this hot "
+                           "engine (its side is not connected, or its pool is gone): new and "
+                           "recomputed requests go elsewhere until it is back", cold)
         return False
 
     @property
     def num_running_remote(self) -> int:
-        return sum(1 for p in self.placed.values() if p is Placement.REMOTE)
+        return len(self.cold_of)
+
+    def num_running_on(self, cold: int) -> int:
+        return sum(1 for index in self.cold_of.values() if index == cold)
 
     # --- per request: the pool that holds it ------------------------------------------
     def free(self, request: Request) -> None:
         self._pool(request.request_id).free(request)
-        self.placed.pop(request.request_id, None)
+        self._forget(request.request_id)
 
     def pop_blocks_for_free(self, request: Request):
         blocks = self._pool(request.request_id).pop_blocks_for_free(request)
-        self.placed.pop(request.request_id, None)
+        self._forget(request.request_id)
         return blocks
+
+    def _forget(self, request_id: str) -> None:
+        self.placed.pop(request_id, None)
+        self.cold_of.pop(request_id, None)
 
     def get_computed_blocks(self, request: Request):
         return self._pool(request.request_id).get_computed_blocks(request)
@@ -233,18 +268,22 @@ class RoutingKVCacheManager:
     def get_num_common_prefix_blocks(self, running_request_id: str):
         return self._pool(running_request_id).get_num_common_prefix_blocks(running_request_id)
 
-    # --- every step: both pools ---------------------------------------------------------
+    # --- every step: every pool ---------------------------------------------------------
     def new_step_starts(self) -> None:
-        self.local.new_step_starts()
-        self.remote.new_step_starts()
+        for pool in (self.local, *self.remotes):
+            pool.new_step_starts()
 
     def take_new_block_ids(self) -> list[int]:
-        return self.local.take_new_block_ids() + self.remote.take_new_block_ids()
+        return [block for pool in (self.local, *self.remotes)
+                for block in pool.take_new_block_ids()]
 
     def take_kv_cache_block_copies(self):
-        local_copies, local_retained = self.local.take_kv_cache_block_copies()
-        remote_copies, remote_retained = self.remote.take_kv_cache_block_copies()
-        return local_copies + remote_copies, local_retained + remote_retained
+        copies, retained = [], []
+        for pool in (self.local, *self.remotes):
+            pool_copies, pool_retained = pool.take_kv_cache_block_copies()
+            copies += pool_copies
+            retained += pool_retained
+        return copies, retained
 
 
 for _name in LOCAL_ATTRIBUTES:
@@ -256,7 +295,7 @@ for _name in LOCAL_METHODS:
 class WeaverScheduler(Scheduler):
     """vLLM's scheduler, with at most one collaborator per role the engine has (each None
     otherwise, and then exactly vLLM's scheduler):
-    - `weaver_hot` (a weaving hot engine): its remote pool, placement and pair link;
+    - `weaver_hot` (a weaving hot engine): its remote pools, placement and pair links;
     - `weaver_pool` (a cold engine with unified_kv): the owner of the pool its KV lives in;
     - `weaver_lease` (an engine of a colocated group with unified_kv): every block leased
       from the pool the gateway hosts."""
@@ -273,9 +312,9 @@ class WeaverScheduler(Scheduler):
                 self.weaver_pool = open_pool_owner(*pool, self.kv_cache_manager.block_pool)
             else:
                 self.weaver_lease = LeaseKeeper.for_colocated(self, *pool)
-        plan = hot_plan(self.vllm_config)
-        if plan is not None:
-            self.weaver_hot = HotRouting(self, plan)
+        plans = hot_plans(self.vllm_config)
+        if plans:
+            self.weaver_hot = HotRouting(self, plans)
 
     def _pool_lock(self) -> Any:
         """The pool owner's lock around everything that touches vLLM's block pool (the ADBS
@@ -322,65 +361,82 @@ class WeaverScheduler(Scheduler):
 
 
 class HotRouting:
-    """A weaving hot engine's part of its scheduler: the remote pool beside the local one
-    (the RoutingKVCacheManager it installs), the placement policy and, under `auto`, its
-    feed; the pair's HotLink, ticked before each step; and, when the remote blocks live in
-    the cold device's unified pool, the lease on them."""
+    """A weaving hot engine's part of its scheduler: a remote pool per cold engine beside
+    the local one (the RoutingKVCacheManager it installs), the placement policy and, under
+    `auto`, its feed; each pair's HotLink, ticked before each step; and, when the remote
+    blocks live in the cold device's unified pool, the lease on them."""
 
-    def __init__(self, scheduler: WeaverScheduler, plan: PairPlan) -> None:
+    def __init__(self, scheduler: WeaverScheduler, plans: list[PairPlan]) -> None:
         local = scheduler.kv_cache_manager
         num_local = local.block_pool.num_gpu_blocks
-        remote_config = copy.deepcopy(scheduler.kv_cache_config)
-        remote_config.num_blocks = num_local + plan.num_remote_blocks
-        remote = KVCacheManager(
-            kv_cache_config=remote_config,
-            max_model_len=scheduler.max_model_len,
-            max_in_flight_tokens=scheduler.vllm_config.max_in_flight_tokens,
-            enable_caching=False,
-            scheduler_block_size=scheduler.block_size,
-            hash_block_size=scheduler.hash_block_size,
-        )
-        # Block 0 is the pool's null block; pin 1..num_local-1 so that the remote pool
-        # hands out only ids above the local range.
-        remote.block_pool.get_new_blocks(num_local - 1)
+        self.plans = plans
+        remotes = [self._remote_pool(scheduler, num_local + offset, plan.num_remote_blocks)
+                   for plan, offset in zip(plans, remote_block_offsets(plans), strict=True)]
         self.lease: LeaseKeeper | None = None
-        if plan.pool is not None:
+        pooled = [plan for plan in plans if plan.pool is not None]
+        if pooled:
+            plan = pooled[0]
+            if len(plans) > 1:  # weaver/weaving/plan.py plan_pairs refuses it first
+                raise ValueError(f"weaving {plan.hot}: remote KV leased from a unified pool "
+                                 "is for a hot engine with one cold engine")
             # The remote blocks are the hot tenant's blocks of the cold device's unified
             # pool: leased from its allocator (in the cold engine), synced every step.
             lease = LeasedTenantAllocator(
                 PoolClient(plan.pool), plan.hot, plan.pool.max_blocks(plan.hot),
                 # before_schedule sets the target every step; this is the first one's.
                 lease_blocks=plan.max_blocks_per_seq)
-            AllocatorBlockPool.adopt(remote.block_pool, lease, plan.hot, num_local)
+            AllocatorBlockPool.adopt(remotes[0].block_pool, lease, plan.hot, num_local)
             self.lease = LeaseKeeper(lease, is_local=False)
-        # The pair's HotLink (weaver/weaving/pair_link.py), set once the EngineCore is up
-        # (weaver/vllm_ext/pair_links.py).
-        self.link: Any = None
-        self.placement = placement_for(plan.offload_ratio, plan.adaptive_targets())
-        # offload_ratio auto: each step's time and batch, and the pair's load, for the policy
-        self.feed = (PlacementFeed(self.placement, plan.hot)
+        # Each pair's HotLink (weaver/weaving/pair_link.py), in plan order, set once the
+        # EngineCore is up (weaver/vllm_ext/pair_links.py).
+        self.links: list[Any] = []
+        # One policy for the hot engine (a deployment's weaving entry holds its settings
+        # for every cold it names).
+        first = plans[0]
+        self.placement = placement_for(first.offload_ratio, first.adaptive_targets())
+        # offload_ratio auto: each step's time and batch, and the pairs' load, for the policy
+        self.feed = (PlacementFeed(self.placement, first.hot)
                      if isinstance(self.placement, AdaptivePlacement) else None)
         # vLLM's FCFS preemption takes running[-1] (tests/vllm_ext/test_drift.py pins it);
         # under the priority policy the victim is chosen otherwise and is left alone.
         fcfs = scheduler.policy == SchedulingPolicy.FCFS
         routing_kv_cache_manager.install(scheduler, RoutingKVCacheManager(
-            local, remote, num_local, self.placement, remote_available=self.remote_available,
+            local, remotes, num_local, self.placement, remote_available=self.remote_available,
             running=(lambda: scheduler.running) if fcfs else None))
-        logger.info(
-            "weaving %s -> %s: %d local + %d remote KV blocks, offload ratio %s",
-            plan.hot, plan.cold, num_local, plan.num_remote_blocks, plan.offload_ratio,
-        )
+        for plan in plans:
+            logger.info("weaving %s -> %s: %d local + %d remote KV blocks, offload ratio %s",
+                        plan.hot, plan.cold, num_local, plan.num_remote_blocks,
+                        plan.offload_ratio)
 
-    def remote_available(self) -> bool:
-        """Sequences go remote only while the cold side's region is attached (the pair's
+    @staticmethod
+    def _remote_pool(scheduler: WeaverScheduler, first_id: int,
+                     num_blocks: int) -> KVCacheManager:
+        """A KVCacheManager that hands out exactly the ids [first_id, first_id + num_blocks)."""
+        config = copy.deepcopy(scheduler.kv_cache_config)
+        config.num_blocks = first_id + num_blocks
+        remote = KVCacheManager(
+            kv_cache_config=config,
+            max_model_len=scheduler.max_model_len,
+            max_in_flight_tokens=scheduler.vllm_config.max_in_flight_tokens,
+            enable_caching=False,
+            scheduler_block_size=scheduler.block_size,
+            hash_block_size=scheduler.hash_block_size,
+        )
+        # Block 0 is the pool's null block; pin 1..first_id-1 so that it hands out only
+        # ids above the local range and the earlier colds' ranges.
+        remote.block_pool.get_new_blocks(first_id - 1)
+        return remote
+
+    def remote_available(self, cold: int) -> bool:
+        """Sequences go to a cold engine only while its region is attached (its pair's
         HotLink) and, leased from a unified pool, while its owner is there."""
-        if self.link is None or not self.link.connected:
+        if cold >= len(self.links) or not self.links[cold].connected:
             return False
         return self.lease is None or self.lease.lease.broken_reason is None
 
     def before_schedule(self, scheduler: WeaverScheduler) -> None:
-        if self.link is not None:
-            self.link.tick()
+        for link in self.links:
+            link.tick()
         if self.feed is not None:
             self.feed.step_starts()
         if self.lease is not None:
@@ -402,8 +458,8 @@ class HotRouting:
         self.feed.step_ended(*ran)
 
     def close(self) -> None:
-        if self.link is not None:
-            self.link.close()
+        for link in self.links:
+            link.close()
         if self.lease is not None:
             self.lease.close()
 

@@ -51,16 +51,16 @@ class WeaverWorkerExtension:
     def weaver_attach_hot(self, plan_data: dict, cuda_handle_hex: str | None = None) -> dict:
         return self._weaver_hot.attach(plan_data, cuda_handle_hex)
 
-    def weaver_pair_load(self, placement_report: dict) -> dict | None:
-        """The hot scheduler's adaptive placement asks how its pair is doing (cold TPOT
-        growth, offload wait) and leaves its own state for weaver_stats; None before the
-        region is attached."""
+    def weaver_pair_load(self, placement_report: dict) -> list[dict | None] | None:
+        """The hot scheduler's adaptive placement asks how its pairs are doing (each cold
+        model's TPOT growth, the offload wait) and leaves its own state for weaver_stats;
+        None before any region is attached."""
         return self._weaver_hot.pair_load(placement_report)
 
-    def weaver_stats(self) -> dict:
-        """A hot worker's counters since the last call, for its HotLink to publish (a cold
-        worker's ColdLink publishes its own)."""
-        return self._weaver_hot.stats() if self._weaver_hot_side is not None else {}
+    def weaver_stats(self, cold: str) -> dict:
+        """A hot worker's counters of its pair with `cold` since the last call, for that
+        pair's HotLink to publish (a cold worker's ColdLink publishes its own)."""
+        return self._weaver_hot.stats(cold) if self._weaver_hot_side is not None else {}
 
     # --- cold side ----------------------------------------------------------------
     def weaver_join_pairs(self, link_data: dict) -> dict:

@@ -1,9 +1,10 @@
 """A hot worker's side of weaving (weaver/vllm_ext/worker.py is the facade vLLM calls).
 
-It attaches the region its cold engine made (weaver.weaving.hot.HotWeaving) and hands it
-to the worker's attention impls and metadata builders (weaver/vllm_ext/attention/
-backend.py); it answers its scheduler's adaptive placement with the pair's load and its
-HotLink with the counters.
+It attaches the region each of its cold engines made (weaver.weaving.hot.HotWeaving, one
+per pair, held by a weaver.weaving.hot_pairs.HotPairs) and hands the pairs to the worker's
+attention impls and metadata builders (weaver/vllm_ext/attention/backend.py); it answers
+its scheduler's adaptive placement with the pairs' load and each pair's HotLink with its
+counters.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from weaver.vllm_ext.additional_config import hot_plans
 from weaver.vllm_ext.layers import attention_layers
 from weaver.weaving.hot import HotWeaving
+from weaver.weaving.hot_pairs import HotPairs
 from weaver.weaving.plan import PairPlan
 
 logger = logging.getLogger(__name__)
@@ -26,7 +29,7 @@ def _metadata_builders(runner: Any) -> list[Any]:
 class HotSide:
     def __init__(self, worker: Any) -> None:
         self.worker = worker
-        self.runtime: HotWeaving | None = None
+        self.pairs: HotPairs | None = None
         self.placement_report: dict | None = None  # the hot scheduler's adaptive placement
 
     def attach(self, plan_data: dict, cuda_handle_hex: str | None = None) -> dict:
@@ -35,6 +38,10 @@ class HotSide:
         from weaver.vllm_ext.attention.backend import WovenAttentionImpl, WovenMetadataBuilder
 
         plan = PairPlan.from_dict(plan_data)
+        if self.pairs is None:
+            self.pairs = HotPairs(hot_plans(self.worker.vllm_config))
+        pairs = self.pairs
+        index = pairs.index_of(plan.cold)
         remote_kv = None
         if plan.pool is not None:  # the region exists, so the cold side's pool does too
             from weaver.vllm_ext.attention.pool import RemotePoolKV
@@ -42,7 +49,7 @@ class HotSide:
             remote_kv = RemotePoolKV(plan)
         runtime = HotWeaving.attach(
             plan, remote_kv, bytes.fromhex(cuda_handle_hex) if cuda_handle_hex else None)
-        previous = self.runtime
+        previous = pairs.colds[index]
         if previous is not None:  # the cold engine restarted and created a new region
             try:
                 runtime.take_over_from(previous)
@@ -63,32 +70,45 @@ class HotSide:
         for name, layer in layers.items():
             layer.impl.weaver_layer_index = extract_layer_index(name)
             layer.impl.weaver_num_local_slots = num_local_blocks * runner.cache_config.block_size
-            layer.impl.weaver_hot = runtime
+            layer.impl.weaver_hot = pairs
         for builder in builders:
             builder.weaver_num_local_blocks = num_local_blocks
-            builder.weaver_hot = runtime
-        self.runtime = runtime
-        logger.info("hot worker attached region %s to %d attention layers (spin %.0f us)",
-                    plan.region_name, len(layers), runtime.sender.policy.spin_s * 1e6)
+            builder.weaver_hot = pairs
+        pairs.colds[index] = runtime
+        logger.info("hot worker attached region %s of cold %r to %d attention layers (spin "
+                    "%.0f us)", plan.region_name, plan.cold, len(layers),
+                    runtime.sender.policy.spin_s * 1e6)
         return {"region": plan.region_name, "num_layers": len(layers)}
 
-    def pair_load(self, placement_report: dict) -> dict | None:
+    def pair_load(self, placement_report: dict) -> list[dict | None] | None:
+        """Each pair's load in plan order (None where its region is not attached); None
+        before any is."""
         self.placement_report = placement_report
-        return None if self.runtime is None else self.runtime.pair_load()
+        if self.pairs is None or not self.pairs.attached():
+            return None
+        return [None if runtime is None else runtime.pair_load()
+                for runtime in self.pairs.colds]
 
-    def stats(self) -> dict:
-        if self.runtime is None:
+    def stats(self, cold: str) -> dict:
+        """The counters of the pair with cold engine `cold` (drained), for its HotLink."""
+        if self.pairs is None:
             return {}
-        hot = self.runtime.drain_stats()
-        hot["remote_blocks_used"] = self._remote_blocks_in_use()
+        index = self.pairs.index_of(cold)
+        runtime = self.pairs.colds[index]
+        if runtime is None:
+            return {}
+        hot = runtime.drain_stats()
+        hot["remote_blocks_used"] = self._remote_blocks_in_use(index)
         hot["placement"] = self.placement_report
         return {"hot": hot}
 
-    def _remote_blocks_in_use(self) -> int:
-        """Remote blocks held by the requests now in the batch (ids >= the local count)."""
+    def _remote_blocks_in_use(self, index: int) -> int:
+        """Blocks of the `index`-th cold side's range held by the requests now in the batch."""
         runner = self.worker.model_runner
-        num_local_blocks = runner.kv_cache_config.num_blocks
+        start = self.pairs.remote_starts(runner.kv_cache_config.num_blocks)[index]
+        end = start + self.pairs.plans[index].num_remote_blocks
         table = runner.input_batch.block_table.block_tables[0]
         first_ids = table.block_table.np[:, 0]
         counts = table.num_blocks_per_row
-        return int(counts[(counts > 0) & (first_ids >= num_local_blocks)].sum())
+        here = (counts > 0) & (first_ids >= start) & (first_ids < end)
+        return int(counts[here].sum())

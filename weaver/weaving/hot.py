@@ -1,26 +1,26 @@
-"""The hot side of weaving: one decode step's attention split by where each sequence's KV
-lives (Weaver §3; docs/architecture.md, "The weaving path").
+"""The hot side of one weaving pair: what a hot worker does with one cold engine's region
+(Weaver §3; docs/architecture.md, "The weaving path"). weaving/hot_pairs.py splits each
+step among the hot worker's pairs and drives one ``HotWeaving`` per cold side.
 
-Per layer and step:
-- new K/V of remote sequences go to the remote pool (slots at or above the local cache's
-  ``num_local_slots`` belong to it: the region's KV section, or the cold device's unified
-  pool when the pair's plan has one), the rest to the engine's own cache;
-- remote *decode* rows are published to the cold side first; local rows and remote
-  *prefill* rows (which need the prompt's K/V just written to the remote pool, chunked
-  prefill included) run here meanwhile; then the cold side's output is merged back in
-  batch order;
+Per layer and step, for the rows whose KV lives on this cold side:
+- their new K/V go to its remote pool (the region's KV section, or the cold device's
+  unified pool when the pair's plan has one);
+- remote *decode* rows are published to the cold side first (``submit``); local rows and
+  remote *prefill* rows (which need the prompt's K/V just written to the remote pool,
+  chunked prefill included) run here meanwhile; then the cold side's output is merged
+  back in batch order (``finish_decode``);
 - if the cold side times out or is gone, the pair turns degraded and the remote rows are
   computed here from the remote pool: logged once, counted every time. A pair degraded
   while its cold side still lives (a task that timed out) is tried again after a back-off
   (RESUME_FIRST_S, doubling to RESUME_MAX_S) once that side has finished the late task,
-  and resumes: one slow task does not degrade it for good. On a host
-  transport the wait says so at once. On CUDA the wait is a kernel on the hot stream and
-  the fallback a kernel right after it that attends the rows only if the wait did not end
-  OK (no host synchronisation per layer); ``settle_step`` reads their count once per step
-  and turns the pair degraded from then on.
+  and resumes: one slow task does not degrade it for good. On a host transport the wait
+  says so at once. On CUDA the wait is a kernel on the hot stream and the fallback a
+  kernel right after it that attends the rows only if the wait did not end OK (no host
+  synchronisation per layer); ``settle_step`` reads their count once per step and turns
+  the pair degraded.
 
 No vLLM here: the attention backend (weaver/vllm_ext/attention/backend.py) splits the
-step's metadata into ``RowGroup``s and lends this runtime, per layer call, an
+step's metadata into ``RowGroup``s and lends the runtime, per layer call, an
 ``AttentionOps`` that attends a group of rows over a cache and writes K/V into one; where
 the remote blocks' K/V live is a ``RemoteKV`` (the region's KV section, ``RegionKV``, or
 the cold device's unified pool).
@@ -77,46 +77,14 @@ class RowGroup:
 
 
 @dataclass
-class StepRows:
-    """How one step's batch divides by where each sequence's KV lives. Every layer of the
-    step shares it (the backend builds it once per step)."""
+class RemoteRows:
+    """A step's requests whose KV lives on one cold engine (the `cold`-th of the hot
+    engine's pairs), by phase."""
 
-    local: RowGroup | None
-    remote_prefill: RowGroup | None
-    remote_decode: RowGroup | None
-    num_new_remote: int  # remote sequences starting their prefill in this step
-    decode_batch: TaskBatch | None = None  # remote_decode as the channel sends it, checked once
-
-
-@dataclass(frozen=True)
-class RequestSplit:
-    """Request indices of a step by placement and phase (each ascending)."""
-
-    local: torch.Tensor
-    remote_prefill: torch.Tensor
-    remote_decode: torch.Tensor
-    num_new_remote: int
-
-    @property
-    def has_remote(self) -> bool:
-        return bool(self.remote_prefill.numel() or self.remote_decode.numel())
-
-
-def classify_requests(first_block_ids: torch.Tensor, query_lens: torch.Tensor,
-                      seq_lens: torch.Tensor, num_local_blocks: int) -> RequestSplit:
-    """Classify a step's requests: a request is remote when its first block id is at or
-    above the local cache's block count (the hot scheduler hands remote requests ids past
-    the local range, so no side channel is needed), a decode when it has one query token,
-    new when its first prefill chunk is its whole context so far."""
-    is_remote = first_block_ids >= num_local_blocks
-    is_decode = query_lens == 1
-    is_new = seq_lens == query_lens
-    return RequestSplit(
-        local=torch.nonzero(~is_remote).flatten(),
-        remote_prefill=torch.nonzero(is_remote & ~is_decode).flatten(),
-        remote_decode=torch.nonzero(is_remote & is_decode).flatten(),
-        num_new_remote=int((is_remote & is_new).sum()),
-    )
+    cold: int
+    prefill: RowGroup | None
+    decode: RowGroup | None
+    decode_batch: TaskBatch | None = None  # decode as the channel sends it, checked once
 
 
 class AttentionOps(Protocol):
@@ -175,41 +143,11 @@ class HotWeavingStats:
     wait_seconds: list[float] = field(default_factory=list)  # drained by the metrics scrape
 
 
-@dataclass
-class _SlotSplit:
-    """Which new tokens' K/V go to the local cache and which to the remote pool (slot ids
-    rebased to it). Every layer of a step gets the same slot_mapping tensor, so this is
-    computed once per step."""
-
-    slot_mapping: torch.Tensor  # held: the cache key is this very tensor (and its version)
-    version: int
-    boundary: int
-    local_tokens: torch.Tensor | None
-    local_slots: torch.Tensor | None
-    remote_tokens: torch.Tensor | None
-    remote_slots: torch.Tensor | None
-
-    @classmethod
-    def of(cls, slot_mapping: torch.Tensor, boundary: int) -> _SlotSplit:
-        is_remote = slot_mapping >= boundary
-        remote = torch.nonzero(is_remote).flatten()
-        local = torch.nonzero(~is_remote).flatten()
-        return cls(slot_mapping, slot_mapping._version, boundary,
-                   local if local.numel() else None,
-                   slot_mapping[local] if local.numel() else None,
-                   remote if remote.numel() else None,
-                   slot_mapping[remote] - boundary if remote.numel() else None)
-
-    def is_for(self, slot_mapping: torch.Tensor, boundary: int) -> bool:
-        # The version counter moves with any in-place write to the tensor or the
-        # persistent buffer it views, so a reused buffer never matches a stale split.
-        return (self.slot_mapping is slot_mapping and self.version == slot_mapping._version
-                and self.boundary == boundary)
-
-
 class HotWeaving:
-    """One hot worker's weaving: the pair's plan, the sender of its region, where the
-    remote blocks' K/V live and the pair's health (degraded once the cold side failed)."""
+    """One pair of a hot worker's weaving (one cold side): the pair's plan, the sender of
+    its region, where the remote blocks' K/V live and the pair's health (degraded once the
+    cold side failed). A hot worker over several colds has one per cold, driven together
+    each step by its HotPairs (weaving/hot_pairs.py)."""
 
     def __init__(self, plan: PairPlan, sender: OffloadSender,
                  remote_kv: RemoteKV | None = None) -> None:
@@ -224,7 +162,6 @@ class HotWeaving:
         self._resume_delay_s = RESUME_FIRST_S
         self.clock = time.monotonic
         self.recent_wait = Ewma(WAIT_EWMA_ALPHA)  # the wait for a remote task, recently
-        self._slot_split: _SlotSplit | None = None
         self._lock = threading.Lock()
 
     @classmethod
@@ -267,53 +204,38 @@ class HotWeaving:
         logger.info("weaving %s -> %s resumed on the restarted cold side's region (remote "
                     "K/V carried over)", self.plan.hot, self.plan.cold)
 
-    # --- K/V --------------------------------------------------------------------------
-    def write_kv(self, ops: AttentionOps, key: torch.Tensor, value: torch.Tensor,
-                 slot_mapping: torch.Tensor, num_local_slots: int) -> None:
-        split = self._slot_split
-        if split is None or not split.is_for(slot_mapping, num_local_slots):
-            split = self._slot_split = _SlotSplit.of(slot_mapping, num_local_slots)
-        if split.remote_tokens is None:
-            ops.write(ops.local_kv, key, value, slot_mapping)
-            return
-        if split.local_tokens is not None:
-            ops.write(ops.local_kv, key[split.local_tokens], value[split.local_tokens],
-                      split.local_slots)
-        self.remote_kv.write(ops, key[split.remote_tokens], value[split.remote_tokens],
-                             split.remote_slots)
-
-    # --- attention ----------------------------------------------------------------------
-    def attend(self, ops: AttentionOps, layer_index: int, step: StepRows, query: torch.Tensor,
-               output: torch.Tensor, *, scale: float, sliding_window: int,
-               softcap: float) -> torch.Tensor:
-        """Attention of every row of the step: remote decode rows on the cold side while
-        the rest runs here."""
-        decode = step.remote_decode
-        ticket = None
-        if decode is not None and self.degraded_reason is None:
-            ticket = self._submit(layer_index, query, step, scale, sliding_window, softcap)
-        if step.local is not None:
-            ops.attend(ops.local_kv, step.local, query, output)
-        if step.remote_prefill is not None:
-            self.stats.num_remote_prefill_rows += step.remote_prefill.num_reqs
-            self.remote_kv.attend(ops, step.remote_prefill, query, output)
-        if decode is not None and (ticket is None or not self._collect(ticket, output, decode)):
-            self.stats.num_fallback_tasks += 1
-            self.remote_kv.attend(ops, decode, query, output)
-        return output
-
-    def _submit(self, layer_index: int, query: torch.Tensor, step: StepRows, scale: float,
-                sliding_window: int, softcap: float) -> OffloadTicket | None:
-        rows = step.remote_decode
+    # --- a step's rows on this cold side (weaving/hot_pairs.py drives them) -------------
+    def submit(self, layer_index: int, query: torch.Tensor, rows: RemoteRows, *, scale: float,
+               sliding_window: int, softcap: float) -> OffloadTicket | None:
+        """Publish the rows' decode attention to the cold side; None when the pair is
+        degraded or the publish failed (then the rows are attended here)."""
+        decode = rows.decode
+        if decode is None or self.degraded_reason is not None:
+            return None
         try:
-            if step.decode_batch is None:
-                step.decode_batch = self.sender.prepare_batch(rows.seq_lens, rows.block_table)
-            return self.sender.submit_batch(layer_index, query[rows.tokens], step.decode_batch,
-                                            scale=scale, sliding_window=sliding_window,
-                                            softcap=softcap)
+            if rows.decode_batch is None:
+                rows.decode_batch = self.sender.prepare_batch(decode.seq_lens,
+                                                              decode.block_table)
+            return self.sender.submit_batch(layer_index, query[decode.tokens],
+                                            rows.decode_batch, scale=scale,
+                                            sliding_window=sliding_window, softcap=softcap)
         except OffloadError as exc:
             self.mark_degraded(f"submit failed: {exc}", may_resume=_is_late(exc))
             return None
+
+    def attend_prefill(self, ops: AttentionOps, rows: RowGroup, query: torch.Tensor,
+                       output: torch.Tensor) -> None:
+        """Remote prefill rows run here, over the K/V just written to the remote pool."""
+        self.stats.num_remote_prefill_rows += rows.num_reqs
+        self.remote_kv.attend(ops, rows, query, output)
+
+    def finish_decode(self, ops: AttentionOps, ticket: OffloadTicket | None, rows: RowGroup,
+                      query: torch.Tensor, output: torch.Tensor) -> None:
+        """The cold side's output of a submitted task into place, or, when there was no
+        task or its wait failed, the rows attended here (counted as a fallback)."""
+        if ticket is None or not self._collect(ticket, output, rows):
+            self.stats.num_fallback_tasks += 1
+            self.remote_kv.attend(ops, rows, query, output)
 
     def _collect(self, ticket: OffloadTicket, output: torch.Tensor, rows: RowGroup) -> bool:
         try:

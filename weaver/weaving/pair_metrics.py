@@ -75,12 +75,18 @@ class PairStatsCollector(Collector):
 
     def collect(self) -> Iterator:
         families = self._families()
+        # Series labelled by the hot model alone sum its pairs (a hot model weaving into
+        # several colds has one pair each): one sample per model.
+        per_model: dict[str, dict[str, float]] = {}
         for pair in self.pairs:
             stats = self.files.read(pair, f"{self.role}.stats")  # a living writer's only
             if self.role == "hot":
-                self._add_hot(families, pair, stats)
+                self._add_hot(families, per_model, pair, stats)
             else:
                 self._add_cold(families, pair, stats)
+        for model, totals in per_model.items():
+            families["sequences"].add_metric([model], totals["remote_sequences"])
+            families["fallbacks"].add_metric([model], totals["fallback_tasks"])
         yield from families.values()
 
     def describe(self) -> Iterator:
@@ -112,19 +118,21 @@ class PairStatsCollector(Collector):
             "factor": _gauge(series.COLD_TPOT_FACTOR),
         }
 
-    def _add_hot(self, families: dict, pair: str, stats: dict | None) -> None:
+    def _add_hot(self, families: dict, per_model: dict[str, dict[str, float]], pair: str,
+                 stats: dict | None) -> None:
         tracker = self._totals[pair]
         if stats is None:  # no living hot side: its counters as they were, not connected
             families["connected"].add_metric([pair], 0)
             if tracker.labels is not None:
-                self._add_hot_totals(families, pair, tracker.labels, tracker.current())
+                self._add_hot_totals(families, per_model, pair, tracker.labels,
+                                     tracker.current())
             return
         samples = series.placement_samples(stats.get("placement"))
         raw = {key: float(stats.get(key) or 0) for key in HOT_TOTALS}
         raw["step_asides"] = samples[1] if samples is not None else 0.0
         totals = tracker.update(stats.get("pid"), raw)
         model, cold = tracker.labels = (stats.get("hot", ""), stats.get("cold", pair))
-        self._add_hot_totals(families, pair, tracker.labels, totals)
+        self._add_hot_totals(families, per_model, pair, tracker.labels, totals)
         families["connected"].add_metric([pair], 1 if stats.get("connected") else 0)
         families["remote_blocks"].add_metric([model, cold], stats.get("remote_blocks_used", 0))
         counts = stats.get("wait_counts") or [0] * (len(series.WAIT_BUCKETS) + 1)
@@ -139,12 +147,13 @@ class PairStatsCollector(Collector):
             families["factor"].add_metric([model, cold], samples[2])
 
     @staticmethod
-    def _add_hot_totals(families: dict, pair: str, labels: tuple[str, str],
-                        totals: dict[str, float]) -> None:
+    def _add_hot_totals(families: dict, per_model: dict[str, dict[str, float]], pair: str,
+                        labels: tuple[str, str], totals: dict[str, float]) -> None:
         model, cold = labels
-        families["sequences"].add_metric([model], totals["remote_sequences"])
+        summed = per_model.setdefault(model, {"remote_sequences": 0.0, "fallback_tasks": 0.0})
+        for key in summed:
+            summed[key] += totals[key]
         families["tasks"].add_metric([model, cold], totals["offloaded_tasks"])
-        families["fallbacks"].add_metric([model], totals["fallback_tasks"])
         families["attaches"].add_metric([pair], totals["attaches"])
         families["resumes"].add_metric([pair], totals["resumes"])
         families["asides"].add_metric([model, cold], totals["step_asides"])

@@ -23,6 +23,12 @@ turn, for a newly admitted (or preempted and re-admitted) sequence.
   sequence each add to the hot step, and how many more tokens per second the woven batch
   serves than its local part.
 
+A hot model weaving into several cold models places a remote sequence on one of them
+(`cold_order`): the colds whose side is connected and, under `auto`, whose TPOT is within
+its budget, most free lent blocks first. The policy's cap and step-aside then follow the
+best cold's factor (with one cold, its own): a cold over its budget takes no new sequences
+while another can.
+
 Plain Python: the hot engine's scheduler (weaver/vllm_ext/scheduler.py), the simulator and
 the planner use these classes unchanged.
 """
@@ -65,6 +71,10 @@ class RatioPlacement:
         is_remote = num_running_remote + 1 <= self.offload_ratio * (num_running + 1) + _EPSILON
         return Placement.REMOTE if is_remote else Placement.LOCAL
 
+    def cold_is_open(self, index: int) -> bool:
+        """A fixed ratio places on any connected cold."""
+        return True
+
     def order(self, num_running_local: int, num_running_remote: int) -> list[Placement]:
         preferred = self.preferred(num_running_local, num_running_remote)
         if not self.may_spill:
@@ -102,10 +112,33 @@ class AdaptiveTargets:
 
 @dataclass(frozen=True)
 class PairLoad:
-    """What the hot worker sees of its pair (None: not measured yet)."""
+    """What the hot worker sees of its pairs (None: not measured yet)."""
 
-    cold_inflation: float | None = None  # cold step time with the tasks / without them
+    # Cold step time with the tasks / without them: the best cold's (the one most within
+    # its budget; with one cold, its own), and each cold's in plan order.
+    cold_inflation: float | None = None
     offload_wait_s: float | None = None  # recent mean wait for a remote task
+    cold_inflations: tuple[float | None, ...] = ()
+
+    @classmethod
+    def of_colds(cls, loads: list[dict[str, float | None] | None]) -> PairLoad:
+        """From each cold's load as its pair's hot runtime reads it (None: not attached)."""
+        factors = tuple(None if load is None else load.get("cold_inflation")
+                        for load in loads)
+        known = [factor for factor in factors if factor is not None]
+        waits = [load["offload_wait_s"] for load in loads
+                 if load is not None and load.get("offload_wait_s") is not None]
+        return cls(cold_inflation=min(known) if known else None,
+                   offload_wait_s=sum(waits) / len(waits) if waits else None,
+                   cold_inflations=factors)
+
+
+def cold_order(free_blocks: list[int], is_open: list[bool]) -> list[int]:
+    """The colds to try, in turn, for a new remote sequence: the open ones with a free
+    block, most free lent blocks first (the plan's order between equals)."""
+    return sorted((index for index, (free, ok) in enumerate(zip(free_blocks, is_open,
+                                                                  strict=True))
+                   if ok and free > 0), key=lambda index: -free_blocks[index])
 
 
 class Ewma:
@@ -221,6 +254,13 @@ class AdaptivePlacement:
             return self.targets.hot_tpot_s
         base = self._local_step.value
         return None if base is None else self.targets.hot_budget * base
+
+    def cold_is_open(self, index: int) -> bool:
+        """Whether the `index`-th cold may take a new remote sequence: not while its TPOT
+        is over its budget (the others may)."""
+        factors = self.load.cold_inflations
+        factor = factors[index] if index < len(factors) else None
+        return factor is None or factor <= self.targets.cold_budget
 
     def order(self, num_running_local: int, num_running_remote: int) -> list[Placement]:
         cap = self.remote_cap

@@ -2,7 +2,7 @@
 
 Each step: its wall time from schedule() to the update of its output, its local and
 remote sequences, and whether it ran decodes only (weaver/weaving/placement.py
-`AdaptivePlacement.observe_step`); every `PAIR_LOAD_INTERVAL_S`: the pair's load (the cold
+`AdaptivePlacement.observe_step`); every `PAIR_LOAD_INTERVAL_S`: its pairs' load (each cold
 model's TPOT factor, the offload wait) read from the hot worker, then the policy's
 decision. The scheduler (weaver/vllm_ext/scheduler.py) knows vLLM's objects; this knows
 the timing and the policy, so the simulator's and the tests' steps could drive it too.
@@ -20,9 +20,10 @@ logger = logging.getLogger(__name__)
 
 PAIR_LOAD_INTERVAL_S = 0.5  # how often the pair's load is read and the policy decides
 
-# The policy's report in, the pair's load out (None before the region is attached): the
-# hot worker's weaver_pair_load, reached through vLLM's collective_rpc.
-PairLoadReader = Callable[[dict], "dict | None"]
+# The policy's report in, each pair's load out, in plan order (None for a pair whose region
+# is not attached; None for all before any is): the hot worker's weaver_pair_load, reached
+# through vLLM's collective_rpc.
+PairLoadReader = Callable[[dict], "list[dict | None] | None"]
 
 
 class PlacementFeed:
@@ -65,7 +66,7 @@ class PlacementFeed:
             logger.warning("weaving %s: the pair's load is unavailable (%r)", self.hot, exc)
             return
         if load is not None:
-            self.placement.observe_pair(PairLoad(**load))
+            self.placement.observe_pair(PairLoad.of_colds(load))
 
 
 def _was_cut(before: int | None, after: int | None) -> bool:

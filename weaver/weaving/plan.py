@@ -15,6 +15,7 @@ import json
 import math
 import os
 import secrets
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -118,6 +119,17 @@ def attention_shape_of(config: dict, dtype: str, block_size: int,
     )
 
 
+def remote_block_offsets(plans: Sequence[PairPlan]) -> list[int]:
+    """Where each of a hot engine's pairs' remote block ids start, past its local ones: the
+    pairs' remote ranges one after another, in plan order (the hot scheduler hands them out
+    and the hot worker reads them back by the same rule)."""
+    offsets, total = [], 0
+    for plan in plans:
+        offsets.append(total)
+        total += plan.num_remote_blocks
+    return offsets
+
+
 def num_lent_blocks(deployment: Deployment, cold: ModelSpec, block_bytes: int) -> int:
     """Whole hot-model blocks of `block_bytes` in one hot model's share of the memory the
     cold model lends: `lend_kv_gib` split evenly among the hot models weaving into it (its
@@ -146,27 +158,30 @@ def plan_pairs(
     pools: dict[str, PoolPlan] = {}
     for pair in deployment.weaving:
         hot = deployment.model(pair.hot)
-        if len(pair.cold) != 1:
-            raise ValueError(
-                f"weaving {pair.hot!r}: one cold model per hot model is supported so far, "
-                f"got {pair.cold}"
-            )
-        cold = deployment.model(pair.cold[0])
         shape = read_attention_shape(model_dirs[hot.name], hot.dtype, block_size_of(hot),
                                      kv_format_of(hot))
-        num_remote_blocks = num_lent_blocks(deployment, cold, region_bytes_of(shape, 1))
-        pool = None
-        if cold.unified_kv:
-            if cold.name not in pools:
-                pools[cold.name] = plan_pool(deployment, cold, model_dirs, shm_prefix)
-            pool = pools[cold.name]
-            num_remote_blocks = pool.max_blocks(hot.name)  # the id space; quota bounds use
-        plans.append(pair_plan(
-            hot.name, cold.name, shape, num_remote_blocks, hot.max_model_len, hot.max_num_seqs,
-            {"offload_ratio": pair.offload_ratio, "timeout_s": pair.timeout_s,
-             "hot_tpot_ms": pair.hot_tpot_ms, "cold_tpot_budget": pair.cold_tpot_budget},
-            "shm" if hot.device == "cpu" else "cuda", pool,
-            short_of=f"cold model {cold.name!r} lends {cold.lend_kv_gib} GiB; raise lend_kv_gib"))
+        for cold_name in pair.cold:
+            cold = deployment.model(cold_name)
+            if cold.unified_kv and len(pair.cold) > 1:
+                raise ValueError(
+                    f"weaving {pair.hot!r} into {pair.cold}: cold model {cold.name!r} keeps "
+                    "its KV in a unified pool, which a hot model weaving into several colds "
+                    "cannot lease from yet; set unified_kv: false on it or weave into it alone")
+            num_remote_blocks = num_lent_blocks(deployment, cold, region_bytes_of(shape, 1))
+            pool = None
+            if cold.unified_kv:
+                if cold.name not in pools:
+                    pools[cold.name] = plan_pool(deployment, cold, model_dirs, shm_prefix)
+                pool = pools[cold.name]
+                num_remote_blocks = pool.max_blocks(hot.name)  # the id space; quota bounds use
+            plans.append(pair_plan(
+                hot.name, cold.name, shape, num_remote_blocks, hot.max_model_len,
+                hot.max_num_seqs,
+                {"offload_ratio": pair.offload_ratio, "timeout_s": pair.timeout_s,
+                 "hot_tpot_ms": pair.hot_tpot_ms, "cold_tpot_budget": pair.cold_tpot_budget},
+                "shm" if hot.device == "cpu" else "cuda", pool,
+                short_of=f"cold model {cold.name!r} lends {cold.lend_kv_gib} GiB; raise "
+                         "lend_kv_gib"))
     return plans
 
 

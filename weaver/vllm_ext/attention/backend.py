@@ -4,18 +4,19 @@ sequence's KV lives (docs/architecture.md, "The weaving path").
 Two mixins go in front of a platform backend's classes (cpu.py does it for CPU_ATTN):
 
 - ``WovenMetadataBuilder`` (before its ``AttentionMetadataBuilder``): on a hot engine it
-  splits each step's batch into local, remote-prefill and remote-decode requests
-  (``weaver.weaving.hot.classify_requests``) with vLLM's micro-batch slicing (partition.py),
-  and the platform's own builder makes each group's metadata (the remote ones with block
-  ids rebased to the remote pool); on a cold engine whose split plan cuts attention it
-  splits the batch into groups of sequences (``weaver.splitting.group_bounds``). Anywhere
-  else, and for a step with nothing remote, it is the platform's builder.
+  splits each step's batch into local requests and, per cold engine, remote-prefill and
+  remote-decode ones (``weaver.weaving.hot_pairs.classify_requests``) with vLLM's
+  micro-batch slicing (partition.py), and the platform's own builder makes each group's
+  metadata (the remote ones with block ids rebased to their cold engine's pool); on a
+  cold engine whose split plan cuts attention it splits the batch into groups of
+  sequences (``weaver.splitting.group_bounds``). Anywhere else, and for a step with
+  nothing remote, it is the platform's builder.
 - ``WovenAttentionImpl`` (before its ``AttentionImpl``): hands a woven step to the hot
-  runtime (weaving/hot.py) with the platform's own forward and K/V write as the
+  worker's pairs (weaving/hot_pairs.py) with the platform's own forward and K/V write as the
   ``AttentionOps`` it calls; runs a cold engine's groups with a poll between them; keeps an
   engine's KV in the unified pool (pool.py); and is the platform's impl otherwise.
 
-The worker extension (weaver/vllm_ext/worker.py) attaches the hot runtime to the impls and
+The worker extension (weaver/vllm_ext/worker.py) attaches the hot pairs to the impls and
 the builders when the hot worker connects, so engines that never weave run vLLM's own code.
 """
 
@@ -37,7 +38,8 @@ from weaver.vllm_ext.attention.partition import (
     split_requests,
 )
 from weaver.vllm_ext.layers import ATTN_OP_NAME, AttentionChunks, current_split_chunks
-from weaver.weaving.hot import HotWeaving, RowGroup, StepRows, classify_requests
+from weaver.weaving.hot import RemoteRows, RowGroup
+from weaver.weaving.hot_pairs import HotPairs, StepRows, classify_requests
 
 
 class _LazyMetadata:
@@ -79,8 +81,8 @@ class WovenMetadataBuilder:
         # One builder per group, as vLLM keeps one per micro-batch: a backend may keep
         # per-build state (e.g. CUDA-graph buffers) that two groups must not share.
         self._weaver_part_builders: list[Any] = []
-        # Set by the hot worker when it attaches its region (worker.py).
-        self.weaver_hot: HotWeaving | None = None
+        # Set by the hot worker when it attaches a region (worker_hot.py).
+        self.weaver_hot: HotPairs | None = None
         self.weaver_num_local_blocks = 0
         is_decoder = not isinstance(kv_cache_spec, CrossAttentionSpec | EncoderOnlyAttentionSpec)
         self.weaver_attn_chunks = (split_chunks_of(vllm_config).get(ATTN_OP_NAME, 1)
@@ -108,30 +110,42 @@ class WovenMetadataBuilder:
         return self._weaver_part_builders[index]
 
     def _woven_step(self, cm: CommonAttentionMetadata) -> StepRows | None:
+        pairs = self.weaver_hot
         # The last step's device waits are long done (vLLM read its sampled tokens).
-        self.weaver_hot.settle_step()
+        pairs.settle_step()
         num_reqs = cm.num_reqs
         lens = query_lens(cm)
+        starts = pairs.remote_starts(self.weaver_num_local_blocks)
         split = classify_requests(cm.block_table_tensor[:num_reqs, 0].cpu(), lens,
-                                  cm.seq_lens[:num_reqs].cpu(), self.weaver_num_local_blocks)
-        self.weaver_hot.stats.num_remote_sequences += split.num_new_remote
+                                  cm.seq_lens[:num_reqs].cpu(), starts)
+        pairs.count_new_remote(split.num_new_remote)
         if not split.has_remote:
             return None
-        # Requests of the runner's padding (no query tokens) belong to no group.
+        # Requests of the runner's padding (no query tokens) belong to no group. Groups:
+        # the local requests, then each cold's prefill and decode requests.
         has_tokens = lens > 0
-        groups = [g[has_tokens[g]] for g in (split.local, split.remote_prefill,
-                                              split.remote_decode)]
-        parts = split_requests(cm, groups)
-        rows = [self._row_group(index, part, is_remote=index > 0, is_lazy=index == 2)
-                for index, part in enumerate(parts)]
-        return StepRows(*rows, num_new_remote=split.num_new_remote)
+        groups = [split.local, *(g for phases in split.remote for g in phases)]
+        parts = split_requests(cm, [g[has_tokens[g]] for g in groups])
+        local = self._row_group(0, parts[0], first_block_id=None, is_lazy=False)
+        remotes = []
+        for cold, start in enumerate(starts):
+            prefill, decode = parts[1 + 2 * cold], parts[2 + 2 * cold]
+            if prefill is None and decode is None:
+                continue
+            remotes.append(RemoteRows(
+                cold, self._row_group(1 + 2 * cold, prefill, first_block_id=start,
+                                      is_lazy=False),
+                self._row_group(2 + 2 * cold, decode, first_block_id=start, is_lazy=True)))
+        return StepRows(local, remotes)
 
-    def _row_group(self, index: int, part: Any, *, is_remote: bool,
+    def _row_group(self, index: int, part: Any, *, first_block_id: int | None,
                    is_lazy: bool) -> RowGroup | None:
+        """A group's rows and lazy metadata; a remote group's block ids rebased to its
+        cold's pool (`first_block_id`: where its range starts)."""
         if part is None:
             return None
-        common = (rebase_block_table(part.common, self.weaver_num_local_blocks) if is_remote
-                  else part.common)
+        common = (part.common if first_block_id is None
+                  else rebase_block_table(part.common, first_block_id))
         metadata = _LazyMetadata(self._part_builder(index), common)
         if not is_lazy:
             metadata.get()
@@ -149,7 +163,7 @@ class WovenMetadataBuilder:
 
 
 class _LayerCall:
-    """One layer's attention call as the hot runtime drives it (weaving.hot.AttentionOps):
+    """One layer's attention call as the hot pairs drive it (weaving.hot.AttentionOps):
     the platform impl's own forward and K/V write, over any cache tensor."""
 
     def __init__(self, impl: WovenAttentionImpl, layer: Any, key: torch.Tensor | None,
@@ -194,9 +208,9 @@ class WovenAttentionImpl:
     """Mixin in front of a platform's AttentionImpl (see the module docstring)."""
 
     weaver_layer_index: int = -1
-    # Set by the hot worker when it attaches its region: the runtime and the slot count
-    # of the engine's own cache (slots at or above it are remote).
-    weaver_hot: HotWeaving | None = None
+    # Set by the hot worker when it attaches a region: its pairs and the slot count of the
+    # engine's own cache (slots at or above it are remote).
+    weaver_hot: HotPairs | None = None
     weaver_num_local_slots: int = 0
     # Set at KV-cache initialisation when the engine keeps its KV in a unified pool
     # (pool.py): then vLLM's own cache views are never used.
