@@ -1,7 +1,15 @@
 import pytest
 
 from weaver.sim.engine import Engine
-from weaver.sim.instance import BlockPool, Instance, ModelServer, SeqSet, ServerConfig, SimRequest
+from weaver.sim.instance import (
+    BlockPool,
+    Instance,
+    ModelServer,
+    RemotePool,
+    SeqSet,
+    ServerConfig,
+    SimRequest,
+)
 from weaver.sim.perf_model import LinkModel, OffloadCostModel, PerfModel
 from weaver.workloads.types import TraceRequest
 
@@ -83,6 +91,12 @@ def test_request_that_can_never_fit_is_rejected(lin):
     assert finished == [req] and req.is_rejected and req.finish_s is None
 
 
+def remote_pool(lin, hot, cold_inst, num_blocks: int) -> RemotePool:
+    """`num_blocks` of the hot model lent on the cold instance's device."""
+    return RemotePool(SeqSet(BlockPool(num_blocks * lin.BLOCK_BYTES), BLOCK, lin.BLOCK_BYTES),
+                      cold_inst, OffloadCostModel(hot.perf, hot.perf, LinkModel(1e9, 1e-5)))
+
+
 def _max_running(lin, weave: bool):
     engine = Engine()
     hot, finished = make_server(lin, 8, "hot")  # room for two requests of 40 + 20 tokens
@@ -90,10 +104,8 @@ def _max_running(lin, weave: bool):
     hot_inst = Instance(engine, "gpu0", [hot])
     cold_inst = Instance(engine, "gpu1", [cold])
     if weave:
-        hot.remote = SeqSet(BlockPool(8 * lin.BLOCK_BYTES), BLOCK, lin.BLOCK_BYTES)
+        hot.remotes = [remote_pool(lin, hot, cold_inst, 8)]
         hot.offload_ratio = 0.5
-        hot.offload = OffloadCostModel(hot.perf, hot.perf, LinkModel(1e9, 1e-5))
-        hot.remote_instance = cold_inst
     reqs = [request(40, 20, 0.0, "hot", i) for i in range(4)]
     submit(engine, hot_inst, reqs)
     peak = [0]
@@ -141,11 +153,9 @@ def _woven_four_requests(lin, offload_ratio, offload_policy, placement=None):
     hot, finished = make_server(lin, 8, "hot")
     cold, _ = make_server(lin, 100, "cold")
     hot_inst, cold_inst = Instance(engine, "gpu0", [hot]), Instance(engine, "gpu1", [cold])
-    hot.remote = SeqSet(BlockPool(8 * lin.BLOCK_BYTES), BLOCK, lin.BLOCK_BYTES)
+    hot.remotes = [remote_pool(lin, hot, cold_inst, 8)]
     hot.offload_ratio, hot.offload_policy = offload_ratio, offload_policy
     hot.placement = placement
-    hot.offload = OffloadCostModel(hot.perf, hot.perf, LinkModel(1e9, 1e-5))
-    hot.remote_instance = cold_inst
     reqs = [request(40, 20, 0.0, "hot", i) for i in range(4)]
     submit(engine, hot_inst, reqs)
     engine.run()
@@ -208,3 +218,22 @@ def test_prefill_first_trades_the_running_tpot_for_the_new_ttft(lin):
     (chunked_first, chunked_late), (first, late) = runs["chunked"], runs["prefill_first"]
     assert late.first_token_s < chunked_late.first_token_s
     assert first.finish_s > chunked_first.finish_s
+
+
+def test_a_hot_model_over_two_colds_fills_both_and_each_cold_is_told_its_load(lin):
+    engine = Engine()
+    hot, finished = make_server(lin, 8, "hot")  # room for two requests of 40 + 20 tokens
+    hot_inst = Instance(engine, "gpu0", [hot])
+    colds = [Instance(engine, f"gpu{i}", [make_server(lin, 100, f"cold{i}")[0]])
+             for i in (1, 2)]
+    hot.remotes = [remote_pool(lin, hot, colds[0], 4), remote_pool(lin, hot, colds[1], 8)]
+    hot.offload_ratio, hot.offload_policy = 1.0, "overflow"
+    reqs = [request(40, 20, 0.0, "hot", i) for i in range(5)]
+    submit(engine, hot_inst, reqs)
+    peak = [0]
+    engine.run(on_event=lambda ev: peak.__setitem__(0, max(peak[0], hot.num_running)))
+    assert len(finished) == 5 and not any(r.num_preemptions for r in reqs)
+    assert peak[0] == 5  # 2 local, 2 on the 8-block cold, 1 on the 4-block one
+    assert sum(r.is_remote for r in reqs) == 3
+    for cold in colds:
+        assert set(cold.external_loads) == {"gpu0/hot"}

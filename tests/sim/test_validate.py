@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from weaver.cli.main import build_parser
-from weaver.config.deployment import load_deployment
+from weaver.config.deployment import load_deployment, parse_deployment
 from weaver.results.metrics import summarize
 from weaver.results.records import BenchResult, RequestRecord, RequestStatus, RunResult
 from weaver.sim.deployment import sim_config_from_deployment
@@ -332,3 +332,17 @@ def test_a_phase_split_becomes_splitwise_prompt_and_token_instances(cpu_profile)
     single = sim_config_from_deployment(load_deployment(DEPLOYMENTS / "single_dedicated.yaml"),
                                         {"chat": cpu_profile}, requests)
     assert single.policy == "dedicated" and single.cluster.num_gpus == 1
+
+
+def test_a_hot_model_over_two_colds_becomes_two_pairs_of_one_hot_gpu(cpu_profile):
+    data = load_deployment(DEPLOYMENTS / "weaving.yaml").model_dump()
+    cold2 = {**next(m for m in data["models"] if m["name"] == "cold"), "name": "cold2"}
+    data["models"].append(cold2)
+    data["weaving"][0]["cold"] = ["cold", "cold2"]
+    profiles = {"hot": cpu_profile, "cold": cpu_profile, "cold2": cpu_profile}
+    config = sim_config_from_deployment(parse_deployment(data), profiles, _requests())
+    assert [(p.hot_gpu, p.cold_gpu) for p in config.placement.pairs] == [(0, 1), (0, 2)]
+    result = simulate(config, requests=_requests())
+    hot = [r for r in result["requests"] if r["model"] == "hot"]
+    assert all(r["e2e_s"] is not None for r in result["requests"])
+    assert 0.5 <= sum(r["is_remote"] for r in hot) / len(hot) <= 0.8

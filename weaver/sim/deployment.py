@@ -67,7 +67,8 @@ def sim_config_from_deployment(
               for name, spec in served.items()]
     gpus = _instances(deployment)
     index = {model: i for i, gpu in enumerate(gpus) for model in gpu["models"]}
-    pairs = [_pair(deployment, entry, index, shapes) for entry in deployment.weaving]
+    pairs = [pair for entry in deployment.weaving
+             for pair in _pairs(deployment, entry, index, shapes)]
     policy = _policy(deployment)
     return SimConfig.model_validate({
         "name": name, "duration_s": max(span, 1e-3), "drain_s": REPLAY_DRAIN_S,
@@ -133,16 +134,16 @@ def _model(name: str, spec: ModelSpec, profile: str, kv_bytes_per_token: int,
             "block_size": block_size_of(spec), "max_num_seqs": spec.max_num_seqs}
 
 
-def _pair(deployment: Deployment, entry, index: Mapping[str, int], shapes: Mapping) -> dict:
-    if len(entry.cold) != 1:
-        raise ValueError(f"weaving {entry.hot!r}: the simulator pairs one cold model per hot "
-                         f"model, as the server does; got {entry.cold}")
-    hot, cold = deployment.model(entry.hot), deployment.model(entry.cold[0])
+def _pairs(deployment: Deployment, entry, index: Mapping[str, int],
+           shapes: Mapping) -> list[dict]:
+    """One pair per cold model of a weaving entry, as `plan_pairs` plans them."""
+    hot = deployment.model(entry.hot)
     if hot.role is not Role.HOT:
         raise ValueError(f"weaving names {hot.name!r} as hot but its role is {hot.role.value}")
     # Whole hot blocks in the lent bytes, counted as `plan_pairs` counts them.
     block_bytes = block_size_of(hot) * shapes[hot.name].kv_bytes_per_token
-    return {"hot_gpu": index[hot.name], "cold_gpu": index[cold.name],
-            "offload_ratio": entry.offload_ratio,
-            "remote_blocks": num_lent_blocks(deployment, cold, block_bytes),
-            "hot_tpot_ms": entry.hot_tpot_ms, "cold_tpot_budget": entry.cold_tpot_budget}
+    return [{"hot_gpu": index[hot.name], "cold_gpu": index[name],
+             "offload_ratio": entry.offload_ratio,
+             "remote_blocks": num_lent_blocks(deployment, deployment.model(name), block_bytes),
+             "hot_tpot_ms": entry.hot_tpot_ms, "cold_tpot_budget": entry.cold_tpot_budget}
+            for name in entry.cold]

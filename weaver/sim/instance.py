@@ -27,7 +27,13 @@ from weaver.sim.perf_model import (
     operator_fractions,
 )
 from weaver.sim.profile import blocks_for
-from weaver.weaving.placement import AdaptivePlacement, PairLoad, Placement, RatioPlacement
+from weaver.weaving.placement import (
+    AdaptivePlacement,
+    PairLoad,
+    Placement,
+    RatioPlacement,
+    cold_order,
+)
 from weaver.workloads.types import TraceRequest
 
 logger = logging.getLogger(__name__)
@@ -148,6 +154,20 @@ class SeqSet:
     def newest(self) -> SimRequest:
         return next(reversed(self.seqs))
 
+    @property
+    def num_free_blocks(self) -> int:
+        return max(0, self.capacity_blocks - self.num_blocks)
+
+
+@dataclass(eq=False)
+class RemotePool:
+    """A hot model's remote pool on one cold device: its sequences there, the cold
+    instance that serves their attention, and what that costs the hot step."""
+
+    seqs: SeqSet
+    instance: Instance
+    offload: OffloadCostModel
+
 
 @dataclass(eq=False)
 class Prefill:
@@ -197,13 +217,12 @@ class ModelServer:
         self.cfg = cfg
         self.phase = phase
         self.local = SeqSet(pool, cfg.block_size, cfg.block_size * perf.shape.kv_bytes_per_token)
-        self.remote: SeqSet | None = None
+        # One per cold device the model weaves into (weaver/sim/policies/weaver.py).
+        self.remotes: list[RemotePool] = []
         self.offload_ratio = 0.0
         self.offload_policy = "fixed"  # or "overflow", see _choose_set
         # The hot scheduler's own placement (offload_policy "ratio"), set by weaving.
         self.placement: RatioPlacement | AdaptivePlacement | None = None
-        self.offload: OffloadCostModel | None = None
-        self.remote_instance: Instance | None = None
         self.waiting: deque[SimRequest] = deque()
         self.num_steps = 0
         self.finishing: dict[int, list[SimRequest]] = {}
@@ -218,7 +237,14 @@ class ModelServer:
     # --- capacity -------------------------------------------------------------------
     @property
     def num_running(self) -> int:
-        return self.local.num_seqs + (self.remote.num_seqs if self.remote else 0)
+        return self.local.num_seqs + self.num_remote
+
+    @property
+    def num_remote(self) -> int:
+        return sum(remote.seqs.num_seqs for remote in self.remotes)
+
+    def is_remote(self, seq_set: SeqSet) -> bool:
+        return seq_set is not self.local
 
     @property
     def num_queued(self) -> int:
@@ -226,8 +252,9 @@ class ModelServer:
             self.num_in_flight
 
     def max_blocks(self) -> int:
-        # A sequence lives whole in one pool, local or remote.
-        return max(self.local.capacity_blocks, self.remote.capacity_blocks if self.remote else 0)
+        # A sequence lives whole in one pool, local or one cold's.
+        return max([self.local.capacity_blocks,
+                    *(remote.seqs.capacity_blocks for remote in self.remotes)])
 
     def enqueue(self, req: SimRequest) -> bool:
         # A prompt machine only ever holds the prompt; others hold the whole sequence.
@@ -252,20 +279,31 @@ class ModelServer:
 
     def _choose_set(self, num_blocks: int, num_remote_new: int, num_new: int) -> SeqSet | None:
         """Where a newly admitted sequence's KV goes (the hot scheduler's placement)."""
-        if self.remote is None or self.phase == "prompt":
+        if not self.remotes or self.phase == "prompt":
             return self.local if self.local.can_take(num_blocks) else None
         if self.offload_policy == "ratio":
             return self._choose_by_ratio(num_blocks, num_remote_new, num_new)
         cap = self.offload_ratio * (self.num_running + num_new + 1)
-        remote_ok = self.remote.num_seqs + num_remote_new < cap and self.remote.can_take(
-            num_blocks)
+        remote = self._remote_for(num_blocks) if self.num_remote + num_remote_new < cap \
+            else None
         if self.offload_policy == "overflow":  # local first; remote only when local is full
             if self.local.can_take(num_blocks):
                 return self.local
-            return self.remote if remote_ok else None
-        if remote_ok:
-            return self.remote
+            return remote
+        if remote is not None:
+            return remote
         return self.local if self.local.can_take(num_blocks) else None
+
+    def _remote_for(self, num_blocks: int) -> SeqSet | None:
+        """The cold pool a new remote sequence goes to, as the hot scheduler picks it
+        (weaving/placement.py cold_order: the open cold with the most free blocks)."""
+        placement = self.placement
+        is_open = [placement is None or placement.cold_is_open(index)
+                   for index in range(len(self.remotes))]
+        for index in cold_order([r.seqs.num_free_blocks for r in self.remotes], is_open):
+            if self.remotes[index].seqs.can_take(num_blocks):
+                return self.remotes[index].seqs
+        return None
 
     def _choose_by_ratio(self, num_blocks: int, num_remote_new: int,
                          num_new: int) -> SeqSet | None:
@@ -273,12 +311,15 @@ class ModelServer:
         the preferred pool by `RatioPlacement` over the placed requests (running plus being
         prefilled), spilling to the other pool when the preferred one is full."""
         placement = self.placement or RatioPlacement(self.offload_ratio)
-        num_remote = self.remote.num_seqs + num_remote_new
+        num_remote = self.num_remote + num_remote_new
         num_local = self.local.num_seqs + num_new - num_remote_new
         for choice in placement.order(num_local, num_remote):
-            target = self.remote if choice is Placement.REMOTE else self.local
-            if target.can_take(num_blocks):
-                return target
+            if choice is Placement.REMOTE:
+                target = self._remote_for(num_blocks)
+                if target is not None:
+                    return target
+            elif self.local.can_take(num_blocks):
+                return self.local
         return None
 
     def observe_step(self, plan: StepPlan, step_s: float, now: float) -> None:
@@ -286,12 +327,11 @@ class ModelServer:
         step's time and batch, whether it ran decodes only, and the cold device's TPOT
         factor (the growth the simulator charges to it: Instance._inflate)."""
         placement = self.placement
-        if not isinstance(placement, AdaptivePlacement) or self.remote is None:
+        if not isinstance(placement, AdaptivePlacement) or not self.remotes:
             return
-        placement.observe_step(step_s, self.local.num_seqs, self.remote.num_seqs,
-                               not plan.chunks)
-        if self.remote_instance is not None:
-            placement.observe_pair(PairLoad(cold_inflation=self.remote_instance.tpot_factor()))
+        placement.observe_step(step_s, self.local.num_seqs, self.num_remote, not plan.chunks)
+        placement.observe_pair(PairLoad.of_colds(
+            [{"cold_inflation": remote.instance.tpot_factor()} for remote in self.remotes]))
         placement.update(now)
 
     def can_admit(self) -> bool:
@@ -333,7 +373,7 @@ class ModelServer:
         """New admissions FCFS into `chunks` while KV blocks, sequence slots and the token
         budget last; `whole`: only prompts that fit the budget whole (the first always
         does: vLLM 0.6 needs max_num_batched_tokens >= max_model_len)."""
-        num_remote = sum(e.target is self.remote for e in self.prefilling)
+        num_remote = sum(self.is_remote(e.target) for e in self.prefilling)
         while self.waiting and self.num_running + len(self.prefilling) < self.cfg.max_num_seqs:
             req = self.waiting[0]
             context = self._context_to_build(req)
@@ -350,7 +390,7 @@ class ModelServer:
                 break
             self.waiting.popleft()
             target.allocate(num_blocks)
-            num_remote += target is self.remote
+            num_remote += self.is_remote(target)
             entry = Prefill(req, target, num_blocks, compute)
             self.prefilling.append(entry)
             num = compute if whole else min(compute, budget)
@@ -358,14 +398,14 @@ class ModelServer:
             budget -= num
         return chunks
 
-    def step_time(self, plan: StepPlan, poll: PollContext | None) -> float:
+    def step_time(self, plan: StepPlan, polls: list[PollContext]) -> float:
         """Decode part from the decode grid; a prefill chunk riding along costs the
         marginal dense time of its tokens, prefill(n + b) - prefill(b), because the batch
         reads the weights once (Sarathi-Serve's mixed batches)."""
         num_prefill = plan.num_prefill_tokens
         if plan.num_decode == 0:
             return self.perf.prefill_time(num_prefill) if num_prefill else 0.0
-        dt = self.decode_time(poll)
+        dt = self.decode_time(polls)
         if num_prefill:
             b = plan.num_decode
             dt += self.perf.prefill_time(num_prefill + b) - self.perf.prefill_time(b)
@@ -400,7 +440,7 @@ class ModelServer:
         if self.phase == "prompt":
             target.free(num_blocks)
             return self.on_prefilled(req, now)
-        req.is_remote = target is self.remote
+        req.is_remote = self.is_remote(target)
         target.add(req, context, self.num_steps, num_blocks)
         req.finish_step = self.num_steps + req.num_output - req.num_done
         self.finishing.setdefault(req.finish_step, []).append(req)
@@ -416,26 +456,27 @@ class ModelServer:
 
     def reserve_decode(self) -> None:
         """Take the blocks this step appends, preempting the newest sequences if needed."""
-        for seq_set in (self.local, self.remote):
-            if seq_set is None:
-                continue
+        for seq_set in (self.local, *(remote.seqs for remote in self.remotes)):
             while seq_set.num_seqs and not seq_set.can_take(
                     seq_set.num_new_blocks(self.num_steps)):
                 self._preempt(seq_set)
             seq_set.grow(self.num_steps)
 
-    def decode_time(self, poll: PollContext | None) -> float:
-        num_remote = self.remote.num_seqs if self.remote else 0
+    def decode_time(self, polls: list[PollContext]) -> float:
+        """The decode step; with remote sequences, plus the longest wait among the colds
+        (each cold's task runs on its own device, all of them at once)."""
         dt = self.perf.decode_time(self.num_running, self.local.num_context_tokens)
-        if num_remote and self.offload is not None and poll is not None:
-            dt += self.offload.step_overhead(num_remote, self.remote.num_context_tokens,
-                                             self.local.num_context_tokens, poll)
-        return dt
+        waits = [remote.offload.step_overhead(remote.seqs.num_seqs,
+                                              remote.seqs.num_context_tokens,
+                                              self.local.num_context_tokens, poll)
+                 for remote, poll in zip(self.remotes, polls, strict=True)
+                 if remote.seqs.num_seqs]
+        return dt + max(waits, default=0.0)
 
     def finish_decode(self, now: float) -> None:
         self.local.advance()
-        if self.remote is not None:
-            self.remote.advance()
+        for remote in self.remotes:
+            remote.seqs.advance()
         self.num_steps += 1
         for req in self.finishing.pop(self.num_steps, ()):
             if req.is_running and req.finish_step == self.num_steps:
@@ -535,8 +576,8 @@ class Instance:
     def _begin(self, job: Job) -> float:
         """Account for a planned step that starts now; returns how long it takes alone."""
         server = job.server
-        poll = server.remote_instance.poll_context() if server.remote_instance else None
-        dt = self._inflate(server.step_time(job.plan, poll))
+        polls = [remote.instance.poll_context() for remote in server.remotes]
+        dt = self._inflate(server.step_time(job.plan, polls))
         if job.plan.num_decode:
             self.last_decode_s = dt
             self._report_remote_load(server, dt)
@@ -562,10 +603,11 @@ class Instance:
         return 1.0 / (1.0 - self._external_share())
 
     def _report_remote_load(self, server: ModelServer, dt: float) -> None:
-        if server.remote_instance is None or server.remote is None or dt <= 0:
+        if dt <= 0:
             return
-        busy = server.offload.remote_busy_time(server.remote.num_context_tokens)
-        server.remote_instance.external_loads[f"{self.name}/{server.name}"] = busy / dt
+        for remote in server.remotes:
+            busy = remote.offload.remote_busy_time(remote.seqs.num_context_tokens)
+            remote.instance.external_loads[f"{self.name}/{server.name}"] = busy / dt
 
     def _end_step(self, job: Job, now: float) -> list[Event]:
         events = job.server.finish_step(job.plan, now)

@@ -1,7 +1,9 @@
 """Weaver: a hot GPU places a share of its sequences' KV and decode attention on a cold GPU.
 
 For each (hot GPU, cold GPU) pair of the plan, the cold GPU lends `region_fraction` of its
-KV memory as a remote pool; the hot scheduler admits against local and remote capacity,
+KV memory (or the deployment's lent blocks) as a remote pool; a hot GPU in several pairs
+has a pool on each cold GPU, a new remote sequence going to the one the engine's scheduler
+would pick (weaving/placement.py cold_order), the step waiting for the slowest cold; the hot scheduler admits against local and remote capacity,
 so its batches grow: with `offload_policy: fixed`, remote first until `offload_ratio` of
 its running sequences are remote; with `overflow`, remote only once local KV is full (so
 weaving costs only the cold side's polling while local memory suffices).
@@ -13,7 +15,7 @@ per-step polling cost (Weaver §3, §5)."""
 
 from __future__ import annotations
 
-from weaver.sim.instance import BlockPool, Instance, SeqSet
+from weaver.sim.instance import BlockPool, Instance, RemotePool, SeqSet
 from weaver.sim.perf_model import (
     OffloadCostModel,
     PerfModel,
@@ -59,19 +61,20 @@ class WeaverPolicy(MuxServePolicy):
             cold_pool.capacity_bytes -= lent
             regions = [BlockPool(lent / len(hot.servers))] * len(hot.servers)
         for server, region in zip(hot.servers.values(), regions, strict=True):
-            if server.remote is not None:
-                raise ValueError(f"GPU {hot_gpu} is the hot side of two weaving pairs; "
-                                 "give each hot GPU one cold GPU")
-            server.remote = SeqSet(region, server.cfg.block_size, server.local.block_bytes)
-            server.offload_ratio = ratio
-            server.offload_policy = "ratio" if ratio == AUTO else spec.offload_policy
-            server.placement = placement_for(ratio, pair.adaptive_targets())
+            if server.remotes and (server.offload_ratio, server.placement.__class__) != (
+                    ratio, placement_for(ratio).__class__):
+                raise ValueError(f"GPU {hot_gpu} weaves into several cold GPUs with different "
+                                 "offload ratios; give its pairs one ratio (one policy)")
+            if not server.remotes:  # one policy over every cold the hot model weaves into
+                server.offload_ratio = ratio
+                server.offload_policy = "ratio" if ratio == AUTO else spec.offload_policy
+                server.placement = placement_for(ratio, pair.adaptive_targets())
             # Same device type everywhere, so the hot model's attention costs the same on
             # the cold GPU; a heterogeneous cluster would pass the cold device's profile.
-            server.offload = OffloadCostModel(server.perf, server.perf,
-                                              self.cluster.link(server.name),
-                                              self.poll_wait_fn)
-            server.remote_instance = cold
+            server.remotes.append(RemotePool(
+                SeqSet(region, server.cfg.block_size, server.local.block_bytes), cold,
+                OffloadCostModel(server.perf, server.perf, self.cluster.link(server.name),
+                                 self.poll_wait_fn)))
         cold.idle_poll_interval_s = spec.idle_poll_interval_us * 1e-6
         if spec.control == "cpu":
             # The paper's baseline: the host queues the task behind the kernels it already
