@@ -3,10 +3,11 @@
 For each (hot GPU, cold GPU) pair of the plan, the cold GPU lends `region_fraction` of its
 KV memory (or the deployment's lent blocks) as a remote pool; a hot GPU in several pairs
 has a pool on each cold GPU, a new remote sequence going to the one the engine's scheduler
-would pick (weaving/placement.py cold_order), the step waiting for the slowest cold; the hot scheduler admits against local and remote capacity,
-so its batches grow: with `offload_policy: fixed`, remote first until `offload_ratio` of
-its running sequences are remote; with `overflow`, remote only once local KV is full (so
-weaving costs only the cold side's polling while local memory suffices).
+would pick (weaving/placement.py cold_order), the step waiting for the slowest cold. The
+hot scheduler admits against local and remote capacity, so its batches grow: with
+`offload_policy: fixed`, remote first until `offload_ratio` of its running sequences are
+remote; with `overflow`, remote only once local KV is full (so weaving costs only the cold
+side's polling while local memory suffices).
 
 Costs, from `OffloadCostModel`: per layer the hot step waits for q/kv transfer, the poll
 wait on the cold side and the remote attention, minus the local attention it overlaps
