@@ -184,11 +184,15 @@ def tasks_of(server, hot: str, cold: str) -> float:
     return metric(server, f'weaver_offload_tasks_total{{cold="{cold}",hot="{hot}"}}')
 
 
+NUM_TWO_COLD_PROMPTS = 12  # of the reference's (each run here costs the suite time)
+
+
 def test_a_hot_model_over_two_colds_is_token_exact_and_offloads_to_both(
         server, client, reference):
-    outputs = complete_all(client, "hot-two", reference["prompts"])
-    assert outputs == reference["outputs"]
-    assert metric(server, 'weaver_offload_sequences_total{model="hot-two"}') >= NUM_PROMPTS
+    num = NUM_TWO_COLD_PROMPTS
+    outputs = complete_all(client, "hot-two", reference["prompts"][:num])
+    assert outputs == reference["outputs"][:num]
+    assert metric(server, 'weaver_offload_sequences_total{model="hot-two"}') >= num
     assert tasks_of(server, "hot-two", "cold") > 0 and tasks_of(server, "hot-two", "cold2") > 0
     assert metric(server, 'weaver_offload_fallbacks_total{model="hot-two"}') == 0
     pairs = {(p["hot"], p["cold"]): p for p in server.health().json()["weaving"]}
@@ -198,10 +202,11 @@ def test_a_hot_model_over_two_colds_is_token_exact_and_offloads_to_both(
 def test_killing_one_of_two_colds_falls_back_its_sequences_only(server, client, reference):
     """cold2 SIGKILLed mid-run: its running sequences are attended on the hot side from
     their remote KV, new ones go to cold, which keeps serving tasks; nothing is lost."""
+    num = 16
     cold2_pids = server.health().json()["models"]["cold2"]["engine_pids"]
     on_cold2 = tasks_of(server, "hot-two", "cold2")
     with cf.ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(complete_all, client, "hot-two", reference["prompts"])
+        pending = pool.submit(complete_all, client, "hot-two", reference["prompts"][:num])
         deadline = time.monotonic() + 120
         while tasks_of(server, "hot-two", "cold2") < on_cold2 + 600:
             assert time.monotonic() < deadline and not pending.done()
@@ -210,7 +215,7 @@ def test_killing_one_of_two_colds_falls_back_its_sequences_only(server, client, 
         for pid in cold2_pids:
             psutil.Process(pid).kill()
         outputs = pending.result(timeout=600)
-    assert outputs == reference["outputs"]
+    assert outputs == reference["outputs"][:num]
     assert metric(server, 'weaver_offload_fallbacks_total{model="hot-two"}') > 0
     assert tasks_of(server, "hot-two", "cold") > on_cold_at_kill  # counted after the kill
     pairs = {(p["hot"], p["cold"]): p for p in server.health().json()["weaving"]}
