@@ -51,7 +51,7 @@ def test_a_hot_block_sets_the_hooks_and_the_plan():
     assert config.scheduler_config.scheduler_cls == SCHEDULER
     assert config.parallel_config.worker_extension_cls == WORKER_EXTENSION
     assert config.cache_config.enable_prefix_caching is False
-    plan = config.additional_config["weaver"]["hot"]
+    (plan,) = config.additional_config["weaver"]["hot"]  # one plan: one cold engine
     # tiny-llama-a: 2 layers, 2 KV heads of 32; blocks of 16 tokens, fp32 K and V.
     block_bytes = 2 * 2 * 16 * 2 * 32 * 4
     assert plan["num_remote_blocks"] == int(0.01 * 2**30) // block_bytes
