@@ -145,7 +145,8 @@ class RoutingKVCacheManager:
         # A new (or preempted and re-admitted) request: decide where its KV lives.
         num_remote = self.num_running_remote
         order = self.placement.order(len(self.placed) - num_remote, num_remote)
-        if not any(self._remote_is_available(cold) for cold in range(len(self.remotes))):
+        available = [self._remote_is_available(cold) for cold in range(len(self.remotes))]
+        if not any(available):
             order = [Placement.LOCAL]
         for choice in order:
             if choice is Placement.LOCAL:
@@ -157,7 +158,7 @@ class RoutingKVCacheManager:
             # Prefix-cache hits are local blocks; a remote request starts from none.
             remote_kwargs = kwargs if kwargs.get("new_computed_blocks") is None else {
                 **kwargs, "new_computed_blocks": None, "num_new_computed_tokens": 0}
-            for cold in self.cold_order():
+            for cold in self.cold_order(available):
                 blocks = self.remotes[cold].allocate_slots(request, num_new_tokens, *args,
                                                            **remote_kwargs)
                 if blocks is not None:
@@ -169,11 +170,12 @@ class RoutingKVCacheManager:
                     return blocks
         return None
 
-    def cold_order(self) -> list[int]:
+    def cold_order(self, available: list[bool]) -> list[int]:
         """The colds a new remote request may go to, in the order to try them
-        (weaver/weaving/placement.py cold_order)."""
-        is_open = [self._remote_is_available(cold) and self.placement.cold_is_open(cold)
-                   for cold in range(len(self.remotes))]
+        (weaver/weaving/placement.py cold_order); `available`: each cold's remote pool
+        can give blocks now (_remote_is_available)."""
+        is_open = [is_available and self.placement.cold_is_open(cold)
+                   for cold, is_available in enumerate(available)]
         free = [remote.block_pool.get_num_free_blocks() for remote in self.remotes]
         return cold_order(free, is_open)
 

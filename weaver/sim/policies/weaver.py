@@ -62,8 +62,7 @@ class WeaverPolicy(MuxServePolicy):
             cold_pool.capacity_bytes -= lent
             regions = [BlockPool(lent / len(hot.servers))] * len(hot.servers)
         for server, region in zip(hot.servers.values(), regions, strict=True):
-            if server.remotes and (server.offload_ratio, server.placement.__class__) != (
-                    ratio, placement_for(ratio).__class__):
+            if server.remotes and server.offload_ratio != ratio:
                 raise ValueError(f"GPU {hot_gpu} weaves into several cold GPUs with different "
                                  "offload ratios; give its pairs one ratio (one policy)")
             if not server.remotes:  # one policy over every cold the hot model weaves into
