@@ -52,8 +52,11 @@ def test_measures_injected_ttft_itl_tpot_e2e(fake_server):
         assert statistics.median(rec.itl_s) == pytest.approx(np.median(server_gaps), rel=0.3)
         if server_gaps.mean() < 1.1 * ITL_S:  # the server kept its pace
             assert rec.tpot_s == pytest.approx(ITL_S, rel=0.3)
-        # E2E = TTFT + the decode gaps; both bounds fail if E2E were measured wrongly.
-        assert rec.e2e_s == pytest.approx(rec.ttft_s + sum(rec.itl_s), abs=0.01)
+        # E2E = TTFT + the decode gaps + the stream's tail after the last token (the usage
+        # chunk and [DONE]: a few ms, tens on a machine whose cores the suite shares); both
+        # bounds fail if E2E were measured wrongly.
+        last_token_s = rec.ttft_s + sum(rec.itl_s)
+        assert last_token_s <= rec.e2e_s < last_token_s + 0.05
         assert rec.e2e_s >= truth["chunk_at"][-1] - truth["received_at"] >= TTFT_S + 9 * ITL_S
     # The last request arrives at 0.5 s and lasts >= 0.33 s.
     assert outcome.duration_s >= 0.5 + TTFT_S + 9 * ITL_S
