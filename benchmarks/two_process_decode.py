@@ -60,6 +60,7 @@ from benchmarks.two_process.paged_batch import (  # noqa: E402
 from benchmarks.two_process.tiny_llama import LlamaShape, TinyLlama  # noqa: E402
 from weaver.offload.layout import HotAttentionShape  # noqa: E402
 from weaver.offload.naming import region_name, region_paths  # noqa: E402
+from weaver.processes import shm_files_of_processes, unlink_left_over  # noqa: E402
 from weaver.weaving.hot import HotWeaving  # noqa: E402
 from weaver.weaving.plan import PairPlan, default_shm_prefix  # noqa: E402
 
@@ -308,23 +309,13 @@ def decode_pair(args: argparse.Namespace, workload: Workload, plan: PairPlan) ->
     device = torch.device(args.device)
     model = TinyLlama(HOT_SHAPE, args.seed, device)
     proc = start_cold(args, plan)
+    mapped: set[str] = set()
     try:
         handle = read_protocol_line(proc, "READY", READY_TIMEOUT_S)
-        weaving = attach_weaving(plan, handle)
-        # Both runs while the cold side decodes its own batch: the same load on the
-        # machine, offload on or off.
-        off = decode(model, workload, None)
-
-        def kill_cold(step: int) -> None:
-            if step == args.kill_cold_at_step:
-                proc.kill()  # SIGKILL: no close, no unlink, nothing said to the hot side
-                proc.wait(timeout=STOP_TIMEOUT_S)
-
-        on = decode(model, workload, weaving, kill_cold)
-        hot_stats = weaving.drain_stats()
-        weaving.sender.close()  # the hot side lets go of the region before its owner frees it
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        # What the cold process maps once serving: what a kill leaves behind (its region;
+        # on a GPU torch's CUDA IPC reference-count file and the driver's cuda.shm.*).
+        mapped = shm_files_of_processes([proc.pid])
+        off, on, hot_stats = decode_off_and_on(args, model, workload, plan, handle, proc)
         if args.kill_cold_at_step == -1:
             cold_report = stop_cold(proc)
         else:  # it said nothing: what it served before dying is not known
@@ -333,7 +324,31 @@ def decode_pair(args: argparse.Namespace, workload: Workload, plan: PairPlan) ->
             unlink_shm_region(plan)
     finally:
         reap_cold(proc)
+        # the hot side's views of the region went with decode_off_and_on
+        unlink_left_over(mapped)
     return summarize(args, workload, plan, off, on, hot_stats, cold_report)
+
+
+def decode_off_and_on(args: argparse.Namespace, model: TinyLlama, workload: Workload,
+                      plan: PairPlan, handle: str,
+                      proc: subprocess.Popen) -> tuple[DecodeRun, DecodeRun, dict[str, Any]]:
+    """Both runs while the cold side decodes its own batch (the same load on the machine,
+    offload on or off); the hot side lets go of the region before returning."""
+    device = torch.device(args.device)
+    weaving = attach_weaving(plan, handle)
+    off = decode(model, workload, None)
+
+    def kill_cold(step: int) -> None:
+        if step == args.kill_cold_at_step:
+            proc.kill()  # SIGKILL: no close, no unlink, nothing said to the hot side
+            proc.wait(timeout=STOP_TIMEOUT_S)
+
+    on = decode(model, workload, weaving, kill_cold)
+    hot_stats = weaving.drain_stats()
+    weaving.sender.close()  # the hot side lets go of the region before its owner frees it
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return off, on, hot_stats
 
 
 # --- figures ----------------------------------------------------------------------------

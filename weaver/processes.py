@@ -94,3 +94,17 @@ def shm_in_use() -> set[str]:
     """The /dev/shm files that some live process maps or holds open."""
     return shm_files_of_processes(int(entry) for entry in os.listdir("/proc")
                                   if entry.isdigit())
+
+
+def unlink_left_over(paths: set[str]) -> list[str]:
+    """Unlink those of `paths` that no live process maps or holds open any more (a
+    stopped hot server mapped its cold server's region, which must stay). For what a
+    killed process mapped: its regions, and on a GPU torch's CUDA IPC reference-count
+    files (torch_<pid>_*) and the driver's cuda.shm.* files, which only a clean exit
+    removes."""
+    removed = []
+    for path in sorted(paths - shm_in_use()):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(path)
+    return removed

@@ -13,6 +13,7 @@ path when a cold engine dies). Prints one JSON line: "RESULT {...}".
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -28,6 +29,7 @@ from weaver.offload.cuda.transport import CudaRegion
 from weaver.offload.layout import HotAttentionShape, RegionLayout
 from weaver.offload.reference_attention import paged_decode_attention_reference
 from weaver.offload.sender import OffloadSender
+from weaver.processes import shm_files_of_processes, unlink_left_over
 
 
 def _layout(spec: dict) -> RegionLayout:
@@ -69,10 +71,14 @@ def main() -> int:
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
     result: dict = {}
+    mapped: set[str] = set()
     try:
         line = proc.stdout.readline()  # type: ignore[union-attr]
         if not line.startswith("HANDLE "):
             raise RuntimeError(f"cold worker said {line!r}")
+        # what the killed worker leaves (torch's CUDA IPC reference-count file, the
+        # driver's cuda.shm.*), unlinked below once this side let go
+        mapped = shm_files_of_processes([proc.pid])
         region = CudaRegion.attach(layout, spec["name"], bytes.fromhex(line.split()[1]),
                                    KernelLibrary(0))
         sender = OffloadSender(region)
@@ -103,6 +109,10 @@ def main() -> int:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        sender = region = None  # let go of the dead owner's memory and files
+        gc.collect()
+        torch.cuda.synchronize()
+        unlink_left_over(mapped)
     print("RESULT", json.dumps(result), flush=True)
     return 0
 

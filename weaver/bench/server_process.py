@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from weaver.processes import shm_files_of_processes, shm_in_use
+from weaver.processes import shm_files_of_processes, unlink_left_over
 
 READY_TIMEOUT_S = 420.0
 CHILD_EXIT_GRACE_S = 10.0  # a stopped server's processes' time to end by themselves
@@ -117,17 +117,6 @@ def _server(command: list[str], extra_args: list[str], log_path: Path,
         # A plain `vllm serve` force-kills its workers on SIGTERM (its --shutdown-timeout
         # is 0 by default), so their message queues and a cold worker's regions stay.
         unlink_left_over(mapped)
-
-
-def unlink_left_over(paths: set[str]) -> list[str]:
-    """Unlink those of `paths` that no live process maps or holds open any more (a
-    stopped hot server mapped its cold server's region, which must stay)."""
-    removed = []
-    for path in sorted(paths - shm_in_use()):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-            removed.append(path)
-    return removed
 
 
 def vllm_cli() -> list[str]:
