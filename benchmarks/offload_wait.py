@@ -7,19 +7,25 @@ while a hot side publishes offloaded decode-attention tasks at random (exponenti
 times and waits for them on its own stream. The hot side is a thread with its own
 stream by default: two processes on one GPU are time-sliced by the driver unless MPS
 runs, which would measure context switches rather than the transport. --hot-process
-puts it in another process (CUDA IPC, as in deployment; start MPS first). Four
+puts it in another process (CUDA IPC, as in deployment; start MPS first). Six
 receivers serve the tasks:
 
   a  cpu-launched: a host thread polls the counters (small D2H copies) and launches the
      attention on its own stream when it sees a task (a CPU-driven design given a second
      stream: the hardware runs it beside the cold kernels, with no pre-submitted cold
-     kernel ahead of it, unlike the paper's CPU-only baseline that queues behind them);
+     kernel ahead of it);
+  p  the paper's CPU-only baseline: the same host thread launches the attention on the
+     cold stream, behind the cold steps already queued there (two, as a serving loop
+     keeps them), once per task, without synchronising that stream;
   b  poll kernel after every cold operator (weaver_poll_and_attend, docs/architecture.md part 4);
   c  b plus the cold operators split as the operator splitter plans it (--split-plan
      planned, the default): GEMMs in chunks along their output (parameter) dimension,
      attention in groups of whole sequences of the batch, a poll after every chunk;
      --split-plan fixed splits the MLP and LM-head GEMMs into --split-chunks chunks;
-  d  a persistent spin-wait kernel on a high-priority stream.
+  d  a persistent spin-wait kernel on a high-priority stream;
+  e  the armed server (weaver/offload/cuda/armed_server.py, what a cold engine runs):
+     one-thread watch + attend kernel pairs queued on a high-priority stream, the attend
+     serving exactly the task its watch saw, split along the context when it is small.
 
 Split planning: before the receivers run, a profiling phase times every operator of an
 unsplit cold step (CUDA events between its poll points), the hot side's local attention K
@@ -33,9 +39,10 @@ says so and receiver c runs unsplit, the same cold step as b.
 Measured per receiver: the offload wait (publish -> completion observed, both stamped on
 the device with %globaltimer) p50/p99 under the busy cold stream and with the cold side
 idle (small tasks: --idle-task-seqs sequences), and the cold step time (CUDA events)
-with and without traffic. Targets: b's busy p99 >= 10x lower than a's;
-b's idle round trip p99 <= 20 us; b's polling adds <= 2 % to the cold step with no
-traffic.
+with and without traffic. Targets (receiver e): idle round trip p99 <= 20 us; busy, no
+wait above 1 ms, p99 <= the longest cold operator + the task's own attention, and >= 10x
+below p's (a's beside it, not judged); <= 1 % on the cold step with no traffic. Without
+e, b is judged on the first design's targets (a / b >= 10, idle <= 20 us, <= 2 %).
 
 Writes benchmarks/results/offload_wait-<gpu>-<time>.json and a PNG drawn from the JSON.
 Needs a CUDA GPU, CuPy and pydantic (not vLLM); exits with code 2 and a message otherwise.
@@ -84,12 +91,15 @@ from weaver.splitting.algorithm import (  # noqa: E402
 if TYPE_CHECKING:
     from weaver.splitting.profile import SplitProfile
 
-RECEIVERS = ("a_cpu_launched", "b_poll_kernel", "c_poll_split", "d_spin_kernel")
+RECEIVERS = ("a_cpu_launched", "p_cpu_behind_cold", "b_poll_kernel", "c_poll_split",
+             "d_spin_kernel", "e_armed_server")
 LABELS = {
     "a_cpu_launched": "a: CPU-launched",
+    "p_cpu_behind_cold": "p: CPU, behind cold",
     "b_poll_kernel": "b: poll kernel",
     "c_poll_split": "c: poll + split",
     "d_spin_kernel": "d: hi-prio spin",
+    "e_armed_server": "e: armed server",
 }
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
 
@@ -145,6 +155,7 @@ class RunConfig:
     seed: int
     receivers: tuple[str, ...] = RECEIVERS
     hot_run_budget_s: float = 90.0
+    gate_hot_stream: bool = True  # StreamGate: publish and wait queued before either runs
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -204,6 +215,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="wall-clock budget of one hot run (busy or idle): a receiver that leaves tasks "
         "to time out (2 s each) ends with fewer samples instead of running on",
     )
+    parser.add_argument(
+        "--no-gate",
+        action="store_true",
+        help="let the hot stream run each task's publish as soon as it is launched: the wait "
+        "then also holds the host's launch of the wait kernel after the publish started "
+        "(by default the stream is held until both are queued: the transport's round trip)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     parser.add_argument("--plot-only", type=Path, help="redraw the PNG of a saved JSON and exit")
@@ -251,6 +269,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         seed=args.seed,
         receivers=tuple(n for n in RECEIVERS if n in args.receivers.split(",")),
         hot_run_budget_s=args.hot_run_budget_s,
+        gate_hot_stream=not args.no_gate,
     )
 
 
@@ -309,6 +328,49 @@ def random_task(cfg: RunConfig, shape: ColdShape, max_blocks: int, seed: int) ->
 
 
 # --- hot side (its own process) -------------------------------------------------------
+class StreamGate:
+    """Holds a stream until the host releases it: cuStreamWaitValue64 on a pinned host word,
+    through the driver API (torch and CuPy expose no stream memory operations). The hot
+    side holds its stream, enqueues a task's publish and wait, then releases it, so the
+    measured wait starts with both kernels queued: the transport's round trip, not the
+    Python launch of the wait kernel after the publish has already run."""
+
+    WAIT_VALUE_GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ
+
+    def __init__(self) -> None:
+        import ctypes
+
+        import torch
+
+        self._ctypes = ctypes
+        lib = ctypes.CDLL("libcuda.so.1")
+        self._wait = getattr(lib, "cuStreamWaitValue64_v2", None) or lib.cuStreamWaitValue64
+        self._wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+        device_pointer = (getattr(lib, "cuMemHostGetDevicePointer_v2", None)
+                          or lib.cuMemHostGetDevicePointer)  # fmt: skip
+        device_pointer.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+        self._word = torch.zeros(1, dtype=torch.int64).pin_memory()
+        self._host = self._word.numpy()
+        address = ctypes.c_uint64()
+        status = device_pointer(ctypes.byref(address), ctypes.c_void_p(self._word.data_ptr()), 0)
+        if status != 0:
+            raise RuntimeError(f"cuMemHostGetDevicePointer failed (CUresult {status}); run "
+                               "with --no-gate")
+        self._address = address.value
+        self._value = 0
+
+    def hold(self, stream: Any) -> None:
+        self._value += 1
+        status = self._wait(self._ctypes.c_void_p(stream.cuda_stream), self._address,
+                            self._value, self.WAIT_VALUE_GEQ)  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"cuStreamWaitValue64 failed (CUresult {status}); this GPU or "
+                               "driver may lack stream memory operations: run with --no-gate")
+
+    def release(self) -> None:
+        self._host[0] = self._value
+
+
 def hot_worker(conn: Any, region_or_handle: Any, cfg: RunConfig, shape: ColdShape) -> None:
     """Publish tasks at random times on the hot stream; send back device-stamped waits.
 
@@ -335,6 +397,7 @@ def hot_worker(conn: Any, region_or_handle: Any, cfg: RunConfig, shape: ColdShap
     max_tasks = max(cfg.tasks_busy, cfg.tasks_idle) + 16
     stamps = torch.zeros(max_tasks, 2, dtype=torch.int64, device="cuda")
     stream = torch.cuda.Stream()
+    gate = StreamGate() if cfg.gate_hot_stream else None
     conn.send("ready")
     while True:
         command = conn.recv()
@@ -351,18 +414,29 @@ def hot_worker(conn: Any, region_or_handle: Any, cfg: RunConfig, shape: ColdShap
                     num_tasks = i
                     break
                 time.sleep(rng.exponential(cfg.mean_gap_ms / 1e3))
-                ticket = sender.submit(
-                    0, q[:num_seqs], lens[:num_seqs], table[:num_seqs],
-                    scale=shape.head_size**-0.5, stamp=stamps[i, 0:1],
-                )  # fmt: skip
-                sender.wait(ticket, timeout_s=2.0, stamp=stamps[i, 1:2])
+                if gate is not None:
+                    gate.hold(stream)
+                try:
+                    ticket = sender.submit(
+                        0, q[:num_seqs], lens[:num_seqs], table[:num_seqs],
+                        scale=shape.head_size**-0.5, stamp=stamps[i, 0:1],
+                    )  # fmt: skip
+                    sender.wait(ticket, timeout_s=2.0, stamp=stamps[i, 1:2])
+                finally:
+                    if gate is not None:
+                        gate.release()  # never leave the stream held
                 try:
                     sender.settle(ticket)  # synchronises the hot stream
                 except OffloadError:
                     num_failed += 1
-                    deadline = time.monotonic() + 10.0
-                    while not sender.recover() and time.monotonic() < deadline:
+                    # its own limit: the run's budget stays as it was (resetting it here
+                    # kept a receiver whose every task timed out running without end)
+                    give_up = time.monotonic() + 10.0
+                    while not sender.recover() and time.monotonic() < give_up:
                         time.sleep(1e-3)
+                    if not sender.recover():  # still served: a submit would read the
+                        num_tasks = i + 1     # counters on a held stream; end the run
+                        break
             waits_ns = (stamps[:num_tasks, 1] - stamps[:num_tasks, 0]).cpu().numpy()
         conn.send({"waits_ns": waits_ns.tolist(), "num_failed": num_failed})
     del sender, region, stamps
@@ -561,13 +635,17 @@ def run_cold_steps(step: Callable[[], None], *, until: Callable[[], bool], min_s
 
 class CpuLauncher:
     """Receiver a: a host thread reads the counters with small D2H copies and launches the
-    attention on its own stream when a task is pending."""
+    attention on its own stream when a task is pending, then waits for it. Receiver p
+    (behind = the cold stream): launches it on the cold stream instead, behind the steps
+    queued there, once per task, and does not wait (the cold stream is never synchronised
+    by the launcher)."""
 
-    def __init__(self, receiver: Any, region: Any) -> None:
+    def __init__(self, receiver: Any, region: Any, behind: Any = None) -> None:
         import torch
 
         from weaver.offload.layout import DONE_SEQ_OFFSET, TASK_SEQ_OFFSET
 
+        self._behind = behind
         self._receiver = receiver
         self._task = region.tensor(TASK_SEQ_OFFSET, (1,), torch.int64)
         self._done = region.tensor(DONE_SEQ_OFFSET, (1,), torch.int64)
@@ -587,14 +665,24 @@ class CpuLauncher:
     def _loop(self) -> None:
         import torch
 
+        launched = 0
         with torch.cuda.stream(self._stream):
             while not self._stop.is_set():
                 self._host[0:1].copy_(self._task, non_blocking=True)
                 self._host[1:2].copy_(self._done, non_blocking=True)
                 self._stream.synchronize()
-                if int(self._host[0]) > int(self._host[1]):
+                task = int(self._host[0])
+                if task <= int(self._host[1]):
+                    continue
+                if self._behind is None:
                     self._receiver.poll()
                     self._stream.synchronize()
+                elif task > launched:
+                    with torch.cuda.stream(self._behind):
+                        self._receiver.poll()
+                    launched = task
+                else:
+                    time.sleep(20e-6)  # launched, queued behind the cold steps
 
 
 def time_task_attention(library: Any, receiver: Any, cfg: RunConfig, shape: ColdShape,
@@ -903,6 +991,7 @@ def percentiles_us(waits_ns: list[int]) -> dict[str, float]:
 def run(args: argparse.Namespace) -> Path:
     import torch
 
+    from weaver.offload.cuda.armed_server import ArmedServerConfig
     from weaver.offload.cuda.jit import KernelLibrary
     from weaver.offload.cuda.transport import CudaPollingExecutor, CudaRegion
     from weaver.offload.receiver import OffloadReceiver
@@ -1014,9 +1103,11 @@ def run(args: argparse.Namespace) -> Path:
     print(f"no-traffic poll overhead by poll grid size: {sweep}", flush=True)
     schedule = {  # receiver -> (its cold step, what serves the tasks)
         "a_cpu_launched": ("baseline", "cpu"),
+        "p_cpu_behind_cold": ("baseline", "cpu_behind"),
         "b_poll_kernel": ("poll", "kernel"),
         "c_poll_split": ("poll_split", "kernel"),
         "d_spin_kernel": ("baseline", "spin"),
+        "e_armed_server": ("baseline", "armed"),
     }
     schedule = {name: plan for name, plan in schedule.items() if name in cfg.receivers}
     for index, (name, (step_name, server)) in enumerate(schedule.items()):
@@ -1030,11 +1121,26 @@ def run(args: argparse.Namespace) -> Path:
             reply, busy_steps = with_hot(cfg.tasks_busy, seed, busy(step))
             reply_idle, _ = with_hot(cfg.tasks_idle, seed + 1, idle_wait)
             stop_spin()
-        elif server == "cpu":
+        elif server in ("cpu", "cpu_behind"):
             entry["no_traffic_step_ms"] = no_traffic(step)
-            with CpuLauncher(receiver, region):
+            behind = torch.cuda.current_stream() if server == "cpu_behind" else None
+            with CpuLauncher(receiver, region, behind=behind):
                 reply, busy_steps = with_hot(cfg.tasks_busy, seed, busy(step))
                 reply_idle, _ = with_hot(cfg.tasks_idle, seed + 1, idle_wait)
+        elif server == "armed":
+            # every step was captured before: a capture while the server's thread queries
+            # its events would fail (global capture mode)
+            armed = region.arm(ArmedServerConfig(num_blocks=cfg.poll_blocks or None))
+            try:
+                entry["no_traffic_step_ms"] = no_traffic(step)
+                reply, busy_steps = with_hot(cfg.tasks_busy, seed, busy(step))
+                reply_idle, _ = with_hot(cfg.tasks_idle, seed + 1, idle_wait)
+            finally:
+                entry["armed_server"] = {"config": asdict(armed.config),
+                                         "num_blocks": armed.num_blocks,
+                                         "num_pairs": armed.num_pairs,
+                                         "num_underruns": armed.num_underruns}
+                region.disarm()
         else:
             entry["no_traffic_step_ms"] = no_traffic(step)
             reply, busy_steps = with_hot(cfg.tasks_busy, seed, busy(step))
@@ -1054,7 +1160,8 @@ def run(args: argparse.Namespace) -> Path:
     hot.join(timeout=60)
     receiver.close()
 
-    report = summarize(results, baseline_quiet)
+    report = summarize(results, baseline_quiet,
+                       wait_bound_us=wait_bound_us(split_section, task_attention, poll_blocks))
     report.update(
         gpu=props.name,
         num_sms=props.multi_processor_count,
@@ -1073,7 +1180,10 @@ def run(args: argparse.Namespace) -> Path:
         split_plan=split_section,
         receivers=results,
         time_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        notes="waits are device %globaltimer stamps (publish kernel -> wait kernel exit)",
+        notes="waits are device %globaltimer stamps (publish kernel -> wait kernel exit); "
+              + ("the hot stream was held until each task's publish and wait were queued"
+                 if cfg.gate_hot_stream else "ungated: the waits hold the host's launch of "
+                 "the wait kernel after the publish"),
     )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     gpu_tag = re.sub(r"[^A-Za-z0-9]+", "_", props.name).strip("_")
@@ -1099,7 +1209,21 @@ def profile_and_plan(model: ColdModel, receiver: Any, poll_blocks: int, cfg: Run
     return decision, section
 
 
-def summarize(results: dict[str, Any], baseline_quiet: list[float]) -> dict[str, Any]:
+def wait_bound_us(split_section: Mapping[str, Any], task_attention: Mapping[str, Any],
+                  grid: int) -> dict[str, float]:  # fmt: skip
+    """The busy wait a task may pay on the armed server: the longest cold operator (the
+    profile's mean, unsplit: e runs the unsplit step) plus the task's own attention on the
+    server's grid."""
+    profile = split_section["profile"]
+    ops = [*profile["layer_ops"], profile["lm_head"]]
+    longest = max(ops, key=lambda op: op["mean_s"])
+    task_us = task_attention[grid_label(grid)]["median_us"]
+    return {"longest_op": longest["name"], "longest_op_us": longest["mean_s"] * 1e6,
+            "task_us": task_us, "bound_us": longest["mean_s"] * 1e6 + task_us}
+
+
+def summarize(results: dict[str, Any], baseline_quiet: list[float],
+              wait_bound_us: Mapping[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     base = float(np.median(baseline_quiet))
     # The JSON opens with its verdict, so a reader of the file sees the outcome first.
     summary: dict[str, Any] = {"verdict": "", "baseline_step_ms_median": base}
@@ -1110,7 +1234,10 @@ def summarize(results: dict[str, Any], baseline_quiet: list[float]) -> dict[str,
         entry["busy_step_overhead"] = busy / base - 1.0
     acceptance: dict[str, Any] = {}
     summary["acceptance"] = acceptance
-    if "b_poll_kernel" not in results:  # --receivers without b: nothing to judge
+    if "e_armed_server" in results:
+        judge_armed_server(results, acceptance, summary, wait_bound_us)
+        return summary
+    if "b_poll_kernel" not in results:  # --receivers without b and e: nothing to judge
         summary["verdict"] = "no verdict: receiver b did not run"
         return summary
     b = results["b_poll_kernel"]
@@ -1131,6 +1258,41 @@ def summarize(results: dict[str, Any], baseline_quiet: list[float]) -> dict[str,
     return summary
 
 
+def judge_armed_server(results: dict[str, Any], acceptance: dict[str, Any],
+                       summary: dict[str, Any],
+                       wait_bound_us: Mapping[str, Any] | None) -> None:  # fmt: skip
+    """The targets of the design a cold engine runs (receiver e)."""
+    e = results["e_armed_server"]
+    busy, idle = e["busy_wait_us"], e["idle_wait_us"]
+    e_p99 = busy.get("p99", math.nan)
+
+    def check(key: str, value: float, threshold: str, passed: bool) -> None:
+        acceptance[key] = {"value": value, "threshold": threshold, "passed": bool(passed)}
+
+    idle_p99 = idle.get("p99", math.nan)
+    check("idle_round_trip_p99_us_e", idle_p99, "<= 20", idle_p99 <= 20)
+    busy_max = busy.get("max", math.nan)
+    check("busy_max_wait_us_e", busy_max, "<= 1000", busy_max <= 1000)
+    if wait_bound_us is not None:
+        bound = wait_bound_us["bound_us"]
+        check("busy_p99_us_e_within_longest_op_plus_task", e_p99, f"<= {bound:.1f}",
+              e_p99 <= bound)
+        summary["wait_bound_us"] = dict(wait_bound_us)
+    if "p_cpu_behind_cold" in results:
+        ratio = results["p_cpu_behind_cold"]["busy_wait_us"].get("p99", math.nan) / e_p99
+        check("busy_p99_p_over_e", ratio, ">= 10", ratio >= 10)
+    overhead = e["no_traffic_overhead"]
+    check("no_traffic_overhead_e", overhead, "<= 0.01", overhead <= 0.01)
+    failures = e["num_failed"]["busy"] + e["num_failed"]["idle"]
+    check("failed_tasks_e", failures, "== 0", failures == 0)
+    if "a_cpu_launched" in results:  # beside it, not judged: a has no cold kernel ahead
+        summary["busy_p99_a_over_e"] = (
+            results["a_cpu_launched"]["busy_wait_us"].get("p99", math.nan) / e_p99)
+    failed = [key for key, entry in acceptance.items() if not entry["passed"]]
+    summary["verdict"] = (f"FAIL: {', '.join(failed)}" if failed
+                          else f"PASS: {', '.join(acceptance)}")  # fmt: skip
+
+
 def print_table(report: dict[str, Any]) -> None:
     print(f"\n{report['gpu']}: cold step (no receiver, no traffic) "
           f"{report['baseline_step_ms_median']:.3f} ms")  # fmt: skip
@@ -1148,6 +1310,10 @@ def print_table(report: dict[str, Any]) -> None:
     for key, check in report["acceptance"].items():
         print(f"  {key}: {check['value']:.4g} (want {check['threshold']}) "
               f"{'PASS' if check['passed'] else 'FAIL'}")  # fmt: skip
+    if "busy_p99_a_over_e" in report:
+        print(f"  busy p99 a / e (own-stream CPU launch, not judged): "
+              f"{report['busy_p99_a_over_e']:.3g}")
+    print(f"verdict: {report['verdict']}")
 
 
 def plot(json_path: Path) -> Path:
@@ -1163,16 +1329,17 @@ def plot(json_path: Path) -> Path:
     labels = [LABELS[n] for n in names]
     fig, (ax_wait, ax_idle, ax_ovh) = plt.subplots(1, 3, figsize=(15, 4.5))
     x = np.arange(len(names))
-    for offset, key in ((-0.2, "p50"), (0.2, "p99")):
-        ax_wait.bar(x + offset, [r["busy_wait_us"].get(key, np.nan) for r in recs], 0.4, label=key)
-        ax_idle.bar(x + offset, [r["idle_wait_us"].get(key, np.nan) for r in recs], 0.4, label=key)
+    # max too: one task in a hundred served late is what the p99 hides and a user sees
+    for offset, key in ((-0.27, "p50"), (0.0, "p99"), (0.27, "max")):
+        ax_wait.bar(x + offset, [r["busy_wait_us"].get(key, np.nan) for r in recs], 0.27, label=key)
+        ax_idle.bar(x + offset, [r["idle_wait_us"].get(key, np.nan) for r in recs], 0.27, label=key)
     ax_wait.set_yscale("log")
     ax_wait.set_title("offload wait, busy cold stream (us)")
     ax_idle.set_title("idle round trip (us)")
     ax_idle.axhline(20, color="gray", linestyle="--", linewidth=1, label="20 us target")
     ax_ovh.bar(x - 0.2, [100 * r["no_traffic_overhead"] for r in recs], 0.4, label="no traffic")
     ax_ovh.bar(x + 0.2, [100 * r["busy_step_overhead"] for r in recs], 0.4, label="with traffic")
-    ax_ovh.axhline(2, color="gray", linestyle="--", linewidth=1, label="2 % target")
+    ax_ovh.axhline(1, color="gray", linestyle="--", linewidth=1, label="1 % target (e)")
     ax_ovh.set_title("cold step time overhead (%)")
     for ax in (ax_wait, ax_idle, ax_ovh):
         ax.set_xticks(x, labels, rotation=20, ha="right")

@@ -97,6 +97,27 @@ __device__ __forceinline__ int num_attention_items(const AttnParams& p) {
   return p.num_seqs * p.num_kv_heads * num_group_chunks(p);
 }
 
+// The sequence, KV head and query heads [head0, head0 + num_heads) of one work item.
+struct ItemHeads {
+  int seq;
+  int kv_head;
+  int head0;
+  int num_heads;
+};
+
+__device__ __forceinline__ ItemHeads item_heads(const AttnParams& p, int item) {
+  const int chunks = num_group_chunks(p);
+  const int group = p.num_q_heads / p.num_kv_heads;
+  ItemHeads heads;
+  heads.seq = item / (p.num_kv_heads * chunks);
+  const int rest = item - heads.seq * p.num_kv_heads * chunks;
+  heads.kv_head = rest / chunks;
+  const int chunk = rest - heads.kv_head * chunks;
+  heads.head0 = heads.kv_head * group + chunk * kMaxGroup;
+  heads.num_heads = min(kMaxGroup, group - chunk * kMaxGroup);
+  return heads;
+}
+
 // Online-softmax merge of (m_b, s_b, acc_b) into (m_a, s_a, acc_a); a side that saw no
 // token has max -inf and contributes nothing.
 __device__ __forceinline__ void merge_factors(float m_a, float m_b, float& f_a, float& f_b,
@@ -116,13 +137,24 @@ __device__ __forceinline__ void load_block_ids(const int* table, int start, int 
   for (int j = 0; j < kTokensPerIter; ++j) blocks[j] = table[min(start + j, last) / block_size];
 }
 
-// Computes one item (see the work split above) with the whole block. Returns false (and
-// writes zeros) when the item's length does not fit its block table row or it reads a
-// block id outside the pool, so a corrupt task cannot read outside the pool. Every
+// Floats of one span's partial state (attend_span with a `partial` destination): per
+// query head of the item, its max, its sum, then head_size unnormalised accumulators.
+__device__ __forceinline__ int partial_floats(const AttnParams& p) {
+  return kMaxGroup * (2 + p.head_size);
+}
+
+// Computes one item (see the work split above) with the whole block, over the item's
+// tokens in [t_begin, t_end) (FlashDecoding's split of the context: a task of few
+// sequences spreads over more blocks). With partial == nullptr the span is the whole
+// context and the normalised output is written; otherwise the span's online-softmax state
+// goes to partial (partial_floats(p) floats; merge_spans combines them). Returns false
+// (and writes zeros) when the item's length does not fit its block table row or it reads
+// a block id outside the pool, so a corrupt task cannot read outside the pool. Every
 // thread of the block must call it (it synchronises).
 // kVecs: 16-byte vectors per lane per row: 1, or 2 for fp32 rows longer than 128.
 template <class Dt, int kVecs>
-__device__ bool attend_item(const AttnParams& p, int item, AttnShared& shared) {
+__device__ bool attend_span(const AttnParams& p, int item, int t_begin, int t_end,
+                            AttnShared& shared, float* partial) {
   typedef typename Dt::T T;
   constexpr int kPerVec = 16 / static_cast<int>(sizeof(T));
   constexpr int kElems = kVecs * kPerVec;
@@ -140,23 +172,22 @@ __device__ bool attend_item(const AttnParams& p, int item, AttnShared& shared) {
   const int token_group = warp * groups_per_warp + lane / lanes_per_token;
   const int tokens_per_iter = kNumWarps * groups_per_warp * kTokensPerIter;
 
-  const int chunks = num_group_chunks(p);
-  const int group = p.num_q_heads / p.num_kv_heads;
-  const int seq = item / (p.num_kv_heads * chunks);
-  const int rest = item - seq * p.num_kv_heads * chunks;
-  const int kv_head = rest / chunks;
-  const int chunk = rest - kv_head * chunks;
-  const int head0 = kv_head * group + chunk * kMaxGroup;
-  const int num_heads = min(kMaxGroup, group - chunk * kMaxGroup);
+  const ItemHeads heads = item_heads(p, item);
+  const int seq = heads.seq;
+  const int kv_head = heads.kv_head;
+  const int head0 = heads.head0;
+  const int num_heads = heads.num_heads;
 
   // A length the block table cannot hold would read past the sequence's table row.
   const int claimed_len = p.seq_lens[seq];
   const bool is_len_ok =
       claimed_len >= 1 && static_cast<i64>(claimed_len) <= static_cast<i64>(p.block_table_stride) * p.block_size;
   const int seq_len = is_len_ok ? claimed_len : 0;
-  const int first = p.sliding_window > 0 && seq_len > p.sliding_window
-                        ? seq_len - p.sliding_window
-                        : 0;
+  const int window_first = p.sliding_window > 0 && seq_len > p.sliding_window
+                               ? seq_len - p.sliding_window
+                               : 0;
+  const int first = max(window_first, t_begin);
+  const int end = min(seq_len, t_end);  // the span's end: tokens past it are not read
 
   float q[kMaxGroup][kElems];
   float acc[kMaxGroup][kElems];
@@ -191,10 +222,10 @@ __device__ bool attend_item(const AttnParams& p, int item, AttnShared& shared) {
   // so the compiler issues them back to back instead of behind branches. The first
   // kernel on an H100 paid the table's round trip per token: ~4 us per iteration.
   int blocks[kTokensPerIter];
-  load_block_ids(table, first + token_group * kTokensPerIter, seq_len, p.block_size, blocks);
+  load_block_ids(table, first + token_group * kTokensPerIter, end, p.block_size, blocks);
   // The bound is the same for the whole block, so every lane of a warp runs every
   // iteration (the shuffles below need the full warp).
-  for (int base = first; base < seq_len; base += tokens_per_iter) {
+  for (int base = first; base < end; base += tokens_per_iter) {
     Vec16 k_raw[kTokensPerIter][kVecs];
     Vec16 v_raw[kTokensPerIter][kVecs];
     bool is_valid[kTokensPerIter];
@@ -203,8 +234,8 @@ __device__ bool attend_item(const AttnParams& p, int item, AttnShared& shared) {
       const int t = base + token_group * kTokensPerIter + j;
       const int block = blocks[j];
       const bool is_in_pool = block >= 0 && block < p.num_blocks;  // same for the lane group
-      is_ok = is_ok && (t >= seq_len || is_in_pool);
-      is_valid[j] = t < seq_len && is_in_pool;
+      is_ok = is_ok && (t >= end || is_in_pool);
+      is_valid[j] = t < end && is_in_pool;
       const int offset = is_valid[j] ? t - (t / p.block_size) * p.block_size : 0;
       const T* k_ptr = static_cast<const T*>(p.kv) +
                        (static_cast<i64>(is_valid[j] ? block : 0) * p.num_kv_heads + kv_head) * page_elems +
@@ -222,7 +253,7 @@ __device__ bool attend_item(const AttnParams& p, int item, AttnShared& shared) {
         }
       }
     }
-    load_block_ids(table, base + tokens_per_iter + token_group * kTokensPerIter, seq_len,
+    load_block_ids(table, base + tokens_per_iter + token_group * kTokensPerIter, end,
                    p.block_size, blocks);
     float score[kTokensPerIter][kMaxGroup];
 #pragma unroll
@@ -309,6 +340,7 @@ __device__ bool attend_item(const AttnParams& p, int item, AttnShared& shared) {
   const bool is_block_ok = __syncthreads_and(is_ok) != 0;
 
   // Merge the warps and write: one thread per (query head of the item, head element).
+  const int stride = 2 + head_size;
   for (int index = threadIdx.x; index < num_heads * head_size; index += blockDim.x) {
     const int g = index / head_size;
     const int d = index - g * head_size;
@@ -323,12 +355,63 @@ __device__ bool attend_item(const AttnParams& p, int item, AttnShared& shared) {
       block_sum += shared.sum[w][g] * factor;
       value += shared.acc[w][g][d] * factor;
     }
+    if (partial != nullptr) {
+      if (d == 0) {
+        partial[g * stride] = block_max;
+        partial[g * stride + 1] = block_sum;
+      }
+      partial[g * stride + 2 + d] = value;
+      continue;
+    }
     const float inv_sum = block_sum > 0.0f && is_block_ok ? 1.0f / block_sum : 0.0f;
     T* out_ptr = static_cast<T*>(p.out) + (static_cast<i64>(seq) * p.num_q_heads + head0 + g) * head_size;
     out_ptr[d] = Dt::store(value * inv_sum);
   }
   __syncthreads();  // shared is reused by the next item
   return is_block_ok;
+}
+
+// One whole item, its normalised output written (the standalone kernel, the poll kernel).
+template <class Dt, int kVecs>
+__device__ __forceinline__ bool attend_item(const AttnParams& p, int item, AttnShared& shared) {
+  return attend_span<Dt, kVecs>(p, item, 0, 0x7fffffff, shared, nullptr);
+}
+
+// Writes item's output from its num_spans partial states (partial_floats(p) floats each,
+// consecutive), written by other blocks of this grid: the caller has fenced after seeing
+// every span counted. Loads bypass L1 (.cg), which is not coherent across blocks; they
+// are independent, so the compiler may keep several in flight. Every thread of the block
+// calls it.
+template <class Dt>
+__device__ void merge_spans(const AttnParams& p, int item, int num_spans, const float* spans,
+                            bool is_ok) {
+  typedef typename Dt::T T;
+  const ItemHeads heads = item_heads(p, item);
+  const int seq = heads.seq;
+  const int head0 = heads.head0;
+  const int num_heads = heads.num_heads;
+  const int head_size = p.head_size;
+  const int stride = 2 + head_size;
+  const int span_floats = partial_floats(p);
+  for (int index = threadIdx.x; index < num_heads * head_size; index += blockDim.x) {
+    const int g = index / head_size;
+    const int d = index - g * head_size;
+    float total_max = kNegInf;
+    for (int s = 0; s < num_spans; ++s)
+      total_max = fmaxf(total_max, __ldcg(spans + static_cast<i64>(s) * span_floats + g * stride));
+    float total_sum = 0.0f;
+    float value = 0.0f;
+    for (int s = 0; s < num_spans; ++s) {
+      const float* span = spans + static_cast<i64>(s) * span_floats + g * stride;
+      const float m = __ldcg(span);
+      const float factor = m == kNegInf ? 0.0f : __expf(m - total_max);
+      total_sum += __ldcg(span + 1) * factor;
+      value += __ldcg(span + 2 + d) * factor;
+    }
+    const float inv_sum = total_sum > 0.0f && is_ok ? 1.0f / total_sum : 0.0f;
+    T* out_ptr = static_cast<T*>(p.out) + (static_cast<i64>(seq) * p.num_q_heads + head0 + g) * head_size;
+    out_ptr[d] = Dt::store(value * inv_sum);
+  }
 }
 
 }  // namespace weaver

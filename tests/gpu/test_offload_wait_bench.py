@@ -425,3 +425,41 @@ def test_receivers_can_be_chosen_and_the_summary_judges_what_ran(bench) -> None:
     assert report["verdict"].startswith("PASS")
     assert bench.summarize({"c_poll_split": results["c_poll_split"]}, [10.0])["verdict"] == (
         "no verdict: receiver b did not run")
+
+
+def test_the_armed_server_is_judged_on_its_own_targets(bench, capsys) -> None:
+    """With receiver e, the verdict is e's: idle p99 <= 20 us, no busy wait over 1 ms, p99
+    within the longest operator + the task, >= 10x below the paper's baseline p, <= 1 %
+    with no traffic, no failed task; a / e is reported beside it."""
+    e = _entry(200.0, 15.0, 10.05, 10.3)
+    e["busy_wait_us"]["max"] = 400.0
+    e["num_failed"] = {"busy": 0, "idle": 0}
+    results = {"a_cpu_launched": _entry(600.0, 40.0, 10.0, 10.8),
+               "p_cpu_behind_cold": _entry(50_000.0, 40.0, 10.0, 10.0),
+               "b_poll_kernel": _entry(7000.0, 60.0, 10.2, 10.3),
+               "e_armed_server": e}  # fmt: skip
+    bound = {"longest_op": "lm_head", "longest_op_us": 350.0, "task_us": 150.0,
+             "bound_us": 500.0}  # fmt: skip
+    report = bench.summarize(results, [10.0] * 3, wait_bound_us=bound)
+    acceptance = report["acceptance"]
+    assert set(acceptance) == {
+        "idle_round_trip_p99_us_e", "busy_max_wait_us_e",
+        "busy_p99_us_e_within_longest_op_plus_task", "busy_p99_p_over_e",
+        "no_traffic_overhead_e", "failed_tasks_e"}
+    assert acceptance["busy_p99_p_over_e"]["value"] == pytest.approx(250.0)
+    assert report["verdict"].startswith("PASS") and report["busy_p99_a_over_e"] == 3.0
+    e["busy_wait_us"]["max"] = 1500.0  # one wait over 1 ms fails it
+    e["no_traffic_step_ms"] = [10.2] * 5  # 2 %: over the 1 % target
+    report = bench.summarize(results, [10.0] * 3, wait_bound_us=bound)
+    assert report["verdict"] == "FAIL: busy_max_wait_us_e, no_traffic_overhead_e"
+    report.update(gpu="Test GPU", receivers=results, baseline_step_ms_median=10.0)
+    bench.print_table(report)
+    assert "p: CPU, behind cold" in capsys.readouterr().out
+
+
+def test_the_wait_bound_is_the_longest_operator_plus_the_task(bench) -> None:
+    ops = [{"name": n, "mean_s": t} for n, t in (("qkv", 1e-4), ("down", 2e-4))]
+    section = {"profile": {"layer_ops": ops, "lm_head": {"name": "lm_head", "mean_s": 3.5e-4}}}
+    bound = bench.wait_bound_us(section, {"grid_132": {"median_us": 150.0}}, 132)
+    assert bound["longest_op"] == "lm_head"
+    assert bound["bound_us"] == pytest.approx(500.0)

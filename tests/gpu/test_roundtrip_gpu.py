@@ -1,5 +1,6 @@
-"""The CUDA transport end to end: publish -> poll kernel -> device wait, in one process and
-across two processes on one device; waits time out or see a closed region, never hang."""
+"""The CUDA transport end to end: publish -> poll kernel or armed server -> device wait, in
+one process and across two processes on one device; waits time out or see a closed region,
+never hang."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from weaver.offload.cuda.armed_server import ArmedServerConfig
 from weaver.offload.cuda.pool import write_kv
 from weaver.offload.cuda.transport import CudaPollingExecutor, CudaRegion
 from weaver.offload.layout import STATUS_OFFSET, HotAttentionShape, RegionLayout, RegionStatus
@@ -26,6 +28,7 @@ from weaver.offload.protocol import (
 from weaver.offload.receiver import OffloadReceiver
 from weaver.offload.reference_attention import paged_decode_attention_reference
 from weaver.offload.sender import OffloadSender
+from weaver.processes import shm_files_of_processes, unlink_left_over
 
 pytestmark = pytest.mark.gpu
 
@@ -68,10 +71,10 @@ def _used_slots(table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _expected(sender: OffloadSender, layer: int, q, seq_lens, table) -> torch.Tensor:
+def _expected(sender: OffloadSender, layer: int, q, seq_lens, table, **window) -> torch.Tensor:
     pool = sender.kv_layer(layer).cpu()
     return paged_decode_attention_reference(
-        q.cpu(), pool, seq_lens.cpu(), table.cpu(), 0.125, key_layout="nd"
+        q.cpu(), pool, seq_lens.cpu(), table.cpu(), 0.125, key_layout="nd", **window
     ).float()
 
 
@@ -229,6 +232,7 @@ def test_cross_process_round_trip_on_one_device(library) -> None:
     try:
         line = proc.stdout.readline()  # type: ignore[union-attr]
         assert line.startswith("HANDLE "), f"cold worker said {line!r}"
+        mapped = shm_files_of_processes([proc.pid])  # torch's CUDA IPC files among them
         region = CudaRegion.attach(layout, spec["name"], bytes.fromhex(line.split()[1]),
                                    library)
         sender = OffloadSender(region, policy=WaitPolicy())
@@ -243,6 +247,7 @@ def test_cross_process_round_trip_on_one_device(library) -> None:
         stdout, _ = proc.communicate("stop\n", timeout=120)
         assert "SERVED 5" in stdout
         assert proc.returncode == 0
+        unlink_left_over(mapped)  # a file the exporter could not unlink while this side held it
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -268,3 +273,65 @@ def test_a_killed_cold_process_leaves_its_region_to_the_fallback(library) -> Non
     assert result["pool_readable_after_death"], result
     assert result["wait_status"] == "TIMEOUT" and result["num_device_fallbacks"] == 1, result
     assert result["fallback_rel_error"] < 1e-2, result
+
+
+# --- the armed server (weaver/offload/cuda/armed_server.py) ------------------------------
+@pytest.mark.parametrize(
+    ("num_blocks", "span_tokens"),
+    [(None, 16), (2, 64)],
+    ids=["context-split", "whole-items"],
+)
+def test_armed_server_serves_tasks_against_the_oracle(pair, num_blocks, span_tokens) -> None:
+    """One block per SM and 16-token spans split every task of this layout along the
+    context (items of 1-6 sequences x 2 KV heads, far fewer than the blocks); two blocks
+    serve whole items. No poll point runs: the server alone serves, and the device count
+    reaches the host."""
+    sender, receiver, region = pair
+    server = region.arm(ArmedServerConfig(num_blocks=num_blocks, span_tokens=span_tokens))
+    for i in range(6):
+        layer = i % 2
+        # every other task with a sliding window: spans before it hold no token
+        window = {"sliding_window": 40} if i % 2 else {}
+        q, seq_lens, table = _task(sender, layer, seed=40 + i)
+        ticket = sender.submit(layer, q, seq_lens, table, scale=0.125, **window)
+        out = sender.wait(ticket, timeout_s=5.0).clone()
+        sender.settle(ticket)
+        _assert_close(out, _expected(sender, layer, q, seq_lens, table, **window))
+    assert receiver.poll() is False  # a poll point on an armed region does nothing
+    assert region.num_served() == 6
+    region.disarm()
+    assert server.num_pairs > 0 and not server.is_running
+
+
+def test_armed_server_fails_a_bad_block_id_and_serves_on(pair) -> None:
+    sender, _, region = pair
+    region.arm(ArmedServerConfig(span_tokens=16))
+    q, seq_lens, table = _task(sender, 0, seed=50)
+    bad = table.clone()
+    bad[0, 0] = NUM_REMOTE_BLOCKS + 7
+    ticket = sender.submit(0, q, seq_lens, bad, scale=0.125)
+    sender.wait(ticket, timeout_s=5.0)
+    with pytest.raises(OffloadTaskFailed):
+        sender.settle(ticket)
+    ticket = sender.submit(0, q, seq_lens, table, scale=0.125)
+    out = sender.wait(ticket, timeout_s=5.0).clone()
+    sender.settle(ticket)
+    _assert_close(out, _expected(sender, 0, q, seq_lens, table))
+
+
+def test_armed_region_refuses_poll_kernels_and_hands_back_when_disarmed(pair) -> None:
+    """One server per region (two would split one task's claims); disarming ends the queued
+    watches through the stop flag, within their bound, and poll points serve again."""
+    sender, receiver, region = pair
+    region.arm()
+    with pytest.raises(ValueError, match="armed server"):
+        region.poll()
+    start = time.monotonic()
+    region.disarm()
+    assert time.monotonic() - start < 5.0  # functional: it did not hang on a watch
+    q, seq_lens, table = _task(sender, 1, seed=51)
+    ticket = sender.submit(1, q, seq_lens, table, scale=0.125)
+    receiver.poll()
+    out = sender.wait(ticket, timeout_s=5.0).clone()
+    sender.settle(ticket)
+    _assert_close(out, _expected(sender, 1, q, seq_lens, table))

@@ -114,3 +114,32 @@ def test_one_work_item_per_sequence_kv_head_and_chunk_of_four_query_heads(
     """Llama-3-8B's GQA (4 query heads per KV head) is one item per (sequence, KV head), so
     its K/V are read once; 7 query heads per KV head take two items."""
     assert kernels.attention_items(num_seqs, num_q_heads, num_kv_heads) == expected
+
+
+def test_the_armed_server_sizes_its_buffers_as_the_kernels_read_them() -> None:
+    """kernels.SCRATCH_WORDS and partial_floats are what csrc/ uses (parsed from the source:
+    a scratch word past the host's tensor, or a span state longer than its slot, would
+    corrupt memory silently)."""
+    import re
+
+    from weaver.offload.cuda.jit import csrc_dir
+
+    cold = (csrc_dir() / "offload_cold.cu").read_text()
+    assert int(re.search(r"kScratchWords = (\d+)", cold).group(1)) == kernels.SCRATCH_WORDS
+    highest = max(int(n) for n in re.findall(r"kScratch(?!Words)\w+ = (\d+),", cold))
+    assert highest < kernels.SCRATCH_WORDS
+    attention = (csrc_dir() / "paged_attention.cuh").read_text()
+    assert "return kMaxGroup * (2 + p.head_size);" in attention
+    assert kernels.partial_floats(128) == kernels.MAX_GROUP * 130
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"num_blocks": 0}, {"span_tokens": 0}, {"queued_pairs": 0}, {"watch_s": 0.0},
+     {"refill_s": -1.0}, {"backoff_ns": -1}],
+)
+def test_armed_server_config_refuses_bad_values(changes: dict) -> None:
+    from weaver.offload.cuda.armed_server import ArmedServerConfig
+
+    with pytest.raises(ValueError):
+        ArmedServerConfig(**changes)

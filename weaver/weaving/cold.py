@@ -1,7 +1,11 @@
 """The cold side of weaving: the regions a cold worker owns and how their tasks are served
 (Weaver §3; docs/architecture.md, "The weaving path").
 
-A cold worker creates and owns one region per hot model weaving into it. Tasks are served
+A cold worker creates and owns one region per hot model weaving into it. On a GPU its
+tasks are served by the region's armed server (weaver/offload/cuda/armed_server.py), from
+a high-priority stream, concurrently with the cold model's kernels; poll points and the
+idle poller do nothing for such a region but stamp its heartbeat. In shared memory tasks
+are served
 - at poll points, right after each of the cold model's own operators (poll_points.py) and
   between the chunks of a split operator, on the model's thread, inside its step;
 - between steps, by the one idle poller thread over all the regions, which sleeps on their
@@ -47,14 +51,15 @@ def create_shm_region(plan: PairPlan) -> Transport:
 
 def create_cuda_region(plan: PairPlan) -> Transport:
     """The region of one pair in this process's GPU memory (its cuda:0, the engine's own
-    GPU), outside vLLM's KV pool; its poll kernels are loaded for that GPU."""
+    GPU), outside vLLM's KV pool, served by its armed server from now on."""
     from weaver.offload.cuda.jit import KernelLibrary
     from weaver.offload.cuda.transport import CudaRegion
 
     library = KernelLibrary()
     region = CudaRegion.create(plan.layout(), plan.region_name, f"cuda:{library.device_index}",
                                library)
-    region.load_kernels()  # at start-up, not at the first poll point
+    region.load_kernels()  # at start-up, not at the first task
+    region.arm()
     return region
 
 
@@ -195,8 +200,16 @@ class ColdWeaving:
                 if hasattr(receiver.transport, "export_handle")}
 
     def stats(self) -> list[dict[str, Any]]:
-        return [{"region": name, **vars(receiver.stats)}
-                for name, receiver in self.receivers.items()]
+        out = []
+        for name, receiver in self.receivers.items():
+            stats = dict(vars(receiver.stats))
+            count_on_device = getattr(receiver.transport, "num_served", None)
+            if count_on_device is not None:
+                # Kernels serve a CUDA region's tasks and tell the host nothing; the device
+                # counts them (a synchronising read, once per stats publication).
+                stats["num_served"] = count_on_device()
+            out.append({"region": name, **stats})
+        return out
 
     def stop_idle_poller(self) -> None:
         """Stop the idle poller (poll points keep working); its counters are final then."""

@@ -28,6 +28,7 @@ HOT_FILE = "offload_hot.cu"
 COLD_FILE = "offload_cold.cu"
 NUM_THREADS = 256  # csrc/paged_attention.cuh kThreads
 MAX_GROUP = 4  # csrc/paged_attention.cuh kMaxGroup: query heads one work item serves
+SCRATCH_WORDS = 8  # csrc/offload_cold.cu kScratchWords: the cold side's serving state
 
 DTYPE_SUFFIX: dict[torch.dtype, str] = {
     torch.float32: "f32",
@@ -269,10 +270,7 @@ def poll_and_attend(
     _check_region_args(region, desc)
     if dtype not in DTYPE_SUFFIX:
         raise ValueError(f"dtype {dtype} unsupported")
-    if scratch.dtype != torch.int64 or scratch.numel() < 4 or scratch.device != region.device:
-        raise ValueError("scratch must be int64 [>= 4] on the region's device, zeroed once")
-    if stop_flag.dtype != torch.int32 or stop_flag.device != region.device:
-        raise ValueError("stop_flag must be an int32 tensor on the region's device")
+    _check_scratch(scratch, stop_flag, region)
     if num_blocks < 1 or max_spin_s < 0:
         raise ValueError("num_blocks must be >= 1 and max_spin_s >= 0")
     fn = library.function(COLD_FILE, kernel_name("weaver_poll_and_attend", dtype, head_size))
@@ -284,6 +282,70 @@ def poll_and_attend(
         np.uint64(int(max_spin_s * 1e9)),
     )
     launch(fn, num_blocks, NUM_THREADS, args, region.device)
+
+
+def watch(
+    library: KernelLibrary,
+    region: torch.Tensor,
+    desc: torch.Tensor,
+    scratch: torch.Tensor,
+    stop_flag: torch.Tensor,
+    *,
+    max_spin_s: float,
+    backoff_ns: int = 64,
+) -> None:
+    """One thread spins until a task is pending, stop_flag[0] != 0 or max_spin_s passes,
+    and arms the attend_armed launched after it on the same stream with the pending seq."""
+    _check_region_args(region, desc)
+    _check_scratch(scratch, stop_flag, region)
+    if max_spin_s <= 0 or backoff_ns < 0:
+        raise ValueError(f"max_spin_s must be > 0 and backoff_ns >= 0, got {max_spin_s}, "
+                         f"{backoff_ns}")
+    fn = library.function(COLD_FILE, "weaver_watch")
+    args = (_ptr(region), _ptr(desc), _ptr(scratch), _ptr(stop_flag),
+            np.uint64(int(max_spin_s * 1e9)), np.uint32(backoff_ns))
+    launch(fn, 1, 32, args, region.device)
+
+
+def attend_armed(
+    library: KernelLibrary,
+    dtype: torch.dtype,
+    region: torch.Tensor,
+    desc: torch.Tensor,
+    scratch: torch.Tensor,
+    partial: torch.Tensor,
+    span_count: torch.Tensor,
+    *,
+    head_size: int,
+    num_blocks: int,
+    span_tokens: int,
+) -> None:
+    """Serve the task the watch before it armed (nothing if none) with num_blocks blocks,
+    splitting the context of a task of few items into spans of span_tokens tokens.
+    partial: float32 [max_units * partial_floats(head_size)]; span_count: int32
+    [max_units], zeroed once."""
+    _check_region_args(region, desc)
+    if dtype not in DTYPE_SUFFIX:
+        raise ValueError(f"dtype {dtype} unsupported")
+    floats = partial_floats(head_size)
+    if (partial.dtype != torch.float32 or partial.device != region.device
+            or partial.numel() % floats):
+        raise ValueError(f"partial must be float32 [max_units * {floats}] on the region's device")
+    max_units = partial.numel() // floats
+    if (span_count.dtype != torch.int32 or span_count.device != region.device
+            or span_count.numel() < max_units):
+        raise ValueError(f"span_count must be int32 [>= {max_units}] on the region's device")
+    if num_blocks < 1 or span_tokens < 1:
+        raise ValueError("num_blocks and span_tokens must be >= 1")
+    fn = library.function(COLD_FILE, kernel_name("weaver_attend_armed", dtype, head_size))
+    args = (_ptr(region), _ptr(desc), _ptr(scratch), _ptr(partial), _ptr(span_count),
+            np.int32(max_units), np.int32(span_tokens))
+    launch(fn, num_blocks, NUM_THREADS, args, region.device)
+
+
+def partial_floats(head_size: int) -> int:
+    """Floats of one span's softmax state (csrc/paged_attention.cuh partial_floats)."""
+    return MAX_GROUP * (2 + head_size)
 
 
 def kernel_name(base: str, dtype: torch.dtype, head_size: int) -> str:
@@ -303,6 +365,15 @@ def _check_region_args(region: torch.Tensor, desc: torch.Tensor) -> None:
         raise ValueError("desc must be int64 (see region_desc.region_descriptor)")
     if desc.device.type != "cuda":
         raise ValueError(f"desc must be on a CUDA device, got {desc.device}")
+
+
+def _check_scratch(scratch: torch.Tensor, stop_flag: torch.Tensor, region: torch.Tensor) -> None:
+    if (scratch.dtype != torch.int64 or scratch.numel() < SCRATCH_WORDS
+            or scratch.device != region.device):
+        raise ValueError(f"scratch must be int64 [>= {SCRATCH_WORDS}] on the region's device, "
+                         "zeroed once")
+    if stop_flag.dtype != torch.int32 or stop_flag.device != region.device:
+        raise ValueError("stop_flag must be an int32 tensor on the region's device")
 
 
 def _check_stamp(stamp: torch.Tensor | None, device: torch.device) -> None:

@@ -7,9 +7,11 @@ same methods; what changes is who moves the counters:
        ``wait_done`` enqueues ``weaver_wait_done``, a one-thread spin kernel with a timeout,
        so the hot stream's next kernel (o_proj) starts when the output is there and the CPU
        never blocks; ``wait_status`` reads its outcome after a synchronisation.
-  cold ``serve``: ``weaver_poll_and_attend`` after each cold operator (returns at once when
-       task_seq == done_seq) serves the task on the device; ``spin`` keeps it polling as a
-       persistent server.
+  cold ``arm``: the armed server (armed_server.py) serves tasks from a high-priority
+       stream, concurrently with the cold model's kernels; a poll point (``serve``) on an
+       armed region does nothing. Unarmed, ``serve`` enqueues ``weaver_poll_and_attend``
+       after each cold operator (returns at once when task_seq == done_seq); ``spin``
+       keeps it polling as a persistent server.
 
 The region is one flat uint8 tensor allocated with torch on the cold device, exported
 once with CUDA IPC (ipc.py) and opened once by the hot side; it never comes from vLLM's
@@ -40,6 +42,7 @@ from weaver.offload.protocol import RegionBase, TaskMeta, WaitPolicy, WaitStatus
 if TYPE_CHECKING:
     import torch
 
+    from weaver.offload.cuda.armed_server import ArmedServer, ArmedServerConfig
     from weaver.offload.cuda.jit import KernelLibrary
 
 logger = logging.getLogger(__name__)
@@ -81,9 +84,12 @@ class CudaRegion(RegionBase):
                                   device=self.device)
         self._wait_status = torch.zeros(2, dtype=torch.int32, device=self.device)
         self._dtype = getattr(torch, layout.shape.dtype)
-        # The cold side's serving state: claim counters (u64 [4], csrc/offload_cold.cu
-        # ScratchIndex) and the flag that stops a spinning server.
-        self._scratch = torch.zeros(4, dtype=torch.int64, device=self.device)
+        # The cold side's serving state: claim counters (csrc/offload_cold.cu ScratchIndex)
+        # and the flag that stops a spinning server or a watch.
+        from weaver.offload.cuda.kernels import SCRATCH_WORDS
+
+        self._scratch = torch.zeros(SCRATCH_WORDS, dtype=torch.int64, device=self.device)
+        self._armed: ArmedServer | None = None
         self._stop_flag = torch.zeros(1, dtype=torch.int32, device=self.device)
         # The hot side's fallbacks since the last take_num_fallbacks(), counted on the
         # device by the _if_failed attention (no host synchronisation per layer).
@@ -279,7 +285,8 @@ class CudaRegion(RegionBase):
         if not isinstance(executor, CudaPollingExecutor):
             raise TypeError(f"the CUDA transport serves tasks on the device; its executor is "
                             f"a CudaPollingExecutor, not {type(executor).__name__}")
-        self.poll(executor.num_blocks)
+        if self._armed is None:
+            self.poll(executor.num_blocks)
         return False
 
     def poll(self, num_blocks: int | None = None) -> None:
@@ -292,9 +299,34 @@ class CudaRegion(RegionBase):
             raise ValueError(f"max_spin_s must be > 0, got {max_spin_s}")
         self._launch_poll(num_blocks, max_spin_s=max_spin_s)
 
+    def arm(self, config: ArmedServerConfig | None = None) -> ArmedServer:
+        """Serve this (owned) region with an armed server from now on; poll points do
+        nothing while it runs (one server per region: two would split one task's claims)."""
+        from weaver.offload.cuda.armed_server import ArmedServer
+
+        if not self._is_owner:
+            raise ValueError("only the region's owner (the cold side) serves its tasks")
+        if self._armed is None:
+            self._armed = ArmedServer(self, config)
+            self._armed.start()
+        return self._armed
+
+    def disarm(self) -> None:
+        """Stop the armed server (a task already published is still served)."""
+        armed, self._armed = self._armed, None
+        if armed is not None:
+            armed.stop()
+
+    @property
+    def armed_server(self) -> ArmedServer | None:
+        return self._armed
+
     def _launch_poll(self, num_blocks: int | None, *, max_spin_s: float) -> None:
         from weaver.offload.cuda import kernels
 
+        if self._armed is not None:
+            raise ValueError(f"region {self._name!r} is served by its armed server; disarm() "
+                             "it before launching poll kernels")
         kernels.poll_and_attend(
             self._library, self._dtype, self.region_tensor, self._desc, self._scratch,
             self._stop_flag, head_size=self._layout.shape.head_size,
@@ -328,5 +360,9 @@ class CudaRegion(RegionBase):
         wait_for_task ends within its timeout."""
 
     def close(self) -> None:
-        """Drop this process's reference (the owner frees the memory once no view is left)."""
-        self._tensor = None
+        """Stop the armed server, then drop this process's reference (the owner frees the
+        memory once no view is left)."""
+        try:
+            self.disarm()
+        finally:
+            self._tensor = None
