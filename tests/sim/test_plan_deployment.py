@@ -133,10 +133,13 @@ def test_plan_command_refuses_a_config_without_serve_before_planning(tmp_path, c
     assert not (tmp_path / "d").exists() and not (tmp_path / "tiny").exists()
 
 
-def _entry(label: str, policy: str, goodput: float, ratios: tuple = ()) -> dict:
+def _entry(label: str, policy: str, goodput: float, ratios: tuple = (),
+           cold_factor: float | None = None) -> dict:
     pairs = [{"hot_gpu": 0, "cold_gpu": 1, "offload_ratio": r} for r in ratios]
     return {"label": label, "policy": policy, "plan": {"gpus": [], "pairs": pairs},
-            "summary": {"_all": {"goodput_rps": goodput, "output_tokens_per_s": 0.0}}}
+            "summary": {"_all": {"goodput_rps": goodput, "output_tokens_per_s": 0.0}},
+            "cold_tpot_factors": {} if cold_factor is None else {"cold": cold_factor},
+            "within_cold_budget": cold_factor is None or cold_factor <= 1.10}
 
 
 @pytest.mark.parametrize(("woven", "expected"), [
@@ -156,3 +159,22 @@ def test_the_plan_says_whether_weaving_pays(woven, expected):
     assert weaving_answer(result, WeavingSpec()) == expected
     result["candidates"].pop()
     assert weaving_answer(result, WeavingSpec()).startswith("weaving: not planned")
+
+
+def test_a_woven_placement_over_the_cold_budget_is_not_served():
+    """Goodput alone would take the fixed ratio (6 req/s) whose cold TPOT rose 1.16x; the
+    plan serves the one within the budget, and says so when none is."""
+    from weaver.sim.config import WeavingSpec
+    from weaver.sim.plan_deployment import best_woven, weaving_answer
+
+    over = _entry("woven-fixed", "weaver", 6.0, (0.25,), cold_factor=1.16)
+    within = _entry("woven-auto", "weaver", 5.0, ("auto",), cold_factor=1.05)
+    result = {"candidates": [_entry("plain", "muxserve", 4.0), over, within],
+              "baseline": _entry("dedicated", "dedicated", 3.0)}
+    assert best_woven(result)["label"] == "woven-auto"
+    assert weaving_answer(result, WeavingSpec()).endswith("serve woven-auto")
+    result["candidates"].remove(within)
+    assert best_woven(result) is None
+    assert weaving_answer(result, WeavingSpec()) == (
+        "weaving does not pay here: every woven placement raises a cold model's TPOT over "
+        "its budget (cold_tpot_budget; woven-fixed: cold 1.16x); serve plain")

@@ -62,3 +62,25 @@ def test_small_power_law_cluster_planner_beats_dedicated():
     assert counts["m00"] > counts["m03"]  # the popular model gets more GPUs
     assert gpu_counts(result["baseline"]["plan"]) == dict.fromkeys(["m00", "m01", "m02", "m03"], 2)
     assert result["goodput_gain"] > 1.5  # the hot model is overloaded on 2 GPUs
+
+
+def test_a_woven_candidate_is_held_to_its_cold_models_tpot_budget():
+    """The cold models' mean TPOT woven over unwoven, per model of the cold device; a
+    candidate is within its budget only if each is within the tightest pair's."""
+    from weaver.sim.plan import GpuPlan, Plan, WeavePair
+    from weaver.sim.planner import Candidate, cold_tpot_factors
+
+    def run(**tpot_s):
+        return {"summary": {name: {"tpot_s": {"mean": value}} for name, value in tpot_s.items()}}
+
+    plan = Plan([GpuPlan(["hot"]), GpuPlan(["cold", "cold2"])],
+                [WeavePair(0, 1, 0.25, cold_tpot_budget=1.10)])
+    plain = run(hot=0.050, cold=0.020, cold2=0.030)
+    factors = cold_tpot_factors(run(hot=0.040, cold=0.022, cold2=0.036), plain, plan)
+    assert factors == pytest.approx({"cold": 1.10, "cold2": 1.20})
+    cand = Candidate(plan, "weaver", 1.0, "woven", cold_tpot_factors=factors)
+    assert not cand.is_within_cold_budget  # cold2 1.20x > 1.10
+    cand.cold_tpot_factors = {"cold": 1.05, "cold2": 1.10}
+    assert cand.is_within_cold_budget
+    # a cold model with no second token in the plain run has no factor
+    assert cold_tpot_factors(run(cold=0.02), run(cold=None), plan) == {}

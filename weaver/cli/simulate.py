@@ -287,7 +287,8 @@ def run_plan(args: argparse.Namespace) -> int:
               f"pairs={len(entry['plan'].get('pairs', [])):>3} "
               f"tokens={total['output_tokens_per_s']:9.0f}/s "
               f"goodput={total['goodput_rps']:8.2f} req/s "
-              f"SLO attainment={total['slo_attainment']:.1%}")
+              f"SLO attainment={total['slo_attainment']:.1%}"
+              + _cold_budget_text(entry))
     print(f"chosen: {result['chosen']['label']}; goodput x{result['goodput_gain']:.2f}, token "
           f"throughput x{result['token_throughput_gain']:.2f} vs {result['baseline']['label']}")
     print(weaving_answer(result, config.weaving))
@@ -380,3 +381,12 @@ def _print_sweep(sweep: dict) -> None:
             gain = "n/a (dedicated meets the SLO at no swept rate; sweep lower rates)"
         print(f"weaving vs dedicated: {gain} (paper, Weaver §5 on A100: "
               f"{PAPER_HOT_GAIN:+.0%})")
+
+
+def _cold_budget_text(entry: dict) -> str:
+    """A woven candidate's cold models' TPOT against the same placement unwoven."""
+    factors = entry.get("cold_tpot_factors") or {}
+    if not factors:
+        return ""
+    text = ", ".join(f"{name} x{factor:.2f}" for name, factor in sorted(factors.items()))
+    return f" cold TPOT {text}" + ("" if entry["within_cold_budget"] else " (over budget)")

@@ -148,8 +148,10 @@ def best_plain(result: dict) -> dict:
 
 
 def best_woven(result: dict) -> dict | None:
-    """The planner's best simulated woven candidate; None when it wove none."""
-    woven = [c for c in result["candidates"] if c["policy"] == "weaver"]
+    """The planner's best simulated woven candidate that keeps every cold model within its
+    TPOT budget; None when it wove none, or none that does."""
+    woven = [c for c in result["candidates"]
+             if c["policy"] == "weaver" and c["within_cold_budget"]]
     return max(woven, key=_score) if woven else None
 
 
@@ -160,6 +162,15 @@ def weaving_answer(result: dict, weaving: WeavingSpec) -> str:
     plain, woven = best_plain(result), best_woven(result)
     baseline = result["baseline"]["summary"]["_all"]["goodput_rps"]
     plain_goodput = plain["summary"]["_all"]["goodput_rps"]
+    over_budget = [c for c in result["candidates"]
+                   if c["policy"] == "weaver" and not c["within_cold_budget"]]
+    if woven is None and over_budget:
+        worst = max(over_budget, key=lambda c: max(c["cold_tpot_factors"].values()))
+        factors = ", ".join(f"{name} {factor:.2f}x" for name, factor
+                            in sorted(worst["cold_tpot_factors"].items()))
+        return (f"weaving does not pay here: every woven placement raises a cold model's "
+                f"TPOT over its budget (cold_tpot_budget; {worst['label']}: {factors}); "
+                f"serve {plain['label']}")
     if woven is None:
         return (f"weaving: not planned (no cold device to weave into); serve "
                 f"{plain['label']}")

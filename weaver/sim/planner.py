@@ -9,8 +9,11 @@
    tries weaving (hot GPUs paired with the least loaded ones) at two fixed offload ratios
    and with the engine's adaptive placement (`offload_ratio: auto`).
 The plan with the highest simulated goodput wins (ties: higher token throughput); a woven
-plan must beat the plain one by more than 1 %. The dedicated placement (GPUs dealt
-round-robin by rate) is simulated as the baseline.
+plan must beat the plain one by more than 1 %, and keep each cold model's mean TPOT within
+its pair's `cold_tpot_budget` of the same placement unwoven (the promise weaving makes to
+the cold model, which goodput alone does not see while the cold model still meets its
+SLO). The dedicated placement (GPUs dealt round-robin by rate) is simulated as the
+baseline.
 """
 
 from __future__ import annotations
@@ -67,6 +70,16 @@ class Candidate:
     label: str
     result: dict | None = field(default=None, repr=False)
     offload_policy: str | None = None
+    # woven candidates: each cold model's mean TPOT over the same placement unwoven
+    cold_tpot_factors: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def is_within_cold_budget(self) -> bool:
+        budget: dict[str, float] = {}
+        for pair in self.plan.pairs:  # every model of a cold device; the tightest budget
+            for name in self.plan.gpus[pair.cold_gpu].models:
+                budget[name] = min(budget.get(name, math.inf), pair.cold_tpot_budget)
+        return all(factor <= budget[name] for name, factor in self.cold_tpot_factors.items())
 
     @property
     def score(self) -> tuple[float, float]:
@@ -175,10 +188,15 @@ def plan_cluster(config: SimConfig, progress: bool = False,
         woven.result = simulate(config.model_copy(update={"weaving": weaving}), "weaver",
                                 woven.plan, progress=progress, keep_requests=False)
         woven.offload_policy = offload_policy
+        woven.cold_tpot_factors = cold_tpot_factors(woven.result, best.result, woven.plan)
+        if not woven.is_within_cold_budget:
+            logger.info("%s: a cold model's TPOT rises %s, over its budget; not chosen",
+                        woven.label, _factors_text(woven.cold_tpot_factors))
         simulated.append(woven)
     chosen = best
     for cand in simulated:
-        if cand.policy == "weaver" and _clearly_better(cand, chosen):
+        if cand.policy == "weaver" and cand.is_within_cold_budget and \
+                _clearly_better(cand, chosen):
             chosen = cand
     baseline = _baseline(config, progress)
     return {
@@ -192,6 +210,23 @@ def plan_cluster(config: SimConfig, progress: bool = False,
         "token_throughput_gain": _ratio(chosen.score[1],
                                         baseline["summary"]["_all"]["output_tokens_per_s"]),
     }
+
+
+def cold_tpot_factors(woven: dict, plain: dict, plan: Plan) -> dict[str, float]:
+    """Each cold model's mean TPOT in the woven run over its mean TPOT in the plain run of
+    the same placement (a model that generated no second token in either has none)."""
+    factors = {}
+    for pair in plan.pairs:
+        for name in plan.gpus[pair.cold_gpu].models:
+            woven_s = woven["summary"].get(name, {}).get("tpot_s", {}).get("mean")
+            plain_s = plain["summary"].get(name, {}).get("tpot_s", {}).get("mean")
+            if woven_s is not None and plain_s:
+                factors[name] = woven_s / plain_s
+    return factors
+
+
+def _factors_text(factors: dict[str, float]) -> str:
+    return ", ".join(f"{name} {factor:.2f}x" for name, factor in sorted(factors.items()))
 
 
 def _clearly_better(cand: Candidate, than: Candidate) -> bool:
@@ -222,6 +257,8 @@ def _baseline(config: SimConfig, progress: bool) -> dict:
 def _describe(cand: Candidate) -> dict:
     return {"label": cand.label, "policy": cand.policy, "plan": cand.plan.to_dict(),
             "offload_policy": cand.offload_policy,
+            "cold_tpot_factors": cand.cold_tpot_factors,
+            "within_cold_budget": cand.is_within_cold_budget,
             "estimate_rps": cand.estimate_rps, "summary": cand.result["summary"],
             "sim": cand.result["sim"]}
 
