@@ -84,6 +84,28 @@ def test_weaving_pair_lends_the_planned_blocks(cpu_config):
     assert back.placement.pairs[0].remote_blocks == 22  # same block bytes: half lent
 
 
+def test_a_hot_model_over_two_colds_is_one_weaving_entry(cpu_config):
+    """The planner's fan-in (one hot GPU, two pairs) is written as `weaving: [{hot, cold:
+    [a, b]}]`, which the server and the simulator read back as the same two pairs."""
+    plan = Plan([GpuPlan(["chat"]), GpuPlan(["code"]), GpuPlan(["docs"])],
+                [WeavePair(0, 1, "auto", remote_blocks=32, hot_tpot_ms=425.0),
+                 WeavePair(0, 2, "auto", remote_blocks=16, hot_tpot_ms=425.0)])
+    config = cpu_config(cluster={"device": "cpu", "num_gpus": 3})
+    data = deployment_from_plan(config, plan)
+    assert data["weaving"] == [{"hot": "chat", "cold": ["code", "docs"],
+                                "offload_ratio": "auto", "hot_tpot_ms": 425.0}]
+    hot = next(m for m in data["models"] if m["name"] == "chat")
+    assert hot["max_model_len"] == 16 * 32  # a whole sequence fits on either cold
+    back = sim_config_from_deployment(parse_deployment(data),
+                                      {m.name: m.profile for m in config.models},
+                                      [TraceRequest(0.0, 10, 5, "chat", 0)])
+    assert [(p.hot_gpu, p.cold_gpu, p.remote_blocks) for p in back.placement.pairs] == [
+        (0, 1, 32), (0, 2, 16)]
+    plan.pairs[1].offload_ratio = 0.5
+    with pytest.raises(ValueError, match="one offload_ratio"):
+        deployment_from_plan(config, plan)
+
+
 def test_what_a_deployment_cannot_hold_is_refused(cpu_config):
     config = cpu_config()
     with pytest.raises(ValueError, match="one engine per model"):

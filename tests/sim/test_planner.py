@@ -84,3 +84,17 @@ def test_a_woven_candidate_is_held_to_its_cold_models_tpot_budget():
     assert cand.is_within_cold_budget
     # a cold model with no second token in the plain run has no factor
     assert cold_tpot_factors(run(cold=0.02), run(cold=None), plan) == {}
+
+
+def test_the_busiest_gpu_weaves_into_every_gpu_under_half_its_load(make_config):
+    """fan_in_pairs: one hot over several colds when two GPUs or more carry under half
+    the busiest one's load; the planner simulates that candidate with `auto`."""
+    from weaver.sim.plan import GpuPlan, fan_in_pairs
+
+    cfg = make_config([("hot", 8.0), ("a", 1.0), ("b", 3.9), ("c", 4.5)], num_gpus=4)
+    gpus = [GpuPlan([m]) for m in ("a", "hot", "b", "c")]
+    pairs = fan_in_pairs(cfg, gpus, "auto")
+    assert [(p.hot_gpu, p.cold_gpu) for p in pairs] == [(1, 0), (1, 2)]  # c: 4.5 >= 4
+    assert all(p.hot_tpot_ms is not None for p in pairs)  # auto held to the SLO
+    assert fan_in_pairs(cfg, gpus[:3] + [GpuPlan(["c"])], 0.5)[0].hot_tpot_ms is None
+    assert fan_in_pairs(cfg, [GpuPlan(["hot"]), GpuPlan(["c"])], "auto") == []

@@ -93,17 +93,40 @@ def hot_cold_pairs(config: SimConfig, gpus: list[GpuPlan],
                    ratio: float | str) -> list[WeavePair]:
     """Pair the GPU with the highest per-replica load with the one with the lowest, and so
     on inwards, while the hot side's load exceeds the cold side's."""
-    def load(i: int) -> float:
-        return sum(config.model(m).rate / len([g for g in gpus if m in g.models])
-                   for m in gpus[i].models)
-
-    order = sorted(range(len(gpus)), key=lambda i: (-load(i), i))
+    order = _by_load(config, gpus)
     pairs = []
     for k in range(len(order) // 2):
         hot, cold = order[k], order[-1 - k]
-        if load(hot) <= load(cold):
+        if _load(config, gpus, hot) <= _load(config, gpus, cold):
             break
-        # `auto` held to the SLO's TPOT, as a deployment of the plan would be.
-        target = SLO_TPOT_SHARE * config.slo.tpot_ms if ratio == AUTO else None
-        pairs.append(WeavePair(hot, cold, ratio, hot_tpot_ms=target))
+        pairs.append(_pair(config, hot, cold, ratio))
     return pairs
+
+
+def fan_in_pairs(config: SimConfig, gpus: list[GpuPlan],
+                 ratio: float | str) -> list[WeavePair]:
+    """The most loaded GPU weaving into every GPU less loaded than half of it (a hot model
+    over several colds); empty unless there are two such colds at least."""
+    order = _by_load(config, gpus)
+    hot = order[0]
+    colds = [i for i in order[1:]
+             if _load(config, gpus, i) < 0.5 * _load(config, gpus, hot)]
+    if len(colds) < 2:
+        return []
+    return [_pair(config, hot, cold, ratio) for cold in sorted(colds)]
+
+
+def _pair(config: SimConfig, hot: int, cold: int, ratio: float | str) -> WeavePair:
+    # `auto` held to the SLO's TPOT, as a deployment of the plan would be.
+    target = SLO_TPOT_SHARE * config.slo.tpot_ms if ratio == AUTO else None
+    return WeavePair(hot, cold, ratio, hot_tpot_ms=target)
+
+
+def _load(config: SimConfig, gpus: list[GpuPlan], i: int) -> float:
+    """Requests per second GPU i serves: its models' rates, shared among their replicas."""
+    return sum(config.model(m).rate / len([g for g in gpus if m in g.models])
+               for m in gpus[i].models)
+
+
+def _by_load(config: SimConfig, gpus: list[GpuPlan]) -> list[int]:
+    return sorted(range(len(gpus)), key=lambda i: (-_load(config, gpus, i), i))

@@ -81,7 +81,7 @@ def deployment_from_plan(config: SimConfig, plan: Plan, mode: str = "spatial-tem
             groups.append({"name": f"core{core}", "models": list(device.models),
                            "mode": mode, "cpu_cores": str(core),
                            "rates": {m: config.model(m).rate for m in device.models}})
-    weaving = []
+    entries: dict[str, dict] = {}  # by hot model: one entry lists all of its colds
     for pair in plan.pairs:
         (hot,), (cold,) = plan.gpus[pair.hot_gpu].models, plan.gpus[pair.cold_gpu].models
         cold_spec = next(m for m in models if m["name"] == cold)
@@ -99,11 +99,16 @@ def deployment_from_plan(config: SimConfig, plan: Plan, mode: str = "spatial-tem
         hot_spec = next(m for m in models if m["name"] == hot)
         hot_spec["max_model_len"] = min(hot_spec["max_model_len"],
                                         blocks * hot_spec["block_size"])
-        entry = {"hot": hot, "cold": [cold], "offload_ratio": pair.offload_ratio}
-        if pair.hot_tpot_ms is not None:
-            entry["hot_tpot_ms"] = round(pair.hot_tpot_ms, 1)
-        weaving.append(entry)
-    data = {"models": models, "weaving": weaving}
+        entry = entries.get(hot)
+        if entry is None:
+            entry = entries[hot] = {"hot": hot, "cold": [], "offload_ratio": pair.offload_ratio}
+            if pair.hot_tpot_ms is not None:
+                entry["hot_tpot_ms"] = round(pair.hot_tpot_ms, 1)
+        elif entry["offload_ratio"] != pair.offload_ratio:
+            raise ValueError(f"the plan weaves {hot!r} at ratios {entry['offload_ratio']} and "
+                             f"{pair.offload_ratio}; a hot model has one offload_ratio")
+        entry["cold"].append(cold)
+    data = {"models": models, "weaving": list(entries.values())}
     if groups:
         data["mux"] = groups
     parse_deployment(data, f"plan of {config.name}")  # what the server would refuse, now

@@ -7,7 +7,9 @@
    and spare GPUs go greedily to the model with the highest demand per replica.
 3. The best candidates by estimate are simulated under `muxserve`; the best plan then
    tries weaving (hot GPUs paired with the least loaded ones) at two fixed offload ratios
-   and with the engine's adaptive placement (`offload_ratio: auto`).
+   and with the engine's adaptive placement (`offload_ratio: auto`), and, where two GPUs
+   or more carry under half the busiest one's load, that GPU weaving into all of them
+   (a hot model over several colds, `auto`).
 The plan with the highest simulated goodput wins (ties: higher token throughput); a woven
 plan must beat the plain one by more than 1 %, and keep each cold model's mean TPOT within
 its pair's `cold_tpot_budget` of the same placement unwoven (the promise weaving makes to
@@ -25,7 +27,14 @@ from dataclasses import dataclass, field
 from weaver.sim.cluster import Cluster
 from weaver.sim.config import ModelSpec, SimConfig
 from weaver.sim.engine import Engine
-from weaver.sim.plan import GpuPlan, MuxPlan, Plan, default_plan, hot_cold_pairs
+from weaver.sim.plan import (
+    GpuPlan,
+    MuxPlan,
+    Plan,
+    default_plan,
+    fan_in_pairs,
+    hot_cold_pairs,
+)
 from weaver.sim.runner import simulate
 from weaver.sim.workload import mean_lengths
 from weaver.weaving.placement import AUTO
@@ -37,6 +46,7 @@ SMALL_DEMAND_THRESHOLDS = (0.0, 0.25, 0.5, 0.9)
 # (simulated offload policy, offload_ratio): two fixed shares, and the engine's adaptive
 # placement ("auto", weaver/weaving/placement.py), which a written plan serves as such.
 WEAVING_CHOICES = (("fixed", 0.25), ("fixed", 0.5), ("ratio", AUTO))
+FAN_IN_CHOICE = ("ratio", AUTO)  # the one tried with the busiest GPU over several colds
 MIN_WEAVING_GAIN = 0.01  # a woven plan must beat the plain one by this share
 MAX_PACKED_DEMAND = 0.9  # leave headroom on shared GPUs: queueing grows near saturation
 MIN_KV_SHARE = 0.2  # a shared GPU keeps at least this share of its memory for KV
@@ -178,12 +188,16 @@ def plan_cluster(config: SimConfig, progress: bool = False,
         cand.result = simulate(config, cand.policy, cand.plan, progress=progress,
                                keep_requests=False)
     best = max(simulated, key=lambda c: c.score)
-    for offload_policy, ratio in WEAVING_CHOICES:
-        pairs = hot_cold_pairs(config, best.plan.gpus, ratio)
+    woven_choices = [(policy, ratio, hot_cold_pairs(config, best.plan.gpus, ratio), "")
+                     for policy, ratio in WEAVING_CHOICES]
+    policy, ratio = FAN_IN_CHOICE
+    fan_in = fan_in_pairs(config, best.plan.gpus, ratio)
+    woven_choices.append((policy, ratio, fan_in, f", over {len(fan_in)} colds"))
+    for offload_policy, ratio, pairs, how in woven_choices:
         if not pairs:
-            break
+            continue
         woven = Candidate(Plan(best.plan.gpus, pairs), "weaver", best.estimate_rps,
-                          f"{best.label}+weaving({offload_policy}, ratio={ratio})")
+                          f"{best.label}+weaving({offload_policy}, ratio={ratio}{how})")
         weaving = config.weaving.model_copy(update={"offload_policy": offload_policy})
         woven.result = simulate(config.model_copy(update={"weaving": weaving}), "weaver",
                                 woven.plan, progress=progress, keep_requests=False)
