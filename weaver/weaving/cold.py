@@ -187,7 +187,9 @@ class ColdWeaving:
             woke = receiver.wait_for_task(wait_s)
             receiver.heartbeat()
             self.num_idle_wakeups += woke
-            if not woke and not receiver.has_pending():
+            # may_have_task, not has_pending: the same read in shared memory, and no
+            # synchronising read of a CUDA region (an armed one answers False at once)
+            if not woke and not receiver.transport.may_have_task():
                 continue
             with self.step_lock:
                 receiver.poll(by_idle_poller=True)

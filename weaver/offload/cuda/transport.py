@@ -277,7 +277,9 @@ class CudaRegion(RegionBase):
         return self.read_word(TASK_SEQ_OFFSET) > self.read_word(DONE_SEQ_OFFSET)
 
     def may_have_task(self) -> bool:
-        return True  # the polling kernel returns at once when nothing is pending
+        """Whether the host has a task to serve: never while the armed server serves the
+        region; else True (the polling kernel returns at once when nothing is pending)."""
+        return self._armed is None
 
     def serve(self, executor: object, on_served: Callable[[TaskResult], None]) -> bool:
         """Enqueue one poll on the current stream (after a cold operator); the kernel serves
@@ -351,7 +353,12 @@ class CudaRegion(RegionBase):
         """Host-launched polls for an idle cold engine: sleep one IDLE_POLL_INTERVAL_S (or
         timeout_s if shorter) and answer True, so the idle poller enqueues a poll kernel,
         which serves a pending task or returns at once. Reading the counters instead would
-        synchronise the cold model's stream every interval."""
+        synchronise the cold model's stream every interval. An armed region serves
+        itself: sleep the whole timeout and answer False (its idle poller then only
+        stamps the heartbeat)."""
+        if self._armed is not None:
+            time.sleep(timeout_s)
+            return False
         time.sleep(min(timeout_s, IDLE_POLL_INTERVAL_S))
         return True
 
