@@ -30,7 +30,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from weaving_client import complete_all, make_prompts, metric, openai_client
+from weaving_client import complete_all, make_prompts, metric, openai_client, own_and_other_core
 
 from weaver.bench.server_process import weaver_server
 
@@ -45,13 +45,13 @@ SMOLLM2_ENGINE = """
     block_size: 64
     num_gpu_blocks_override: 9
     max_num_seqs: 32
-    cpu_cores: '0'
+    cpu_cores: '{core}'
     extra_engine_args: {{max_num_batched_tokens: 64}}"""
 TINY_ENGINE = """
     model: {tiny}
     max_model_len: 512
     block_size: 32
-    cpu_cores: '1'"""
+    cpu_cores: '{core}'"""
 
 DEPLOYMENT = """
 models:
@@ -80,8 +80,12 @@ def server(tmp_path_factory, smollm2_dir):
     tiny = prepare_model("tiny-llama-c")
     root = tmp_path_factory.mktemp("unified-pool")
     config = root / "deployment.yaml"
-    config.write_text(DEPLOYMENT.format(smollm2=SMOLLM2_ENGINE.format(smollm2=smollm2_dir),
-                                        tiny=TINY_ENGINE.format(tiny=tiny)))
+    # The SmolLM2 engines (30 layers) on this worker's own core, the tiny ones on the other:
+    # only the light engines share a core with the other worker's.
+    own, other = own_and_other_core()
+    config.write_text(DEPLOYMENT.format(
+        smollm2=SMOLLM2_ENGINE.format(smollm2=smollm2_dir, core=own),
+        tiny=TINY_ENGINE.format(tiny=tiny, core=other)))
     with weaver_server(config, root / "serve.log") as running:
         yield running
 

@@ -5,6 +5,7 @@ A plain module, imported by name: pytest puts tests/weaving on sys.path."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 
 import httpx
 import openai
@@ -21,6 +22,15 @@ def make_prompts(num: int) -> list[str]:
         filler = f" Here is more context about {topic}." * ((i * 7) % 40)
         prompts.append(f"Write a short note about {topic}.{filler} Note {i}:")
     return prompts
+
+
+def own_and_other_core() -> tuple[str, str]:
+    """This worker's core (tests/conftest.py binds each xdist worker's engines to one; the
+    first core in a plain run) and another: a module whose heavy engine runs on its own
+    core shares only its light one's core with the other worker's engines."""
+    cores = [str(core) for core in sorted(os.sched_getaffinity(0))]
+    own = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", cores[0])
+    return own, next((core for core in cores if core != own), own)
 
 
 def openai_client(server) -> openai.OpenAI:
