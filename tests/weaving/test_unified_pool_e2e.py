@@ -3,7 +3,7 @@ engines through the OpenAI endpoint.
 
 `cold` (tiny-llama-c: 4 layers, 4 KV heads of 128) keeps its own KV cache and the memory it
 lends in one pool of 32 KiB pages (one of its head-blocks at block size 32): 0.02 + 0.02 GiB,
-1310 pages, room for 14 blocks of `hot`, whose 16 requests want ~5 blocks each. `hot`
+1310 pages, room for 14 blocks of `hot`, whose 8 requests want 21 blocks in all. `hot`
 (SmolLM2: 30 layers, 3 KV heads of 64, block size 64 so that its head-blocks fill the same
 pages) places every sequence remotely: its
 blocks are leased from the pool's allocator in the cold engine's scheduler, their K/V written
@@ -34,9 +34,9 @@ from weaving_client import complete_all, make_prompts, metric, openai_client, ow
 
 from weaver.bench.server_process import weaver_server
 
-pytestmark = pytest.mark.engine(seconds=140)
+pytestmark = pytest.mark.engine(seconds=330)
 
-NUM_PROMPTS = 16
+NUM_PROMPTS = 8  # 16 took the module 248 s alone
 NUM_COLD_PROMPTS = 4
 SMOLLM2_ENGINE = """
     model: {smollm2}
@@ -184,7 +184,7 @@ def test_killing_the_pool_owner_mid_run_loses_no_hot_request(server, client, hot
         pending = pool.submit(complete_all, client, "hot", prompts)
         deadline = time.monotonic() + 120
         # Remote requests are running (their decode attention is being served), while
-        # others still wait for blocks: 16 requests do not fit in the pool at once.
+        # others still wait for blocks: the 8 requests do not fit in the pool at once.
         while (metric(server, 'weaver_offload_tasks_total{cold="cold",hot="hot"}')
                < tasks_before + 300):
             assert time.monotonic() < deadline and not pending.done()
