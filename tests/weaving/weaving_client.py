@@ -25,11 +25,12 @@ def make_prompts(num: int) -> list[str]:
 
 
 def own_and_other_core() -> tuple[str, str]:
-    """This worker's core (tests/conftest.py binds each xdist worker's engines to one; the
-    first core in a plain run) and another: a module whose heavy engine runs on its own
-    core shares only its light one's core with the other worker's engines."""
+    """A core of this xdist worker's own (the first one in a plain run) and another: a
+    module whose engines must run on different cores puts its heavy one on the first, so
+    that the two workers' heavy engines do not share a core."""
     cores = [str(core) for core in sorted(os.sched_getaffinity(0))]
-    own = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", cores[0])
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    own = cores[int(worker[2:]) % len(cores)]
     return own, next((core for core in cores if core != own), own)
 
 
