@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.engine(seconds=35)
+pytestmark = pytest.mark.engine(seconds=70)
 
 SCRIPT = """
 import json, sys

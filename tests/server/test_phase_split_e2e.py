@@ -24,7 +24,7 @@ import pytest
 from weaver.bench.prom_histogram import read_counter, read_histogram
 from weaver.bench.server_process import weaver_server
 
-pytestmark = pytest.mark.engine(seconds=140)
+pytestmark = pytest.mark.engine(seconds=295)
 
 ENGINE = """
     model: {smollm2}

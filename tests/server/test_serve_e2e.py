@@ -30,7 +30,7 @@ from weaver.bench.server_process import weaver_server
 from weaver.config.deployment import load_deployment
 from weaver.processes import shm_files_of_processes
 
-pytestmark = pytest.mark.engine(seconds=200)
+pytestmark = pytest.mark.engine(seconds=420)
 
 API_KEY = "test-key"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -20,7 +20,7 @@ import pytest
 
 from weaver.bench.server_process import RunningServer, weaver_server
 
-pytestmark = pytest.mark.engine(seconds=50)
+pytestmark = pytest.mark.engine(seconds=80)
 
 
 class ServerThread:

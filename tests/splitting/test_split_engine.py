@@ -20,7 +20,7 @@ import pytest
 
 from weaver.splitting.profile import LM_HEAD_NAME, PER_LAYER_OP_NAMES, SplitProfile
 
-pytestmark = pytest.mark.engine(seconds=90)
+pytestmark = pytest.mark.engine(seconds=150)
 
 REPO = Path(__file__).resolve().parents[2]
 RUNNER = Path(__file__).with_name("split_engine_run.py")

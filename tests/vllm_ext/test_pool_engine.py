@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.engine(seconds=70)
+pytestmark = pytest.mark.engine(seconds=145)
 
 REPO = Path(__file__).resolve().parents[2]
 RUNNER = Path(__file__).with_name("pool_engine_run.py")

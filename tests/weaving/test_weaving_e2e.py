@@ -32,7 +32,7 @@ from weaving_client import complete_all, make_prompts, metric, openai_client
 from weaver.bench.server_process import weaver_server
 from weaver.mux.table import table_path
 
-pytestmark = pytest.mark.engine(seconds=460)
+pytestmark = pytest.mark.engine(seconds=540)
 
 # 16 prompts (~2200 prompt tokens, 88 blocks with their answers): a dedicated engine's 16
 # blocks hold 3-5 of them at once, the hot ones' 16 + 91 remote blocks all of them (peak
