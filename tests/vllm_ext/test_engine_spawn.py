@@ -9,13 +9,19 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from weaver.server.app import _start_together
-from weaver.vllm_ext.engine.app import _engine_environment, _spawned_children, _until_spawned
+from weaver.vllm_ext.engine.app import (
+    _engine_environment,
+    _in_a_thread_of_its_own,
+    _spawned_children,
+    _until_spawned,
+)
 
 VARIABLE = "WEAVER_TEST_ENGINE_ENV"
 
@@ -60,6 +66,20 @@ def test_engines_started_together_spawn_with_their_own_environment(tmp_path):
     # Side by side: the last one released the lock before the first build ended (an
     # order, not a duration: the suite shares its cores with other tests).
     assert max(released for released, _ in times) < min(built for _, built in times)
+
+
+def test_more_builds_than_the_default_executor_has_threads_run_side_by_side():
+    # asyncio.to_thread's executor has min(32, cores + 4) threads: the builds past those
+    # waited for one to end (the barrier then breaks after its timeout).
+    num_builds = min(32, (os.cpu_count() or 1) + 4) + 2
+    barrier = threading.Barrier(num_builds, timeout=20)
+
+    async def main():
+        await asyncio.gather(*(_in_a_thread_of_its_own(barrier.wait)
+                               for _ in range(num_builds)))
+
+    asyncio.run(main())
+    assert not barrier.broken
 
 
 class _Engine:

@@ -11,7 +11,10 @@ OpenAI protocol itself is vLLM's own code.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import contextvars
+import functools
 import json
 import logging
 import os
@@ -278,7 +281,7 @@ async def _engine_client(args: Any, environment: dict[str, str],
                 usage_context = UsageContext.OPENAI_API_SERVER
                 vllm_config = engine_args.create_engine_config(usage_context=usage_context)
                 spawned_before = _spawned_children()
-                build = asyncio.ensure_future(asyncio.to_thread(
+                build = asyncio.ensure_future(_in_a_thread_of_its_own(
                     AsyncLLM.from_vllm_config, vllm_config=vllm_config,
                     usage_context=usage_context,
                     enable_log_requests=engine_args.enable_log_requests,
@@ -303,6 +306,20 @@ async def _engine_client(args: Any, environment: dict[str, str],
         # On the loop, as vLLM does: from a thread, the output handler would see the
         # EngineCore exit and log it as an engine death. A dead engine's shutdown is quick.
         client.shutdown(timeout=vllm_config.shutdown_timeout)
+
+
+def _in_a_thread_of_its_own(func: Any, /, **kwargs: Any) -> asyncio.Future:
+    """`func(**kwargs)` in a thread started for it. Not asyncio.to_thread: the loop's default
+    executor has min(32, cores + 4) threads, 6 on a 2-core machine, so a seventh engine
+    started together waited for one of the first six to be up before its build could begin
+    (tests/weaving/test_weaving_e2e.py's seventh engine spawned its EngineCore 2-3 minutes
+    after the others, and was ready ~50 s after them)."""
+    executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-build")
+    try:
+        call = functools.partial(contextvars.copy_context().run, func, **kwargs)
+        return asyncio.get_running_loop().run_in_executor(executor, call)
+    finally:
+        executor.shutdown(wait=False)  # its thread ends when the build returns
 
 
 def _fail_pending_requests(name: str, client: Any) -> None:
