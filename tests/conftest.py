@@ -35,17 +35,14 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 def pytest_configure(config) -> None:
-    # Each worker's engines run one OpenMP thread, bound to no core (unless a test or its
-    # deployment names cores), so that the kernel spreads them over both cores. vLLM's own
-    # binding ("auto") keeps one core for the front end and binds every engine to the same
-    # other one (core 0 on a 2-core machine: its log's "core ids=[0]"), so both workers'
-    # engines would share that core; binding each worker's engines to a core of its own left
-    # one core idle whenever its worker waited (a server stopping, an engine restarting)
-    # while the other worker's seven weaving_e2e engines queued on theirs.
+    # Each worker's engines run their OpenMP threads on a core of its own (unless a test or
+    # its deployment names cores). vLLM's own binding ("auto") keeps one core for the
+    # front end and binds every engine to the same other one (core 0 on a 2-core machine:
+    # its log's "core ids=[0]"), so both workers' engines would share that core.
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker is not None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        cores = sorted(os.sched_getaffinity(0))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[int(worker[2:]) % len(cores)])
 
 
 # The /dev/shm guard. The session's process (the xdist controller under `make test`) lists

@@ -25,9 +25,10 @@ def make_prompts(num: int) -> list[str]:
 
 
 def own_and_other_core() -> tuple[str, str]:
-    """A core of this xdist worker's own (the first one in a plain run) and another: a
-    module whose engines must run on different cores puts its heavy one on the first, so
-    that the two workers' heavy engines do not share a core."""
+    """This xdist worker's core (the one tests/conftest.py binds its engines to; the first
+    core in a plain run) and another: a module whose engines must run on different cores
+    puts its heavy one on the first, so that only its light one shares a core with the
+    other worker's engines."""
     cores = [str(core) for core in sorted(os.sched_getaffinity(0))]
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
     own = cores[int(worker[2:]) % len(cores)]
