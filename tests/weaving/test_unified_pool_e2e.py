@@ -198,6 +198,15 @@ def test_killing_the_pool_owner_mid_run_loses_no_hot_request(server, client, hot
     assert pairs[("hot", "cold")]["status"] == "degraded"
     # Requests sent after the owner died are placed locally from the start.
     assert complete_all(client, "hot", prompts[:4]) == hot_reference[:4]
+    # The supervisor brings the owner back (a SIGTERM during its restart would wait for the
+    # restart to finish first: the next test's stop then outlasted its 90 s).
+    deadline = time.monotonic() + 300
+    while True:
+        cold = server.health().json()["models"]["cold"]
+        if cold["status"] == "ok" and cold["restarts"] >= 1:
+            break
+        assert time.monotonic() < deadline, cold
+        time.sleep(1)
 
 
 def test_no_shared_memory_left_after_sigterm(server):
