@@ -32,7 +32,6 @@ times there show the path's cost, not the overlap real kernels would give.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import select
@@ -59,7 +58,7 @@ from benchmarks.two_process.paged_batch import (  # noqa: E402
 )
 from benchmarks.two_process.tiny_llama import LlamaShape, TinyLlama  # noqa: E402
 from weaver.offload.layout import HotAttentionShape  # noqa: E402
-from weaver.offload.naming import region_name, region_paths  # noqa: E402
+from weaver.offload.naming import region_name  # noqa: E402
 from weaver.processes import shm_files_of_processes, unlink_left_over  # noqa: E402
 from weaver.weaving.hot import HotWeaving  # noqa: E402
 from weaver.weaving.plan import PairPlan, default_shm_prefix  # noqa: E402
@@ -244,15 +243,6 @@ def reap_cold(proc: subprocess.Popen) -> None:
     proc.stdout.close()  # type: ignore[union-attr]
 
 
-def unlink_shm_region(plan: PairPlan) -> None:
-    """After a killed cold process: unlink the shared-memory files it could not (a CUDA
-    region is device memory, freed with the last mapping)."""
-    if plan.transport == "shm":
-        for path in region_paths(plan.region_name):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-
-
 # --- the hot side -----------------------------------------------------------------------
 def attach_weaving(plan: PairPlan, handle: str) -> HotWeaving:
     """Shared memory is found by the region's name; a CUDA region is opened through the
@@ -312,8 +302,9 @@ def decode_pair(args: argparse.Namespace, workload: Workload, plan: PairPlan) ->
     mapped: set[str] = set()
     try:
         handle = read_protocol_line(proc, "READY", READY_TIMEOUT_S)
-        # What the cold process maps once serving: what a kill leaves behind (its region;
-        # on a GPU torch's CUDA IPC reference-count file and the driver's cuda.shm.*).
+        # What the cold process maps or holds open once serving: what a kill leaves behind
+        # (its region and doorbells; on a GPU torch's CUDA IPC reference-count file and
+        # the driver's cuda.shm.*).
         mapped = shm_files_of_processes([proc.pid])
         off, on, hot_stats = decode_off_and_on(args, model, workload, plan, handle, proc)
         if args.kill_cold_at_step == -1:
@@ -321,7 +312,6 @@ def decode_pair(args: argparse.Namespace, workload: Workload, plan: PairPlan) ->
         else:  # it said nothing: what it served before dying is not known
             cold_report = {"num_served": None, "killed_before_step": args.kill_cold_at_step,
                            "exit_code": proc.returncode}
-            unlink_shm_region(plan)
     finally:
         reap_cold(proc)
         # the hot side's views of the region went with decode_off_and_on
