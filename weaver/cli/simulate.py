@@ -385,8 +385,10 @@ def _print_sweep(sweep: dict) -> None:
 
 def _cold_budget_text(entry: dict) -> str:
     """A woven candidate's cold models' TPOT against the same placement unwoven."""
+    from weaver.sim.planner import cold_factors_text
+
     factors = entry.get("cold_tpot_factors") or {}
     if not factors:
         return ""
-    text = ", ".join(f"{name} x{factor:.2f}" for name, factor in sorted(factors.items()))
-    return f" cold TPOT {text}" + ("" if entry["within_cold_budget"] else " (over budget)")
+    return (f" cold TPOT {cold_factors_text(factors)}"
+            + ("" if entry["within_cold_budget"] else " (over budget)"))

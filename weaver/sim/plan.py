@@ -93,11 +93,12 @@ def hot_cold_pairs(config: SimConfig, gpus: list[GpuPlan],
                    ratio: float | str) -> list[WeavePair]:
     """Pair the GPU with the highest per-replica load with the one with the lowest, and so
     on inwards, while the hot side's load exceeds the cold side's."""
-    order = _by_load(config, gpus)
+    loads = _loads(config, gpus)
+    order = _by_load(loads)
     pairs = []
     for k in range(len(order) // 2):
         hot, cold = order[k], order[-1 - k]
-        if _load(config, gpus, hot) <= _load(config, gpus, cold):
+        if loads[hot] <= loads[cold]:
             break
         pairs.append(_pair(config, hot, cold, ratio))
     return pairs
@@ -107,10 +108,10 @@ def fan_in_pairs(config: SimConfig, gpus: list[GpuPlan],
                  ratio: float | str) -> list[WeavePair]:
     """The most loaded GPU weaving into every GPU less loaded than half of it (a hot model
     over several colds); empty unless there are two such colds at least."""
-    order = _by_load(config, gpus)
+    loads = _loads(config, gpus)
+    order = _by_load(loads)
     hot = order[0]
-    colds = [i for i in order[1:]
-             if _load(config, gpus, i) < 0.5 * _load(config, gpus, hot)]
+    colds = [i for i in order[1:] if loads[i] < 0.5 * loads[hot]]
     if len(colds) < 2:
         return []
     return [_pair(config, hot, cold, ratio) for cold in sorted(colds)]
@@ -122,11 +123,12 @@ def _pair(config: SimConfig, hot: int, cold: int, ratio: float | str) -> WeavePa
     return WeavePair(hot, cold, ratio, hot_tpot_ms=target)
 
 
-def _load(config: SimConfig, gpus: list[GpuPlan], i: int) -> float:
-    """Requests per second GPU i serves: its models' rates, shared among their replicas."""
-    return sum(config.model(m).rate / len([g for g in gpus if m in g.models])
-               for m in gpus[i].models)
+def _loads(config: SimConfig, gpus: list[GpuPlan]) -> list[float]:
+    """Requests per second each GPU serves: its models' rates, shared among their replicas."""
+    replicas = {m: sum(m in g.models for g in gpus) for g in gpus for m in g.models}
+    return [sum(config.model(m).rate / replicas[m] for m in g.models) for g in gpus]
 
 
-def _by_load(config: SimConfig, gpus: list[GpuPlan]) -> list[int]:
-    return sorted(range(len(gpus)), key=lambda i: (-_load(config, gpus, i), i))
+def _by_load(loads: list[float]) -> list[int]:
+    """GPU indices, the most loaded first (ties: lower index)."""
+    return sorted(range(len(loads)), key=lambda i: (-loads[i], i))

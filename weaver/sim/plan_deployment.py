@@ -28,6 +28,7 @@ from weaver.sim.cluster import Cluster
 from weaver.sim.config import SimConfig, WeavingSpec
 from weaver.sim.engine import Engine
 from weaver.sim.plan import Plan
+from weaver.sim.planner import cold_factors_text
 from weaver.sim.profile import CPU_DEVICE
 from weaver.weaving.plan import GiB, lend_kv_gib_for
 
@@ -171,11 +172,9 @@ def weaving_answer(result: dict, weaving: WeavingSpec) -> str:
                    if c["policy"] == "weaver" and not c["within_cold_budget"]]
     if woven is None and over_budget:
         worst = max(over_budget, key=lambda c: max(c["cold_tpot_factors"].values()))
-        factors = ", ".join(f"{name} {factor:.2f}x" for name, factor
-                            in sorted(worst["cold_tpot_factors"].items()))
         return (f"weaving does not pay here: every woven placement raises a cold model's "
-                f"TPOT over its budget (cold_tpot_budget; {worst['label']}: {factors}); "
-                f"serve {plain['label']}")
+                f"TPOT over its budget (cold_tpot_budget; {worst['label']}: "
+                f"{cold_factors_text(worst['cold_tpot_factors'])}); serve {plain['label']}")
     if woven is None:
         return (f"weaving: not planned (no cold device to weave into); serve "
                 f"{plain['label']}")

@@ -205,7 +205,7 @@ def plan_cluster(config: SimConfig, progress: bool = False,
         woven.cold_tpot_factors = cold_tpot_factors(woven.result, best.result, woven.plan)
         if not woven.is_within_cold_budget:
             logger.info("%s: a cold model's TPOT rises %s, over its budget; not chosen",
-                        woven.label, _factors_text(woven.cold_tpot_factors))
+                        woven.label, cold_factors_text(woven.cold_tpot_factors))
         simulated.append(woven)
     chosen = best
     for cand in simulated:
@@ -239,7 +239,8 @@ def cold_tpot_factors(woven: dict, plain: dict, plan: Plan) -> dict[str, float]:
     return factors
 
 
-def _factors_text(factors: dict[str, float]) -> str:
+def cold_factors_text(factors: dict[str, float]) -> str:
+    """The cold TPOT factors as people read them: "cold 1.16x, cold2 1.12x"."""
     return ", ".join(f"{name} {factor:.2f}x" for name, factor in sorted(factors.items()))
 
 
