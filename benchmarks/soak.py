@@ -10,8 +10,14 @@ supervisor restarts each (weaver/server/supervisor.py). Reports, as JSON and a p
   (a dropped connection, a stream cut without a word, a hang past the client timeout);
 - p50/p99 end-to-end latency of requests that overlapped a recovery window (kill -> back in
   service) and of those that did not;
-- every kill with its recovery time, the restarts /metrics counted, and the gateway's RSS
-  over time.
+- every kill with its recovery time, the restarts /metrics counted;
+- what could grow, sampled every 2 s: the gateway's RSS, open fds and threads, the bytes in
+  /dev/shm and vLLM's socket files (its VLLM_RPC_BASE_PATH); and /dev/shm and the socket
+  files again once the server has stopped.
+
+The verdict (the JSON's first key) passes when no request was lost, every engine came
+back, the gateway's RSS after warm-up (from the first recovery on) ends within 5 % of where
+it began, and /dev/shm and the socket files end as they were before the server started.
 
     python benchmarks/soak.py --minutes 10 --kills 6 --out benchmarks/results/soak
 """
@@ -20,9 +26,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import platform
 import random
+import stat
 import statistics
 import sys
 import tempfile
@@ -131,11 +140,76 @@ class Killer(threading.Thread):
         return time.monotonic() - self.start_at
 
 
-def sample_rss(server: RunningServer, start: float, stop: threading.Event,
-               samples: list[tuple[float, float]]) -> None:
+MAX_RSS_GROWTH = 0.05  # of the gateway's RSS after warm-up, start to end
+
+
+def shm_bytes() -> int:
+    total = 0
+    for entry in Path("/dev/shm").iterdir():
+        with contextlib.suppress(OSError):
+            total += entry.stat().st_size
+    return total
+
+
+def socket_files() -> int:
+    """vLLM's ZeroMQ socket files under its base path (what libzmq leaves on close)."""
+    base = Path(os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir())
+    count = 0
+    for path in base.rglob("*"):
+        with contextlib.suppress(OSError):
+            count += stat.S_ISSOCK(path.lstat().st_mode)
+    return count
+
+
+@dataclass
+class Sample:
+    at_s: float
+    rss_mib: float
+    fds: int
+    threads: int
+    shm_mib: float
+    socket_files: int
+
+
+def sample_resources(server: RunningServer, start: float, stop: threading.Event,
+                     samples: list[Sample]) -> None:
     gateway = psutil.Process(server.process.pid)
     while not stop.wait(2.0):
-        samples.append((time.monotonic() - start, gateway.memory_info().rss / 2 ** 20))
+        with contextlib.suppress(psutil.Error):
+            samples.append(Sample(time.monotonic() - start, gateway.memory_info().rss / 2 ** 20,
+                                  gateway.num_fds(), gateway.num_threads(),
+                                  shm_bytes() / 2 ** 20, socket_files()))
+
+
+def verdict(result: dict, samples: list[Sample]) -> tuple[str, dict]:
+    """'pass' or 'fail: reasons', and the RSS comparison it read."""
+    kills = result["kills"]
+    warm_at = min((k["back_at_s"] for k in kills if k["back_at_s"] is not None),
+                  default=samples[0].at_s if samples else 0.0)
+    warm = [s.rss_mib for s in samples if s.at_s >= warm_at]
+    # A minute's median at each end: one sample may catch a request's transient buffers.
+    window = 30
+    rss = {"warm_from_s": warm_at,
+           "start_mib": statistics.median(warm[:window]) if warm else None,
+           "end_mib": statistics.median(warm[-window:]) if warm else None}
+    reasons = []
+    if result["outcomes"]["lost"]:
+        reasons.append(f"{result['outcomes']['lost']} requests lost")
+    if any(k["back_at_s"] is None for k in kills):
+        reasons.append("an engine did not come back")
+    if any(m["status"] != "ok" for m in result["health_at_end"].values()):
+        reasons.append(f"not every model in service at the end: {result['health_at_end']}")
+    if rss["start_mib"] and rss["end_mib"] > (1 + MAX_RSS_GROWTH) * rss["start_mib"]:
+        reasons.append(f"gateway RSS grew from {rss['start_mib']:.0f} to "
+                       f"{rss['end_mib']:.0f} MiB after warm-up")
+    left = result["left_after_stop"]
+    if left["shm_bytes"] > left["shm_bytes_before"]:
+        reasons.append(f"/dev/shm holds {left['shm_bytes'] - left['shm_bytes_before']} bytes "
+                       "more than before the server started")
+    if left["socket_files"] > left["socket_files_before"]:
+        reasons.append(f"{left['socket_files'] - left['socket_files_before']} socket files "
+                       "more than before the server started")
+    return ("pass" if not reasons else "fail: " + "; ".join(reasons)), rss
 
 
 def classify(error: str | None) -> str:
@@ -188,10 +262,10 @@ def plot(result: dict, records: list, out_path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_latency, ax_rss) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    fig, (ax_latency, ax_rss, ax_files) = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
     for kill in result["kills"]:
         back = kill["back_at_s"] if kill["back_at_s"] is not None else kill["at_s"] + 5
-        for ax in (ax_latency, ax_rss):
+        for ax in (ax_latency, ax_rss, ax_files):
             ax.axvspan(kill["at_s"], back, color="tab:red", alpha=0.15)
     for kind, color in (("ok", "tab:blue"), ("clean", "tab:orange"), ("lost", "black")):
         points = [(r.sent_at_s, r.e2e_s or 0.0) for r in records
@@ -202,10 +276,22 @@ def plot(result: dict, records: list, out_path: Path) -> None:
     ax_latency.set_ylabel("end-to-end latency (s)")
     ax_latency.legend(loc="upper right")
     ax_latency.set_title("Soak: requests over time; red bands are kill -> back in service")
-    times, rss = zip(*result["gateway_rss_mib"], strict=True)
-    ax_rss.plot(times, rss, color="tab:green")
+    samples = result["samples"]
+    times = [s["at_s"] for s in samples]
+    ax_rss.plot(times, [s["rss_mib"] for s in samples], color="tab:green")
     ax_rss.set_ylabel("gateway RSS (MiB)")
-    ax_rss.set_xlabel("time since the load started (s)")
+    ax_rss.set_title(result["verdict"], fontsize=9)
+    ax_files.plot(times, [s["fds"] for s in samples], label="gateway fds")
+    ax_files.plot(times, [s["threads"] for s in samples], label="gateway threads")
+    ax_files.plot(times, [s["socket_files"] for s in samples], label="vLLM socket files")
+    ax_shm = ax_files.twinx()
+    ax_shm.plot(times, [s["shm_mib"] for s in samples], color="tab:purple", linestyle="--",
+                label="/dev/shm (MiB, right)")
+    ax_files.set_ylabel("count")
+    ax_shm.set_ylabel("/dev/shm (MiB)")
+    handles = ax_files.get_legend_handles_labels()[0] + ax_shm.get_legend_handles_labels()[0]
+    ax_files.legend(handles=handles, loc="upper left", fontsize=8)
+    ax_files.set_xlabel("time since the load started (s)")
     fig.tight_layout()
     fig.savefig(out_path, dpi=120)
 
@@ -223,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     requests = build_workload(spec)
     args.out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
+    shm_before, sockets_before = shm_bytes(), socket_files()
     with tempfile.TemporaryDirectory() as tmp, \
             weaver_server(args.config, Path(tmp) / "serve.log", "--api-key", API_KEY) as server:
         config = LoadGenConfig(base_url=server.base_url, api_key=API_KEY,
@@ -230,10 +317,10 @@ def main(argv: list[str] | None = None) -> int:
                                show_progress=True)
         start = time.monotonic()
         killer = Killer(server, models, duration_s, args.kills, rng, start)
-        rss: list[tuple[float, float]] = []
+        samples: list[Sample] = []
         stop_sampling = threading.Event()
-        sampler = threading.Thread(target=sample_rss, args=(server, start, stop_sampling, rss),
-                                   daemon=True)
+        sampler = threading.Thread(target=sample_resources,
+                                   args=(server, start, stop_sampling, samples), daemon=True)
         killer.start()
         sampler.start()
         outcome = asyncio.run(run_load(requests, config))
@@ -252,7 +339,10 @@ def main(argv: list[str] | None = None) -> int:
         restarts = {m: read_counter(metrics, "weaver_engine_restarts", {"model": m}) or 0
                     for m in models}
         health = server.health().json()
+    left_after_stop = {"shm_bytes_before": shm_before, "shm_bytes": shm_bytes(),
+                       "socket_files_before": sockets_before, "socket_files": socket_files()}
     result = {
+        "verdict": None,
         "benchmark": "soak",
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else
                                                        sys.argv[1:])]),
@@ -264,16 +354,19 @@ def main(argv: list[str] | None = None) -> int:
         "restarts": restarts,
         "health_at_end": {name: {"status": m["status"], "restarts": m["restarts"]}
                           for name, m in health["models"].items()},
-        "gateway_rss_mib": rss,
+        "left_after_stop": left_after_stop,
+        "samples": [asdict(sample) for sample in samples],
     }
+    result["verdict"], result["gateway_rss_after_warmup"] = verdict(result, samples)
     (args.out / "soak.json").write_text(json.dumps(result, indent=1))
     plot(result, outcome.records, args.out / "soak.png")
-    print(json.dumps({k: result[k] for k in ("outcomes", "latency_during_recovery",
+    print(json.dumps({k: result[k] for k in ("verdict", "outcomes", "latency_during_recovery",
                                              "latency_outside_recovery", "restarts",
-                                             "health_at_end")}, indent=1))
+                                             "health_at_end", "gateway_rss_after_warmup",
+                                             "left_after_stop")}, indent=1))
     print(f"kills: {[(k.model, k.process, k.recovery_s) for k in killer.kills]}")
     print(f"wrote {args.out / 'soak.json'} and {args.out / 'soak.png'}")
-    return 0 if result["outcomes"]["lost"] == 0 else 1
+    return 0 if result["verdict"] == "pass" else 1
 
 
 if __name__ == "__main__":

@@ -5,12 +5,13 @@ serves the simulator's tests and the profiling calibrations' tests; helpers trav
 fixtures because test modules of different folders cannot import each other. Also the
 order in which `make test` hands modules to its two xdist workers, and the guards that hold
 every module to leaving no process running and the session to leaving nothing in /dev/shm
-(tests/leftovers.py)."""
+nor an engine's socket files (tests/leftovers.py)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -35,6 +36,10 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 def pytest_configure(config) -> None:
+    if not hasattr(config, "workerinput"):  # the session's process: its workers inherit it
+        base = leftovers.make_rpc_base()
+        config.stash[RPC_BASE] = base
+        os.environ["VLLM_RPC_BASE_PATH"] = str(base)
     # Each worker's engines run their OpenMP threads on a core of its own (unless a test or
     # its deployment names cores). vLLM's own binding ("auto") keeps one core for the
     # front end and binds every engine to the same other one (core 0 on a 2-core machine:
@@ -52,6 +57,9 @@ def pytest_configure(config) -> None:
 # Each worker reports its modules' (name, start, end) windows back to the controller.
 SHM_BEFORE = pytest.StashKey[set]()
 MODULE_WINDOWS = pytest.StashKey[list]()
+# The socket guard, alike: every engine's socket files go to the session's directory
+# (tests/leftovers.py); a Weaver engine directory still there at the end fails the run.
+RPC_BASE = pytest.StashKey[Path]()
 
 
 def pytest_sessionstart(session) -> None:
@@ -70,16 +78,27 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     if hasattr(config, "workerinput"):  # an xdist worker: the controller judges
         config.workeroutput["module_windows"] = [list(w) for w in config.stash[MODULE_WINDOWS]]
         return
+    windows = config.stash[MODULE_WINDOWS]
     left = leftovers.shm_left(config.stash[SHM_BEFORE])
     if left:
         leftovers.remove_shm(left)
-        reporter = config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:
-            reporter.line("")  # after the progress line
-            reporter.write_sep("=", "left in /dev/shm", red=True)
-            reporter.write_line(leftovers.describe_shm_left(left, config.stash[MODULE_WINDOWS]))
-        if session.exitstatus == 0:
-            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        _fail_session(session, "left in /dev/shm", leftovers.describe_shm_left(left, windows))
+    base = config.stash[RPC_BASE]
+    rpc_left = leftovers.rpc_dirs_left(base)
+    shutil.rmtree(base, ignore_errors=True)
+    if rpc_left:
+        _fail_session(session, "engine socket files left",
+                      leftovers.describe_rpc_left(rpc_left, windows))
+
+
+def _fail_session(session, title: str, description: str) -> None:
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.line("")  # after the progress line
+        reporter.write_sep("=", title, red=True)
+        reporter.write_line(description)
+    if session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -95,3 +95,44 @@ def remove_shm(names: set[str] | dict[str, float]) -> None:
     for name in names:
         with contextlib.suppress(FileNotFoundError):
             (SHM / name).unlink()
+
+
+# vLLM's ZeroMQ socket files. The session points VLLM_RPC_BASE_PATH at a directory of its
+# own, which every engine the tests start inherits: Weaver's engines put theirs in a
+# directory per engine start (weaver-rpc-<pid>-*, weaver/vllm_ext/engine/leftovers.py) and
+# remove it when the engine stops; a vLLM engine started directly (the plugin's `vllm
+# serve`, an offline LLM) leaves its files, which go with the session's directory.
+def make_rpc_base() -> Path:
+    """The session's directory, named by its pid; those of sessions that were killed (no
+    teardown ran) are removed first."""
+    import re
+    import shutil
+    import tempfile
+
+    base = Path(tempfile.gettempdir())
+    for path in base.glob("weaver-tests-rpc-*"):
+        match = re.match(r"weaver-tests-rpc-(\d+)-", path.name)
+        if match and not is_process_alive(int(match.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"weaver-tests-rpc-{os.getpid()}-", dir=base))
+
+
+def rpc_dirs_left(base: Path) -> dict[str, float]:
+    """Weaver's engine socket directories still in `base`, with their modification times."""
+    from weaver.vllm_ext.engine.leftovers import RPC_DIR_PREFIX
+
+    left = {}
+    for path in base.glob(f"{RPC_DIR_PREFIX}*"):
+        with contextlib.suppress(FileNotFoundError):
+            left[path.name] = path.stat().st_mtime
+    return left
+
+
+def describe_rpc_left(left: dict[str, float], windows: list[tuple[str, float, float]]) -> str:
+    lines = [f"the suite left {len(left)} engine socket directories (weaver-rpc-*: an engine "
+             "start whose stop did not remove its own); the modules running when each was "
+             "made:"]
+    for name, created_at in sorted(left.items(), key=lambda item: item[1]):
+        when = time.strftime("%H:%M:%S", time.localtime(created_at))
+        lines.append(f"  {name} ({when}): {', '.join(suspects(created_at, windows)) or '?'}")
+    return "\n".join(lines)

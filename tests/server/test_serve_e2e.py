@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from weaver.bench.server_process import weaver_server
 from weaver.config.deployment import load_deployment
 from weaver.processes import shm_files_of_processes
+from weaver.vllm_ext.engine.leftovers import rpc_base_path
 
 pytestmark = pytest.mark.engine(seconds=420)
 
@@ -374,6 +375,12 @@ def test_64_concurrent_streams_complete_and_gateway_memory_stays_bounded(server,
     assert growth < 64 << 20, f"gateway RSS grew {growth >> 20} MiB over 64 streams"
 
 
+def engine_socket_dirs(server) -> list[Path]:
+    """The directories of the server's engines' socket files (one per engine start, removed
+    when it stops: weaver/vllm_ext/engine/leftovers.py)."""
+    return sorted(rpc_base_path().glob(f"weaver-rpc-{server.process.pid}-*"))
+
+
 def model_status(server, model: str) -> dict:
     return server.health().json()["models"][model]
 
@@ -448,6 +455,8 @@ def test_killed_engine_worker_is_restarted(server, client):
     assert set(outcomes) <= {"ok", "503", "error event"} and outcomes.total() == 8, outcomes
     wait_back_in_service(server, COLD, restarts=2)
     assert server.health().json()["weaving"][0]["status"] == "ok"
+    # Three engines were killed and restarted: only the running ones' sockets are left.
+    assert len(engine_socket_dirs(server)) == len(MODELS), engine_socket_dirs(server)
     assert {model: greedy(client, model) for model in MODELS} == REFERENCE
 
 
@@ -480,3 +489,4 @@ def test_sigterm_drains_then_leaves_no_child_process_nor_shared_memory(server, c
     assert not alive, f"orphaned processes: {[p.pid for p in alive]}"
     left = sorted(path for path in segments | KILLED_ENGINE_SHM if os.path.exists(path))
     assert not left, f"shared memory left behind: {left}"
+    assert not engine_socket_dirs(server)

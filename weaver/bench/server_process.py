@@ -6,10 +6,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -22,6 +24,7 @@ from weaver.processes import shm_files_of_processes, unlink_left_over
 
 READY_TIMEOUT_S = 420.0
 CHILD_EXIT_GRACE_S = 10.0  # a stopped server's processes' time to end by themselves
+RPC_BASE_PATH_ENV = "VLLM_RPC_BASE_PATH"  # where vLLM puts its socket files (vllm/envs.py)
 
 
 def free_port() -> int:
@@ -138,11 +141,19 @@ def vllm_cli_env(shim_dir: Path) -> dict[str, str]:
 def vllm_server(model: str, log_path: Path, *vllm_args: str,
                 env_overrides: Mapping[str, str] | None = None) -> Iterator[RunningServer]:
     """Plain `vllm serve MODEL ARGS...` on a free port (Weaver's plugin loads in it), until
-    the block ends; then it and every process it started are gone (a killed one too). The
-    log is appended to, so that a server started again keeps the earlier one's lines."""
-    with _server([*vllm_cli(), "serve", model], list(vllm_args), log_path, env_overrides,
-                 "ab") as server:
-        yield server
+    the block ends; then it and every process it started are gone (a killed one too), and
+    so are vLLM's socket files, which libzmq leaves on close (`weaver serve` removes its
+    engines' own: weaver/vllm_ext/engine/leftovers.py): the server gets a directory for
+    them. The log is appended to, so that a server started again keeps the earlier one's
+    lines."""
+    base = os.environ.get(RPC_BASE_PATH_ENV) or tempfile.gettempdir()
+    rpc_dir = tempfile.mkdtemp(prefix="vllm-serve-rpc-", dir=base)
+    try:
+        with _server([*vllm_cli(), "serve", model], list(vllm_args), log_path,
+                     {RPC_BASE_PATH_ENV: rpc_dir, **(env_overrides or {})}, "ab") as server:
+            yield server
+    finally:
+        shutil.rmtree(rpc_dir, ignore_errors=True)
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h

@@ -29,9 +29,16 @@ from weaver.config.cpu_cores import pin_engine_processes, usable_cpu_cores
 from weaver.config.deployment import ModelSpec, Role
 from weaver.config.devices import EnginePlacement
 from weaver.models.registry import vllm_model_arg
-from weaver.processes import shm_files_of_processes
 from weaver.vllm_ext.additional_config import SCHEDULER, WORKER_EXTENSION, phase_split_of, pool_of
 from weaver.vllm_ext.engine.flags import EngineFlagError, flags_for, parse_serve_args
+from weaver.vllm_ext.engine.leftovers import (
+    RPC_BASE_PATH_ENV,
+    forget_closed_engine_callables,
+    make_rpc_dir,
+    remove_left_over_shm,
+    remove_rpc_dir,
+    shm_files_of,
+)
 from weaver.vllm_ext.engine.stats import EngineStatsRecorder, attach_stats_recorder
 from weaver.weaving.plan import block_size_of
 
@@ -224,28 +231,6 @@ def _engine_environment(env: dict[str, str]):
                 os.environ[key] = value
 
 
-def _shm_files_of(pids: list[int]) -> set[str]:
-    """The /dev/shm files that these processes and their children hold."""
-    import psutil
-
-    tree: list[int] = []
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            tree += [pid, *(child.pid for child in psutil.Process(pid).children(recursive=True))]
-    return shm_files_of_processes(tree)
-
-
-def _remove_left_over_shm(engine_name: str, paths: set[str]) -> None:
-    """Unlink what a dead or killed engine could not (its processes never tore down)."""
-    left = sorted(path for path in paths if os.path.exists(path))
-    for path in left:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-    if left:
-        logger.warning("engine %s left %d shared-memory file(s) behind; removed %s",
-                       engine_name, len(left), left)
-
-
 def _engine_process_ids(client: Any) -> list[int]:
     # AsyncLLM → AsyncMPClient → resources.engine_manager (CoreEngineProcManager).
     core = getattr(client, "engine_core", None)
@@ -262,7 +247,8 @@ async def _engine_client(args: Any, environment: dict[str, str],
     meanwhile, also when an engine is restarted. AsyncLLM starts its output handler on
     the first request when it was built outside a running loop.
 
-    The engine's processes inherit `environment` (cpu_cores, visible GPUs): it is set in
+    The engine's processes inherit `environment` (cpu_cores, visible GPUs, where its socket
+    files go; the front end names its own before the spawn, in the build): it is set in
     this process from the engine's configuration until its EngineCore has been spawned
     (which copies the environment; the worker inherits the EngineCore's), under
     `spawn_lock`, so that engines started together each spawn with their own, and the
@@ -380,15 +366,19 @@ async def open_engine(
     cores = usable_cpu_cores(f"model {spec.name!r}", spec.cpu_cores) if spec.cpu_cores else None
     logger.info("starting engine %s from %s on %s %s", spec.name, model_path, spec.device,
                 placement.environment)
-    client = await stack.enter_async_context(
-        _engine_client(args, placement.environment, spawn_lock))
     # The stack unwinds last-in first-out: first our shutdown (vLLM's own in the context
-    # above then finds the engine processes stopped), then the files of an engine that
-    # could not tear down (killed, crashed) are removed.
+    # below then finds the engine processes stopped), then what an engine that could not
+    # tear down (killed, crashed) left is removed, and what any engine leaves
+    # (weaver/vllm_ext/engine/leftovers.py).
+    stack.callback(forget_closed_engine_callables)
+    rpc_dir = make_rpc_dir()
+    stack.callback(remove_rpc_dir, rpc_dir)
+    client = await stack.enter_async_context(_engine_client(
+        args, {**placement.environment, RPC_BASE_PATH_ENV: str(rpc_dir)}, spawn_lock))
     process_ids = _engine_process_ids(client)
     if cores is not None:
         pin_engine_processes(spec.name, process_ids, cores)
-    stack.callback(_remove_left_over_shm, spec.name, _shm_files_of(process_ids))
+    stack.callback(remove_left_over_shm, spec.name, shm_files_of(process_ids))
     stack.callback(client.shutdown, timeout=ENGINE_TEARDOWN_GRACE_S)
     stack.callback(_fail_pending_requests, spec.name, client)  # before the shutdown
     supported_tasks = await client.get_supported_tasks()
