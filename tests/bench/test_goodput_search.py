@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 
 import pytest
 from bench_fake_server import FakeBehavior
@@ -24,12 +23,9 @@ from weaver.bench.goodput_search import (
     search_goodput,
     write_report,
 )
-from weaver.bench.loadgen import LoadGenConfig
-from weaver.bench.runner import run_benchmark
 from weaver.cli import bench
 from weaver.results.goodput import Slo
 from weaver.results.records import RequestRecord, RequestStatus, RunResult, load_result
-from weaver.workloads.types import TraceRequest
 
 SLO = Slo(ttft_s=0.5)
 NUM = 20  # requests per fake run: attainment comes in steps of 5 %
@@ -408,48 +404,6 @@ def _capacity(behavior: FakeBehavior, output_tokens: int) -> float:
     """Requests per second the slotted fake server completes."""
     assert behavior.num_slots is not None
     return behavior.num_slots / (behavior.ttft_s + (output_tokens - 1) * behavior.itl_s)
-
-
-def test_search_finds_the_capacity_of_a_fake_server(fake_server):
-    # Three tokens a request: the server and the client share this process, and 80 req/s of
-    # 9-token streams (720 chunks/s) slowed both once the other xdist worker took the core.
-    # The times are twice those of the last version (TTFT 60 ms, 80 req/s), which a loaded
-    # CI machine failed at 0.75x: the same event-loop lag now leaves half the SLO's slack,
-    # and the overload check (its margin is a quarter of the TTFT target) scales alike.
-    behavior = FakeBehavior(ttft_s=0.12, itl_s=0.04, num_slots=8)
-    tokens = 3
-    nominal = _capacity(behavior, tokens)  # 40 req/s
-    server = fake_server(behavior)
-    num = 120
-    # Evenly spaced arrivals: the realised rate of 120 Poisson arrivals varies by about
-    # +-9 % from seed to seed, the workload's noise rather than the search's error. A TTFT
-    # target of 400 ms puts the overload check's margin at 100 ms, which the queue of a run
-    # of ~3 s at 10 % above capacity exceeds.
-    config = SearchConfig(slo=Slo(ttft_s=0.4), seeds=(0,), num_requests=num,
-                          start_rate=0.75 * nominal,
-                          min_rate=0.1 * nominal, max_rate=4 * nominal, rel_tolerance=0.1,
-                          drain_s=1.0)
-    lifetimes: dict[float, list[float]] = {}
-
-    def runner(label, rate, seed, salt, num_requests):
-        requests = [TraceRequest((i + 1) / rate, 4, tokens, "m", i) for i in range(num)]
-        client = LoadGenConfig(server.url, show_progress=False, prompt_salt=salt,
-                               duration_s=requests[-1].arrival_s + config.drain_s)
-        run = run_benchmark(label, requests, client, rate=rate, slo=config.slo)
-        lifetimes[rate] = [r.e2e_s for r in run.records if r.e2e_s is not None]
-        return run
-
-    outcome = search_goodput(["fake"], runner, config, show_progress=False)
-    goodput = outcome.goodput("fake")
-    # The capacity the server had in this sitting: its slots over a request's lifetime at
-    # the lowest rate tried (no queue there). On a loaded machine every sleep of the fake
-    # wakes late, and its capacity is a few per cent below the nominal one (CI once: the
-    # point at 0.94x the nominal capacity failed).
-    measured = behavior.num_slots / statistics.median(lifetimes[min(lifetimes)])
-    assert 0.75 * nominal <= measured <= nominal * 1.05, (measured, nominal)
-    described = [p.describe() for p in outcome.points]
-    assert 0.9 * measured <= goodput <= 1.1 * measured, (measured, described)
-    assert any(p.overloaded for p in outcome.points)  # above capacity the queue showed
 
 
 def _main(argv: list[str]) -> int:
