@@ -83,8 +83,16 @@ def suspects(created_at: float, windows: list[tuple[str, float, float]]) -> list
 
 
 def describe_shm_left(left: dict[str, float], windows: list[tuple[str, float, float]]) -> str:
-    lines = [f"the suite left {len(left)} entries in /dev/shm that no process holds "
-             "(removed now); the modules running when each was created:"]
+    return describe_left(f"the suite left {len(left)} entries in /dev/shm that no process "
+                         "holds (removed now); the modules running when each was created:",
+                         left, windows)
+
+
+def describe_left(header: str, left: dict[str, float],
+                  windows: list[tuple[str, float, float]]) -> str:
+    """`header`, then each entry left (name -> when it was made) with the modules that ran
+    then."""
+    lines = [header]
     for name, created_at in sorted(left.items(), key=lambda item: item[1]):
         when = time.strftime("%H:%M:%S", time.localtime(created_at))
         lines.append(f"  {name} ({when}): {', '.join(suspects(created_at, windows)) or '?'}")
@@ -129,10 +137,6 @@ def rpc_dirs_left(base: Path) -> dict[str, float]:
 
 
 def describe_rpc_left(left: dict[str, float], windows: list[tuple[str, float, float]]) -> str:
-    lines = [f"the suite left {len(left)} engine socket directories (weaver-rpc-*: an engine "
-             "start whose stop did not remove its own); the modules running when each was "
-             "made:"]
-    for name, created_at in sorted(left.items(), key=lambda item: item[1]):
-        when = time.strftime("%H:%M:%S", time.localtime(created_at))
-        lines.append(f"  {name} ({when}): {', '.join(suspects(created_at, windows)) or '?'}")
-    return "\n".join(lines)
+    return describe_left(f"the suite left {len(left)} engine socket directories (weaver-rpc-*: "
+                         "an engine start whose stop did not remove its own); the modules "
+                         "running when each was made:", left, windows)
