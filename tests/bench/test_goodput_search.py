@@ -1,7 +1,7 @@
 """The goodput search (weaver/bench/goodput_search.py): bracketing and bisection, the
 overload check, interleaving, ratios and the results file with injected fake runs; then
-the known capacity of a fake server found through the real load generator, and
-`weaver bench goodput` end to end."""
+the known capacity of a fake server in virtual time, and `weaver bench goodput` end to end
+against real fake servers."""
 
 from __future__ import annotations
 
@@ -404,6 +404,79 @@ def _capacity(behavior: FakeBehavior, output_tokens: int) -> float:
     """Requests per second the slotted fake server completes."""
     assert behavior.num_slots is not None
     return behavior.num_slots / (behavior.ttft_s + (output_tokens - 1) * behavior.itl_s)
+
+
+class VirtualTimeFakeServer:
+    """A fake server of fixed service rate, in virtual time: `num_slots` requests served at
+    once, first come first served, each taking `ttft_s` to its first token and `itl_s` to
+    each next one. Its runs are computed, not timed: no socket and no sleep, so a loaded
+    machine cannot move its capacity (the same search through the real load generator and
+    an HTTP fake failed CI three times, its sleeps waking late). Like the load generator, a
+    request not done by the last arrival + `drain_s` is cut at that deadline."""
+
+    def __init__(self, behavior: FakeBehavior, output_tokens: int, drain_s: float) -> None:
+        assert behavior.num_slots is not None
+        self.behavior, self.output_tokens, self.drain_s = behavior, output_tokens, drain_s
+        self.service_s = behavior.ttft_s + (output_tokens - 1) * behavior.itl_s
+
+    def __call__(self, label: str, rate: float, seed: int, salt: int,
+                 num_requests: int) -> RunResult:
+        # Evenly spaced arrivals: the realised rate of a short Poisson run varies by ~10 %
+        # from seed to seed, the workload's noise rather than the search's error.
+        arrivals = [(i + 1) / rate for i in range(num_requests)]
+        deadline = arrivals[-1] + self.drain_s
+        free_at = [0.0] * self.behavior.num_slots  # when each slot is next free
+        records = []
+        for i, arrival in enumerate(arrivals):
+            slot = min(range(len(free_at)), key=free_at.__getitem__)
+            start = max(arrival, free_at[slot])
+            free_at[slot] = start + self.service_s
+            done = free_at[slot] <= deadline
+            ttft = start - arrival + self.behavior.ttft_s
+            records.append(RequestRecord(
+                request_id=i, model="m", input_tokens=4, output_tokens=self.output_tokens,
+                scheduled_at_s=arrival, sent_at_s=arrival,
+                ttft_s=ttft if arrival + ttft <= deadline else None,
+                e2e_s=free_at[slot] - arrival if done else None,
+                num_output_tokens=self.output_tokens if done else 0,
+                status=RequestStatus.OK if done else RequestStatus.UNFINISHED,
+            ))
+        return RunResult(label=label, base_url="virtual://fake", rate=rate, started_at="",
+                         duration_s=deadline, workload={}, loadgen={}, records=records,
+                         summary={})
+
+
+@pytest.mark.parametrize(("slots", "start_factor"), [(8, 0.75), (2, 0.3), (16, 2.5)])
+def test_search_finds_the_capacity_of_a_fake_server(slots, start_factor):
+    behavior = FakeBehavior(ttft_s=0.12, itl_s=0.04, num_slots=slots)
+    tokens = 3
+    capacity = _capacity(behavior, tokens)  # slots / 0.2 s
+    # Runs of >= 10 s of arrivals: 5 % above capacity, the queue grows by 0.5 s of work in
+    # a run, past the TTFT target's 0.28 s of slack (a run of 120 requests at 1.17x the
+    # capacity of 16 slots, 1.3 s, kept its queue under it and passed).
+    config = SearchConfig(slo=Slo(ttft_s=0.4), seeds=(0, 1, 2), num_requests=120,
+                          min_span_s=10.0, start_rate=start_factor * capacity,
+                          min_rate=0.05 * capacity, max_rate=8 * capacity,
+                          rel_tolerance=0.05, drain_s=1.0, salt_base=0)
+    server = VirtualTimeFakeServer(behavior, tokens, config.drain_s)
+    outcome = search_goodput(["fake"], server, config, show_progress=False)
+    described = [p.describe() for p in outcome.points]
+    assert 0.9 * capacity <= outcome.goodput("fake") <= 1.1 * capacity, (capacity, described)
+    assert outcome.complete, described
+    # Above capacity the queue showed: TTFT grew, or requests were cut at the deadline.
+    failed = [p for p in outcome.points if not p.passed]
+    assert failed and all(p.rate > capacity and p.overloaded for p in failed), described
+
+
+def test_the_virtual_fake_queues_above_its_capacity():
+    """The fake itself: no wait below capacity, a wait that grows with arrivals above it."""
+    behavior = FakeBehavior(ttft_s=0.12, itl_s=0.04, num_slots=4)
+    server = VirtualTimeFakeServer(behavior, 3, drain_s=100.0)
+    below = server("fake", 19.0, 0, 0, 60).records  # capacity 20 req/s
+    assert {round(r.ttft_s, 9) for r in below} == {0.12}
+    above = server("fake", 25.0, 0, 0, 60).records
+    waits = [round(r.ttft_s - 0.12, 9) for r in above]
+    assert waits[0] == 0 and waits[-1] > 0.5 and waits == sorted(waits)
 
 
 def _main(argv: list[str]) -> int:
