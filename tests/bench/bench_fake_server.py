@@ -3,7 +3,9 @@ with an ephemeral port, run in its own thread. It streams exactly `max_tokens` o
 chunks, the first after `ttft_s` and each next one `itl_s` later, so the load generator's
 measurements can be checked against known delays. With `num_slots` it also has a known
 capacity: a request waits for one of `num_slots` slots and holds it while it streams, so the
-server completes num_slots / (ttft_s + (max_tokens - 1) * itl_s) requests per second."""
+server completes num_slots / (ttft_s + (max_tokens - 1) * itl_s) requests per second.
+GET /metrics answers two gauges in Prometheus' text format: `fake_streaming` (requests
+streaming now) and `fake_waiting` (requests waiting for a slot)."""
 
 from __future__ import annotations
 
@@ -52,6 +54,8 @@ class FakeOpenAIServer:
         self._server: asyncio.Server | None = None
         # Made on first use inside the server's loop: a semaphore belongs to one loop.
         self._slots: asyncio.Semaphore | None = None
+        self.streaming = 0  # the /metrics gauges
+        self.waiting = 0
 
     def __enter__(self) -> FakeOpenAIServer:
         self._thread.start()
@@ -91,6 +95,13 @@ class FakeOpenAIServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
         lines = head.decode().split("\r\n")
+        if lines[0].startswith("GET /metrics "):
+            text = (f"# TYPE fake_streaming gauge\nfake_streaming{{model=\"m\"}} {self.streaming}\n"
+                    f"# TYPE fake_waiting gauge\nfake_waiting {self.waiting}\n").encode()
+            writer.write(f"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: "
+                         f"{len(text)}\r\nConnection: close\r\n\r\n".encode() + text)
+            await writer.drain()
+            return
         headers = {
             k.strip().lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:] if x)
         }
@@ -118,17 +129,28 @@ class FakeOpenAIServer:
         stream = {"prompt": body["prompt"], "received_at": received_at, "chunk_at": []}
         b.streams.append(stream)
         if b.num_slots is None:
-            await self._stream_tokens(writer, body, stream)
+            self.streaming += 1
+            try:
+                await self._stream_tokens(writer, body, stream)
+            finally:
+                self.streaming -= 1
             return
         if self._slots is None:
             self._slots = asyncio.Semaphore(b.num_slots)
-        if not await self._take_slot(reader):
+        self.waiting += 1
+        try:
+            slot = await self._take_slot(reader)
+        finally:
+            self.waiting -= 1
+        if not slot:
             return
+        self.streaming += 1
         try:
             # Like vLLM, stop serving a client that went away (a run cut at its deadline):
             # its slot goes to the next request, and no queue outlives the run.
             await self._stream_tokens(writer, body, stream, reader.at_eof)
         finally:
+            self.streaming -= 1
             self._slots.release()
 
     async def _take_slot(self, reader: asyncio.StreamReader) -> bool:

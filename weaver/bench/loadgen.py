@@ -46,6 +46,10 @@ class LoadGenConfig:
     # same requests to one server take different salts, so no run hits the prefix cache
     # another one filled.
     prompt_salt: int = 0
+    # Gauges of the server's /metrics sampled during the run (weaver.bench.scrape), every
+    # scrape_interval_s seconds; none: no scraping.
+    scrape_metrics: tuple[str, ...] = ()
+    scrape_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -56,6 +60,9 @@ class LoadGenConfig:
             raise ValueError(f"--duration-s must be > 0 seconds, got {self.duration_s}")
         if not self.request_timeout_s > 0:
             raise ValueError(f"request timeout must be > 0 s, got {self.request_timeout_s}")
+        if not self.scrape_interval_s > 0:
+            raise ValueError(f"--scrape-interval-s must be > 0, got {self.scrape_interval_s}")
+        self.scrape_metrics = tuple(self.scrape_metrics)
 
     @property
     def completions_url(self) -> str:

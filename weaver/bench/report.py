@@ -24,6 +24,27 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def scraped_table(runs: Sequence[RunResult]) -> str | None:
+    """One line per (run, scraped gauge): its mean and max while the run's requests
+    arrived (from the first arrival to the last: the load, not the drain after it); None
+    when no run scraped any."""
+    from weaver.bench.scrape import window_mean
+
+    header = ["deployment", "rate", "gauge", "mean", "max", "samples"]
+    rows = []
+    for run in runs:
+        if not run.scraped or not run.records:
+            continue
+        rate = "trace" if run.rate is None else f"{run.rate:g}"
+        last_arrival = max(r.scheduled_at_s for r in run.records)
+        for key, points in run.scraped.items():
+            inside = [value for t, value in points if 0.0 <= t <= last_arrival]
+            mean = window_mean(points, 0.0, last_arrival)
+            rows.append([run.label, rate, key, _num(mean), _num(max(inside, default=None)),
+                         str(len(inside))])
+    return _table(header, rows) + "\n(while the requests arrived)" if rows else None
+
+
 def summary_table(runs: Sequence[RunResult]) -> str:
     """One line per (run, model): counts, throughput, p50/p90/p99 latencies in ms."""
     header = ["deployment", "rate", "model", "ok/total", "req/s", "tok/s",

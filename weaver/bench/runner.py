@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from weaver.bench.loadgen import LoadGenConfig, run_load_sync
+from weaver.bench.scrape import GaugeScraper
 from weaver.results.goodput import Slo
 from weaver.results.metrics import IsolatedEstimate, by_model, slo_summary, summarize
 from weaver.results.records import ALL_MODELS, RunResult
@@ -37,7 +38,14 @@ def run_benchmark(
         # Checked before sending: failing after a long run would throw its records away.
         raise ValueError(f"no isolated latency estimate for model(s) {missing}")
     logger.info("run %s: %d requests to %s", label, len(requests), config.base_url)
-    outcome = run_load_sync(requests, config)
+    if config.scrape_metrics:
+        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
+        with GaugeScraper(config.base_url, config.scrape_metrics, config.scrape_interval_s,
+                          headers) as scraper:
+            outcome = run_load_sync(requests, config)
+        scraped = scraper.series(since_unix=outcome.started_at_unix)
+    else:
+        outcome, scraped = run_load_sync(requests, config), {}
     duration_s = max(outcome.duration_s, 1e-9)
     records = outcome.records
     slo_summaries = {}
@@ -59,6 +67,7 @@ def run_benchmark(
         slo=slo_summaries,
         isolated={m: est.model_dump() for m, est in (isolated or {}).items()},
         roles=dict(roles or {}),
+        scraped=scraped,
     )
 
 

@@ -115,6 +115,13 @@ def _add_client_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-vllm-extras", action="store_true",
                    help="do not send ignore_eos/min_tokens (for non-vLLM servers)")
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    g.add_argument("--scrape-metric", action="append", default=[], metavar="GAUGE",
+                   help="sample this gauge of the server's /metrics during each run and keep "
+                   "it in the results (repeat for more; e.g. weaver_num_running, "
+                   "weaver_kv_cache_usage, weaver_remote_kv_blocks_used); the run's mean "
+                   "of each is printed")
+    g.add_argument("--scrape-interval-s", type=float, default=1.0,
+                   help="seconds between two scrapes of /metrics (default: %(default)s)")
     g = parser.add_argument_group("SLOs")
     g.add_argument("--ttft-slo-ms", type=float, default=None,
                    help="TTFT target of the SLO, in ms (a request meets the SLO when it "
@@ -472,12 +479,14 @@ def _client_config(args: argparse.Namespace, url: str):
         request_timeout_s=args.request_timeout_s,
         send_vllm_extras=not args.no_vllm_extras,
         show_progress=not args.no_progress,
+        scrape_metrics=tuple(args.scrape_metric),
+        scrape_interval_s=args.scrape_interval_s,
     )
 
 
 def _run_targets(args: argparse.Namespace, targets: list[tuple[str, str]]) -> list:
     from weaver.bench.compare import compare_deployments
-    from weaver.bench.report import slo_table, summary_table
+    from weaver.bench.report import scraped_table, slo_table, summary_table
     from weaver.results.records import new_result, save_result
 
     isolated = _isolated(args)
@@ -510,9 +519,9 @@ def _run_targets(args: argparse.Namespace, targets: list[tuple[str, str]]) -> li
     result.runs = [runs[i] for i in range(len(workloads)) for runs in runs_by_target]
     save_result(result, args.out)
     print(summary_table(result.runs))
-    table = slo_table(result.runs)
-    if table:
-        print(table)
+    for table in (slo_table(result.runs), scraped_table(result.runs)):
+        if table:
+            print(table)
     print(f"results: {args.out}")
     return result.runs
 
@@ -709,13 +718,13 @@ def _goodput_runner(args: argparse.Namespace, builder: _WorkloadBuilder,
 @_guarded
 def _summary_handler(args: argparse.Namespace) -> int:
     from weaver.bench.plots import load_runs
-    from weaver.bench.report import goodput_lines, slo_table, summary_table
+    from weaver.bench.report import goodput_lines, scraped_table, slo_table, summary_table
 
     runs = load_runs(args.results)
     print(summary_table(runs))
-    table = slo_table(runs)
-    if table:
-        print(table)
+    for table in (slo_table(runs), scraped_table(runs)):
+        if table:
+            print(table)
     slo = slo_of(args)
     if slo is not None:
         print("\n".join(goodput_lines(runs, slo)))

@@ -117,6 +117,9 @@ class RunResult(BaseModel):
     # The isolated latencies the SLO numbers were computed against (IsolatedEstimate dumps).
     isolated: dict[str, dict[str, float]] = Field(default_factory=dict)
     roles: dict[str, str] = Field(default_factory=dict)  # model -> "hot" / "cold", if known
+    # Gauges of the server's /metrics sampled during the run (weaver/bench/scrape.py):
+    # 'name{labels}' -> [(seconds from the run's start, value)].
+    scraped: dict[str, list[tuple[float, float]]] = Field(default_factory=dict)
 
 
 class BenchResult(BaseModel):
