@@ -96,3 +96,6 @@ def test_cli_scrapes_and_prints_the_means(fake_server, tmp_path, capsys, monkeyp
     args = parser.parse_args(["bench", "summary", str(out)])
     assert args.handler(args) == 0
     assert "fake_waiting" in capsys.readouterr().out
+    args = parser.parse_args(["bench", "plot", str(out), "--out-dir", str(tmp_path / "png")])
+    assert args.handler(args) == 0
+    assert (tmp_path / "png" / "scraped.png").stat().st_size > 0

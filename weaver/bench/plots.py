@@ -119,6 +119,38 @@ def plot_throughput_bars(runs: Sequence[RunResult], out_path: str | os.PathLike[
     return _save(fig, plt, out_path)
 
 
+def plot_scraped(runs: Sequence[RunResult], out_path: str | os.PathLike[str]) -> Path:
+    """The gauges the runs scraped from /metrics (`--scrape-metric`) over each run's time:
+    one panel per series, a line per run, the last arrival marked."""
+    keys = list(dict.fromkeys(key for run in runs for key in run.scraped))
+    if not keys:
+        raise ValueError("the runs scraped no gauge; run them with --scrape-metric")
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(keys), 1, figsize=(7.0, 1.9 * len(keys)), sharex=True,
+                             squeeze=False)
+    # A run keeps its colour in every panel, also where another run has no such series.
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    handles: dict[str, object] = {}  # one legend for the figure, a run once
+    for ax, key in zip(axes[:, 0], keys, strict=True):
+        for index, run in enumerate(runs):
+            points = run.scraped.get(key)
+            if not points:
+                continue
+            rate = "" if run.rate is None else f" @ {run.rate:g} req/s"
+            colour = colours[index % len(colours)]
+            line, = ax.plot([t for t, _ in points], [v for _, v in points], lw=1, color=colour)
+            handles.setdefault(f"{run.label}{rate}", line)
+            if run.records:
+                ax.axvline(max(r.scheduled_at_s for r in run.records), color=colour, lw=0.6,
+                           ls=":")
+        ax.set_title(key, fontsize="small", loc="left")
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("seconds from the run's start (dotted: its last arrival)")
+    axes[0, 0].legend(list(handles.values()), list(handles), fontsize="x-small", ncol=2,
+                      loc="lower left", bbox_to_anchor=(0.0, 1.15))
+    return _save(fig, plt, out_path)
+
+
 def _save(fig, plt, out_path: str | os.PathLike[str]) -> Path:
     path = Path(out_path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -135,10 +167,14 @@ def plot_results(
     percentile: float = 90.0,
     tpot_slo_s: float | None = None,
 ) -> list[Path]:
-    """Both figures for the runs in `paths`, written into `out_dir`."""
+    """Both figures for the runs in `paths`, written into `out_dir`, and the scraped
+    gauges' when the runs have any."""
     runs = load_runs(paths)
     out = Path(out_dir)
-    return [
+    written = [
         plot_tpot_vs_rate(runs, out / "tpot_vs_rate.png", percentile, tpot_slo_s),
         plot_throughput_bars(runs, out / "throughput.png"),
     ]
+    if any(run.scraped for run in runs):
+        written.append(plot_scraped(runs, out / "scraped.png"))
+    return written
