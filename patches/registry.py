@@ -152,6 +152,18 @@ PATCHES: tuple[Patch, ...] = (
         remove_when="vLLM's build_async_engine_client takes stat_loggers.",
     ),
     Patch(
+        name="prometheus_logger_lock",
+        targets=(Target("vllm.v1.metrics.loggers:PrometheusStatLogger.__init__",
+                        ("self", "vllm_config")),),
+        why="Each PrometheusStatLogger unregisters every vllm: collector of the process and "
+            "registers its own; two engines the gateway builds at once interleave that and "
+            "one start fails with DuplicateTimeseries.",
+        how="Wraps PrometheusStatLogger.__init__ (class-wide, in the gateway's process) in "
+            "one lock, so the loggers of engines started together are built in turn.",
+        remove_when="vLLM keeps one set of Prometheus collectors per engine client (or "
+                    "registers them idempotently).",
+    ),
+    Patch(
         name="engine_config_hook",
         targets=(Target("vllm.engine.arg_utils:EngineArgs.create_engine_config", ("self",)),),
         why="Under plain `vllm serve` a weaving engine is configured by its --additional-"

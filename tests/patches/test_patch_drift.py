@@ -13,7 +13,12 @@ import pytest
 pytest.importorskip("vllm")
 
 import weaver.patches  # noqa: E402
-from weaver.patches import block_pool_class, worker_step_lock, worker_step_turns  # noqa: E402
+from weaver.patches import (  # noqa: E402
+    block_pool_class,
+    prometheus_logger_lock,
+    worker_step_lock,
+    worker_step_turns,
+)
 from weaver.patches.registry import PATCHES, PatchTargetMissing, check_targets  # noqa: E402
 
 
@@ -133,3 +138,48 @@ def test_a_turn_spans_the_step_and_is_given_back_after_its_output_or_failure():
     worker_step_turns.uninstall(worker)
     worker.execute_model("one-phase")
     assert events[-1] == "forward one-phase"
+
+
+class _OverlapCounter:
+    """A stand-in for a logger's __init__ that records how many calls ran at once."""
+
+    def __init__(self) -> None:
+        self.inside = self.most = 0
+        self.lock = threading.Lock()
+
+    def __call__(self) -> None:
+        import time
+
+        with self.lock:
+            self.inside += 1
+            self.most = max(self.most, self.inside)
+        time.sleep(0.05)
+        with self.lock:
+            self.inside -= 1
+
+
+def _most_at_once(init) -> int:
+    threads = [threading.Thread(target=init) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return init.most if isinstance(init, _OverlapCounter) else init.__wrapped__.most
+
+
+def test_prometheus_loggers_are_built_one_at_a_time():
+    """Two engines built at once each register vLLM's metrics; the wrapper makes their
+    loggers take turns (the unwrapped stand-in overlaps, the wrapped one never does)."""
+    assert _most_at_once(_OverlapCounter()) > 1
+    assert _most_at_once(prometheus_logger_lock.one_at_a_time(_OverlapCounter())) == 1
+
+
+def test_the_prometheus_lock_wraps_vllms_logger_once_and_keeps_its_signature():
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    prometheus_logger_lock.install()
+    wrapped = PrometheusStatLogger.__init__
+    prometheus_logger_lock.install()
+    assert PrometheusStatLogger.__init__ is wrapped  # not wrapped twice
+    assert getattr(wrapped, "_weaver_built_one_at_a_time", False)
+    check_targets()  # the drift check still sees vLLM's parameters through the wrapper

@@ -29,6 +29,7 @@ from weaver.config.cpu_cores import pin_engine_processes, usable_cpu_cores
 from weaver.config.deployment import ModelSpec, Role
 from weaver.config.devices import EnginePlacement
 from weaver.models.registry import vllm_model_arg
+from weaver.patches import prometheus_logger_lock
 from weaver.vllm_ext.additional_config import SCHEDULER, WORKER_EXTENSION, phase_split_of, pool_of
 from weaver.vllm_ext.engine.flags import EngineFlagError, flags_for, parse_serve_args
 from weaver.vllm_ext.engine.leftovers import (
@@ -258,6 +259,7 @@ async def _engine_client(args: Any, environment: dict[str, str],
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    prometheus_logger_lock.install()  # engines built side by side register metrics in turn
     build: asyncio.Future | None = None
     try:
         async with spawn_lock if spawn_lock is not None else contextlib.nullcontext():
