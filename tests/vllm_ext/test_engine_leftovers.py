@@ -17,11 +17,21 @@ from pathlib import Path
 import pytest
 import zmq
 
+from weaver.offload.naming import (
+    cold_region_prefix,
+    gateway_prefix,
+    owner_pid,
+    region_name,
+    staging_prefix,
+)
 from weaver.vllm_ext.engine.leftovers import (
     RPC_BASE_PATH_ENV,
+    SHM_LIST,
     forget_closed_engine_callables,
     make_rpc_dir,
     reclaim_dead_owners_rpc_dirs,
+    reclaim_dead_owners_shm,
+    record_shm_files,
     remove_rpc_dir,
 )
 
@@ -64,9 +74,7 @@ def test_a_base_too_long_for_a_socket_path_is_refused_saying_the_fix(monkeypatch
 
 
 def test_the_directories_of_a_dead_server_are_reclaimed_and_a_live_ones_kept(rpc_base):
-    exited = subprocess.Popen(["true"])
-    exited.wait()  # its pid is now free: a server that was SIGKILLed
-    dead = rpc_base / f"weaver-rpc-{exited.pid}-abc"
+    dead = rpc_base / f"weaver-rpc-{_dead_pid()}-abc"
     live = make_rpc_dir()  # this process's
     other = rpc_base / "someone-elses"
     for path in (dead, other):
@@ -74,6 +82,80 @@ def test_the_directories_of_a_dead_server_are_reclaimed_and_a_live_ones_kept(rpc
     (dead / "socket").touch()
     assert reclaim_dead_owners_rpc_dirs() == [dead]
     assert not dead.exists() and live.exists() and other.exists()
+
+
+def _dead_pid() -> int:
+    exited = subprocess.Popen(["true"])
+    exited.wait()  # its pid is now free: a process that was SIGKILLed
+    return exited.pid
+
+
+def test_a_dead_servers_engine_message_queues_are_reclaimed_from_its_list(rpc_base):
+    """A SIGKILLed gateway's engines leave vLLM's psm_* segments, whose names say nothing
+    of their owner: the list in the engine's socket directory names them, and the next
+    server unlinks those no living process maps."""
+    from multiprocessing import shared_memory
+
+    dead_dir = rpc_base / f"weaver-rpc-{_dead_pid()}-abc"
+    dead_dir.mkdir()
+    left = shared_memory.SharedMemory(create=True, size=64)
+    mapped = shared_memory.SharedMemory(create=True, size=64)  # a living process maps it
+    try:
+        record_shm_files(dead_dir, {f"/dev/shm/{left.name}", f"/dev/shm/{mapped.name}"})
+        assert (dead_dir / SHM_LIST).read_text().count("/dev/shm/psm_") == 2
+        left.close()  # nobody maps it any more: what a killed engine leaves
+        assert reclaim_dead_owners_rpc_dirs() == [dead_dir]
+        assert not os.path.exists(f"/dev/shm/{left.name}")
+        assert os.path.exists(f"/dev/shm/{mapped.name}")
+    finally:
+        mapped.close()
+        mapped.unlink()
+        with pytest.raises(FileNotFoundError):
+            left.unlink()  # already gone
+
+
+def test_weavers_files_of_dead_processes_are_reclaimed_and_the_living_ones_kept():
+    dead, alive = _dead_pid(), os.getppid()
+    names = {
+        "dead_region": region_name(cold_region_prefix(dead, 1), "hot", "p0-hot.cold"),
+        "dead_staging": f"{staging_prefix(dead)}abc",
+        "live_region": region_name(cold_region_prefix(alive, 1), "hot", "p0-hot.cold"),
+        "unrelated": f"wvtest-{dead}-other",
+    }
+    assert owner_pid(names["dead_region"]) == dead
+    assert owner_pid(f"{gateway_prefix(dead)}-pairs") == dead
+    assert owner_pid(names["dead_staging"]) == dead and owner_pid("psm_1234") is None
+    pairs_dir = Path("/dev/shm") / f"{gateway_prefix(dead)}-pairs"
+    pairs_dir.mkdir()
+    (pairs_dir / "p0.cold").write_text("{}")
+    paths = {key: Path("/dev/shm") / name for key, name in names.items()}
+    try:
+        for path in paths.values():
+            path.touch()
+        removed = reclaim_dead_owners_shm()
+        assert {str(paths["dead_region"]), str(paths["dead_staging"]), str(pairs_dir)} \
+            <= set(removed)
+        assert not paths["dead_region"].exists() and not pairs_dir.exists()
+        assert paths["live_region"].exists() and paths["unrelated"].exists()
+    finally:
+        shutil.rmtree(pairs_dir, ignore_errors=True)
+        for path in paths.values():
+            path.unlink(missing_ok=True)
+
+
+def test_a_dead_owners_file_that_a_living_process_maps_stays():
+    """A killed cold worker's region that its live gateway's hot engine still maps."""
+    import mmap
+
+    path = Path("/dev/shm") / region_name(cold_region_prefix(_dead_pid(), 1), "hot", "pair")
+    path.write_bytes(b"\0" * 4096)
+    try:
+        with open(path, "r+b") as f, mmap.mmap(f.fileno(), 4096):
+            assert str(path) not in reclaim_dead_owners_shm()
+            assert path.exists()
+        assert str(path) in reclaim_dead_owners_shm()
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def test_closing_an_engine_drops_vllms_cached_answers_about_its_tokenizer():

@@ -16,6 +16,31 @@ _MAX_NAME_CHARS = 200  # NAME_MAX is 255; leave room for the FIFO suffixes
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
+# What a process puts in /dev/shm is named after its pid, so that a server starting later
+# tells a dead owner's leftovers from a living one's (weaver/vllm_ext/engine/leftovers.py):
+# a cold worker's regions, a gateway's own files (its pairs' directory, the unified pools
+# it plans) and a gateway's KV staging segments.
+def cold_region_prefix(pid: int, index: int) -> str:
+    return f"wv{pid}r{index}"
+
+
+def gateway_prefix(pid: int) -> str:
+    return f"weaver{pid}"
+
+
+def staging_prefix(pid: int) -> str:
+    return f"wvkv_{pid}_"
+
+
+_OWNED_NAME = re.compile(r"^(?:wv(\d+)r\d+-|weaver(\d+)-|wvkv_(\d+)_)")
+
+
+def owner_pid(name: str) -> int | None:
+    """The pid a /dev/shm name of one of the families above carries; None for others."""
+    match = _OWNED_NAME.match(name)
+    return None if match is None else int(next(g for g in match.groups() if g))
+
+
 def region_name(prefix: str, hot_model: str, cold_model: str) -> str:
     """A file-safe region name from configuration: ``<prefix>-<hot>-<cold>-<hash8>``.
 

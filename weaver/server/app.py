@@ -120,11 +120,15 @@ async def start_engines(settings: ServeSettings, checked: CheckedEngines,
     then watch each engine (restarted when it dies or hangs: the deployment's
     serving.restart); everything is closed by `stack`, also when start-up fails
     half-way."""
-    from weaver.vllm_ext.engine.leftovers import reclaim_dead_owners_rpc_dirs
+    from weaver.vllm_ext.engine.leftovers import (
+        reclaim_dead_owners_rpc_dirs,
+        reclaim_dead_owners_shm,
+    )
 
     deployment = settings.deployment
     paths, placements = checked.paths, checked.placements
     reclaim_dead_owners_rpc_dirs()  # what a SIGKILLed server's engines left
+    reclaim_dead_owners_shm()  # and the files it and its cold workers named after their pid
     features = serve_features(deployment, paths, checked.mux_pools)
     configs = engine_configs(deployment, features)
     # Set up first, so that what each feature reclaims runs after every engine stopped.

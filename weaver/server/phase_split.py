@@ -40,6 +40,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from weaver.config.deployment import Deployment, PhaseSplitSpec
 from weaver.kv.staging import read_report, remove_segment, remove_segments
+from weaver.offload.naming import staging_prefix
 from weaver.server.errors import error_body
 from weaver.server.features import ServeFeature
 from weaver.server.gateway import replay_body, send_json
@@ -64,7 +65,7 @@ MAX_RUNS = 4
 
 def segment_prefix() -> str:
     """The staging segments of this gateway process: wvkv_<pid>_<request>."""
-    return f"wvkv_{os.getpid()}_"
+    return staging_prefix(os.getpid())
 
 
 def remove_left_segments() -> None:

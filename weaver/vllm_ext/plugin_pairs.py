@@ -154,8 +154,12 @@ def complete_engine_config(vllm_config: Any) -> None:
     weaving = plugin_weaving(vllm_config.additional_config)
     if weaving is None:
         return
+    from weaver.vllm_ext.engine.leftovers import reclaim_dead_owners_shm
     from weaver.weaving.pair_metrics import register_pair_collector
 
+    # What a killed predecessor left (its cold worker's regions; vLLM's default
+    # --shutdown-timeout 0 kills the workers of a plain `vllm serve` on SIGTERM too).
+    reclaim_dead_owners_shm()
     served = vllm_config.model_config.served_model_name
     model = served if isinstance(served, str) else served[0]
     files = rendezvous.PairFiles(rendezvous.runtime_dir())

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from weaver.offload.naming import region_name, region_paths
+from weaver.offload.naming import cold_region_prefix, region_name, region_paths
 from weaver.weaving import rendezvous
 from weaver.weaving.cold import ColdWeaving
 from weaver.weaving.plan import PairPlan, region_bytes_of
@@ -137,7 +137,7 @@ class ColdLink:
         self.refused.pop(pair, None)
         self._num_regions += 1
         named = replace(plan, region_name=region_name(
-            f"wv{os.getpid()}r{self._num_regions}", plan.hot, pair))
+            cold_region_prefix(os.getpid(), self._num_regions), plan.hot, pair))
         self.cold.add(named, self.make_executor)
         self.served[pair] = named
         self.files.publish(pair, "cold", {

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from weaver.kv.pages import TenantShape, headwise_block_size
 from weaver.kv.pool_plan import PoolPlan, PoolTenantPlan
 from weaver.offload.layout import HotAttentionShape, RegionLayout
-from weaver.offload.naming import region_name
+from weaver.offload.naming import gateway_prefix, region_name
 from weaver.weaving.placement import AdaptiveTargets
 
 if TYPE_CHECKING:
@@ -148,7 +148,7 @@ def lend_kv_gib_for(num_blocks: int, block_bytes: int) -> str:
 def default_shm_prefix() -> str:
     # One gateway process owns its pairs' regions; its pid keeps two servers on one
     # machine (tests, benchmarks) apart without a hard-coded name.
-    return os.environ.get(SHM_PREFIX_ENV) or f"weaver{os.getpid()}"
+    return os.environ.get(SHM_PREFIX_ENV) or gateway_prefix(os.getpid())
 
 
 def plan_pairs(

@@ -4,7 +4,12 @@ nothing:
 
 - **Its message queues** in /dev/shm (vLLM's psm_* segments, semaphores), which an
   EngineCore or worker that was killed never unlinks: found while it runs (what its
-  processes map or hold open), unlinked once it stopped.
+  processes map or hold open), unlinked once it stopped. Their names say nothing of their
+  owner, so the list is also written into the engine's socket directory (below): when
+  `weaver serve` itself was SIGKILLed, the next one unlinks what that list names and no
+  living process maps. Weaver's own files carry their owner's pid (a cold worker's
+  regions, a gateway's pairs' directory, pools and staging segments:
+  weaver/offload/naming.py) and are reclaimed by it when that process is gone.
 - **Its ZeroMQ socket files.** vLLM names every IPC endpoint `ipc://<VLLM_RPC_BASE_PATH>/
   <uuid>` (vllm/utils/network_utils.py get_open_zmq_ipc_path: the front end's handshake,
   input and output sockets, the EngineCore's and worker's message-queue sockets), and
@@ -30,7 +35,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from weaver.processes import is_process_alive, shm_files_of_processes
+from weaver.offload.naming import owner_pid
+from weaver.processes import SHM_DIR, is_process_alive, shm_files_of_processes, unlink_left_over
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +44,7 @@ RPC_BASE_PATH_ENV = "VLLM_RPC_BASE_PATH"
 RPC_DIR_PREFIX = "weaver-rpc-"
 _RPC_DIR_RE = re.compile(rf"^{RPC_DIR_PREFIX}(\d+)-")
 MAX_SOCKET_PATH_BYTES = 107  # sockaddr_un.sun_path less its terminating NUL
+SHM_LIST = "shm-files"  # in an engine's socket directory: the /dev/shm files it holds
 
 
 # --- /dev/shm -------------------------------------------------------------------------
@@ -61,6 +68,34 @@ def remove_left_over_shm(engine_name: str, paths: set[str]) -> None:
     if left:
         logger.warning("engine %s left %d shared-memory file(s) behind; removed %s",
                        engine_name, len(left), left)
+
+
+def record_shm_files(rpc_dir: Path, paths: set[str]) -> None:
+    """Write the engine's /dev/shm files into its socket directory, for whoever reclaims
+    the directory after this process died."""
+    (rpc_dir / SHM_LIST).write_text("".join(f"{path}\n" for path in sorted(paths)))
+
+
+def reclaim_dead_owners_shm() -> list[str]:
+    """Unlink the /dev/shm entries Weaver names after a process that is gone (a SIGKILLed
+    `weaver serve`, its cold workers) and that no living process maps or holds open.
+    Returns what was removed."""
+    dead: set[str] = set()
+    with contextlib.suppress(OSError), os.scandir(SHM_DIR) as entries:
+        for entry in entries:
+            pid = owner_pid(entry.name)
+            if pid is not None and pid != os.getpid() and not is_process_alive(pid):
+                dead.add(entry.path)
+    directories = {path for path in dead if os.path.isdir(path)}
+    files = dead - directories
+    removed = unlink_left_over(files) if files else []  # else no need to read every /proc
+    for path in sorted(directories):  # a dead gateway's pairs' directory: nobody maps it
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    if removed:
+        logger.warning("removed %d shared-memory file(s) of stopped Weaver processes: %s",
+                       len(removed), sorted(removed))
+    return removed
 
 
 # --- ZeroMQ socket files ----------------------------------------------------------------
@@ -103,12 +138,25 @@ def reclaim_dead_owners_rpc_dirs() -> list[Path]:
             match = _RPC_DIR_RE.match(entry.name)
             if match and entry.is_dir(follow_symlinks=False) \
                     and not is_process_alive(int(match.group(1))):
+                _unlink_listed_shm(Path(entry.path) / SHM_LIST)
                 remove_rpc_dir(Path(entry.path))
                 removed.append(Path(entry.path))
     if removed:
         logger.warning("removed %d engine socket director(ies) of stopped Weaver servers "
                        "from %s", len(removed), base)
     return removed
+
+
+def _unlink_listed_shm(listing: Path) -> None:
+    """The /dev/shm files a dead server's engine held (its SHM_LIST), less those that a
+    living process maps: its message queues and semaphores, which name no owner."""
+    with contextlib.suppress(OSError):
+        paths = {line for line in listing.read_text().splitlines()
+                 if line.startswith(f"{SHM_DIR}/")}
+        removed = unlink_left_over(paths)
+        if removed:
+            logger.warning("removed %d shared-memory file(s) an engine of a stopped Weaver "
+                           "server held: %s", len(removed), removed)
 
 
 # --- callables cached by identity -------------------------------------------------------
