@@ -18,7 +18,8 @@ moved). Then:
   block with a role, and EngineCore start (patches/engine_core_hook.py), where an engine of
   a weaving pair links itself (weaver/vllm_ext/pair_links.py, both launchers) and a
   colocated engine takes turns with its group (weaver/vllm_ext/mux_gate.py); each a no-op
-  unless the block has its section.
+  unless the block has its section. There, too, an engine that `weaver serve` started
+  stops once that gateway is gone (weaver/vllm_ext/gateway_watch.py).
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ def register() -> None:
 
 
 def _on_engine_core_ready(engine_core: Any) -> None:
-    from weaver.vllm_ext import mux_gate, pair_links, scheduler
+    from weaver.vllm_ext import gateway_watch, mux_gate, pair_links, scheduler
 
+    gateway_watch.follow_gateway()  # an engine of `weaver serve` ends with its gateway
     mux_gate.on_engine_core_ready(engine_core)
     pair_links.on_engine_core_ready(engine_core)
     scheduler.connect_pair_load(engine_core)

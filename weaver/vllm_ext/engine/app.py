@@ -42,6 +42,7 @@ from weaver.vllm_ext.engine.leftovers import (
     shm_files_of,
 )
 from weaver.vllm_ext.engine.stats import EngineStatsRecorder, attach_stats_recorder
+from weaver.vllm_ext.gateway_watch import GATEWAY_PID_ENV
 from weaver.weaving.plan import block_size_of
 
 if TYPE_CHECKING:
@@ -377,7 +378,8 @@ async def open_engine(
     rpc_dir = make_rpc_dir()
     stack.callback(remove_rpc_dir, rpc_dir)
     client = await stack.enter_async_context(_engine_client(
-        args, {**placement.environment, RPC_BASE_PATH_ENV: str(rpc_dir)}, spawn_lock))
+        args, {**placement.environment, RPC_BASE_PATH_ENV: str(rpc_dir),
+               GATEWAY_PID_ENV: str(os.getpid())}, spawn_lock))
     process_ids = _engine_process_ids(client)
     if cores is not None:
         pin_engine_processes(spec.name, process_ids, cores)
