@@ -23,6 +23,7 @@ from typing import Any
 
 from weaver.config.serving import RestartPolicy
 from weaver.processes import is_process_alive
+from weaver.vllm_ext.engine.leftovers import release_closed_engine_memory
 
 logger = logging.getLogger(__name__)
 
@@ -215,3 +216,6 @@ class SupervisedEngine:
                                  "failed", self.name)
         self.state = EngineState.OK
         logger.info("engine %s is back in service (restart %d)", self.name, self.num_restarts)
+        # The old engine's requests have failed by now and let go of its client: free the
+        # cycles it sits in (its ZeroMQ threads and sockets with it).
+        release_closed_engine_memory()

@@ -37,6 +37,7 @@ from weaver.vllm_ext.engine.leftovers import (
     forget_closed_engine_callables,
     make_rpc_dir,
     record_shm_files,
+    release_closed_engine_memory,
     remove_left_over_shm,
     remove_rpc_dir,
     shm_files_of,
@@ -374,6 +375,7 @@ async def open_engine(
     # below then finds the engine processes stopped), then what an engine that could not
     # tear down (killed, crashed) left is removed, and what any engine leaves
     # (weaver/vllm_ext/engine/leftovers.py).
+    stack.callback(release_closed_engine_memory)  # last: once the rest let go
     stack.callback(forget_closed_engine_callables)
     rpc_dir = make_rpc_dir()
     stack.callback(remove_rpc_dir, rpc_dir)
