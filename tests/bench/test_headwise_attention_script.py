@@ -4,22 +4,17 @@ checked: they belong to the benchmark), and refuses a block size vLLM's kernel c
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import pytest
+from bench_scripts import load_benchmark
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM (CPU build) is not installed", allow_module_level=True)
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "headwise_attention.py"
-
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("headwise_attention_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("headwise_attention")
 
 
 def test_tiny_run_checks_equality_and_prints_the_ratio(bench, capsys):

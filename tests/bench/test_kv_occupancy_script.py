@@ -3,11 +3,10 @@ gauges a run scraped, in a steady window; a run that scraped none is refused."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from bench_scripts import load_benchmark
 
 from weaver.results.records import (
     RequestRecord,
@@ -17,15 +16,10 @@ from weaver.results.records import (
     save_result,
 )
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kv_occupancy.py"
-
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("kv_occupancy_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("kv_occupancy")
 
 
 def _run(label: str, running: float, tpot_s: float, scraped: bool = True) -> RunResult:

@@ -3,22 +3,13 @@ samples; the soak itself runs for minutes against a real server and is not in th
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
+from bench_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def soak():
-    spec = importlib.util.spec_from_file_location("soak_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("soak")
 
 
 def result(lost=0, back_at_s=50.0, shm=100, sockets=3):

@@ -3,20 +3,13 @@ of four engines): its arguments and its plot."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "unified_pool_reclaim.py"
+from bench_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("unified_pool_reclaim_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("unified_pool_reclaim")
 
 
 def test_bad_arguments_are_refused(bench):

@@ -3,22 +3,16 @@ over interleaved rounds (the benchmark itself runs engines for ~7 minutes a roun
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import yaml
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "weaving_throughput.py"
+from bench_scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("weaving_throughput_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("weaving_throughput")
 
 
 def _run(label: str, round_index: int, tok_s: float, tpot_s: float) -> dict:
