@@ -4,9 +4,12 @@ and turned into the hooks and plan a weaving engine needs by vLLM's own config b
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from weaver.vllm_ext.additional_config import SCHEDULER, WORKER_EXTENSION
+from weaver.vllm_ext.gateway_watch import GATEWAY_PID_ENV
 from weaver.vllm_ext.plugin_pairs import plugin_weaving
 
 pytest.importorskip("vllm")
@@ -34,6 +37,15 @@ def test_other_engines_have_no_block():
     assert cold.pairs == ("p1", "p2")
 
 
+@pytest.fixture(autouse=True)
+def _front_end_pid_restored(monkeypatch):
+    """The config names its front end in the environment (for the engine it spawns); the
+    test's process is not one, so the variable is put back after each test."""
+    from weaver.vllm_ext.gateway_watch import GATEWAY_PID_ENV
+
+    monkeypatch.setenv(GATEWAY_PID_ENV, "")
+
+
 def engine_config(model_dir, block: dict, **engine_args):
     from vllm.engine.arg_utils import EngineArgs
 
@@ -51,6 +63,8 @@ def test_a_hot_block_sets_the_hooks_and_the_plan():
     assert config.scheduler_config.scheduler_cls == SCHEDULER
     assert config.parallel_config.worker_extension_cls == WORKER_EXTENSION
     assert config.cache_config.enable_prefix_caching is False
+    # The EngineCore this front end spawns watches it (weaver/vllm_ext/gateway_watch.py).
+    assert os.environ[GATEWAY_PID_ENV] == str(os.getpid())
     (plan,) = config.additional_config["weaver"]["hot"]  # one plan: one cold engine
     # tiny-llama-a: 2 layers, 2 KV heads of 32; blocks of 16 tokens, fp32 K and V.
     block_bytes = 2 * 2 * 16 * 2 * 32 * 4
