@@ -39,7 +39,7 @@ def summarise(path: Path, hot: str, local_blocks: int, skip_s: float, slo: Slo) 
         if not run.scraped:
             raise SystemExit(f"{path}: run {run.label!r} scraped no gauge; rerun it with "
                              "--scrape-metric (see this script's docstring)")
-        end_s = max(r.scheduled_at_s for r in run.records)
+        end_s = run.last_arrival_s
         mine = [r for r in run.records if r.model == hot]
         tpots = [r.tpot_s for r in mine if r.tpot_s is not None]
         usage = _gauge(run, "weaver_kv_cache_usage", hot, skip_s, end_s)

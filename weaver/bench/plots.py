@@ -141,8 +141,7 @@ def plot_scraped(runs: Sequence[RunResult], out_path: str | os.PathLike[str]) ->
             line, = ax.plot([t for t, _ in points], [v for _, v in points], lw=1, color=colour)
             handles.setdefault(f"{run.label}{rate}", line)
             if run.records:
-                ax.axvline(max(r.scheduled_at_s for r in run.records), color=colour, lw=0.6,
-                           ls=":")
+                ax.axvline(run.last_arrival_s, color=colour, lw=0.6, ls=":")
         ax.set_title(key, fontsize="small", loc="left")
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("seconds from the run's start (dotted: its last arrival)")

@@ -36,7 +36,7 @@ def scraped_table(runs: Sequence[RunResult]) -> str | None:
         if not run.scraped or not run.records:
             continue
         rate = "trace" if run.rate is None else f"{run.rate:g}"
-        last_arrival = max(r.scheduled_at_s for r in run.records)
+        last_arrival = run.last_arrival_s
         for key, points in run.scraped.items():
             inside = [value for t, value in points if 0.0 <= t <= last_arrival]
             mean = window_mean(points, 0.0, last_arrival)

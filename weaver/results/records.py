@@ -121,6 +121,11 @@ class RunResult(BaseModel):
     # 'name{labels}' -> [(seconds from the run's start, value)].
     scraped: dict[str, list[tuple[float, float]]] = Field(default_factory=dict)
 
+    @property
+    def last_arrival_s(self) -> float:
+        """When the run's last request was due, from its start: the end of its load."""
+        return max(r.scheduled_at_s for r in self.records)
+
 
 class BenchResult(BaseModel):
     schema_version: int = SCHEMA_VERSION

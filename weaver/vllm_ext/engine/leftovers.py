@@ -137,33 +137,37 @@ def remove_rpc_dir(path: Path) -> None:
 
 def reclaim_dead_owners_rpc_dirs() -> list[Path]:
     """Remove the engine socket directories whose owner process is gone (a `weaver serve`
-    that was SIGKILLed); those of live owners stay. Returns what was removed."""
+    that was SIGKILLed), and the /dev/shm files their lists name that no living process
+    maps; those of live owners stay. Returns the directories removed."""
     base = rpc_base_path()
-    removed = []
+    dead: list[Path] = []
     with contextlib.suppress(OSError), os.scandir(base) as entries:
         for entry in entries:
             match = _RPC_DIR_RE.match(entry.name)
             if match and entry.is_dir(follow_symlinks=False) \
                     and not is_process_alive(int(match.group(1))):
-                _unlink_listed_shm(Path(entry.path) / SHM_LIST)
-                remove_rpc_dir(Path(entry.path))
-                removed.append(Path(entry.path))
-    if removed:
+                dead.append(Path(entry.path))
+    listed = set().union(*(_listed_shm(path / SHM_LIST) for path in dead))
+    # One look at every process's mappings for all the lists (unlink_left_over reads /proc).
+    unlinked = unlink_left_over(listed) if listed else []
+    if unlinked:
+        logger.warning("removed %d shared-memory file(s) the engines of stopped Weaver "
+                       "servers held: %s", len(unlinked), unlinked)
+    for path in dead:
+        remove_rpc_dir(path)
+    if dead:
         logger.warning("removed %d engine socket director(ies) of stopped Weaver servers "
-                       "from %s", len(removed), base)
-    return removed
+                       "from %s", len(dead), base)
+    return dead
 
 
-def _unlink_listed_shm(listing: Path) -> None:
-    """The /dev/shm files a dead server's engine held (its SHM_LIST), less those that a
-    living process maps: its message queues and semaphores, which name no owner."""
+def _listed_shm(listing: Path) -> set[str]:
+    """The /dev/shm files a dead server's engine held (its SHM_LIST): its message queues
+    and semaphores, which name no owner; none when it wrote no list."""
     with contextlib.suppress(OSError):
-        paths = {line for line in listing.read_text().splitlines()
-                 if line.startswith(f"{SHM_DIR}/")}
-        removed = unlink_left_over(paths)
-        if removed:
-            logger.warning("removed %d shared-memory file(s) an engine of a stopped Weaver "
-                           "server held: %s", len(removed), removed)
+        return {line for line in listing.read_text().splitlines()
+                if line.startswith(f"{SHM_DIR}/")}
+    return set()
 
 
 # --- memory of a closed engine ----------------------------------------------------------
