@@ -83,6 +83,29 @@ def test_a_lost_owner_stops_new_blocks_but_keeps_the_engine_running(parts):
     assert lease.num_held_blocks == 0
 
 
+def test_a_restarted_owner_is_leased_from_anew_once_the_old_blocks_are_freed(parts):
+    _, lease = parts
+    lease.sync()
+    (block,) = lease.allocate_blocks("hot", 1)
+    lease.report["reclaim_preemptions"] = 3
+    lease.void("the pool's owner restarted")
+    assert lease.num_allocatable_blocks("hot") == 0 and lease.sync() == 0
+    # The restarted owner's allocator: the same tenants, nothing handed out yet.
+    allocator = UnifiedKVAllocator(1000, choose_page_bytes([SMOLLM2_135M, TINY_LLAMA]))
+    allocator.add_tenant("cold", TINY_LLAMA, 280, is_owner=True)
+    allocator.add_tenant("hot", SMOLLM2_135M, 720)
+    new_owner = LockedKVAllocator(allocator)
+    client = InProcess(KVAllocatorService(new_owner))
+    with pytest.raises(ValueError, match="still in use"):
+        lease.renew(client)  # block 0 of the old pool is still some request's
+    lease.free_blocks("hot", [block.block_id])
+    lease.renew(client)
+    assert lease.broken_reason is None and lease.report == {}
+    lease.sync()
+    assert [b.block_id for b in lease.allocate_blocks("hot", 3)] == [0, 1, 2]
+    assert new_owner.stats().tenants[1].num_blocks == 3
+
+
 def test_wanting_more_than_the_quota_marks_the_tenant_starved_for_adbs(parts):
     locked, lease = parts
     lease.lease_blocks = 6  # the quota holds 4 blocks

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import multiprocessing
 import os
+import signal
 import time
 import uuid
 from multiprocessing.connection import Client
@@ -32,6 +34,8 @@ from weaver.vllm_ext.block_pool import (
     AllocatorBlockPool,  # noqa: E402
     open_pool_owner,  # noqa: E402
 )
+from weaver.vllm_ext.scheduler import LeaseKeeper  # noqa: E402
+from weaver.weaving.placement import Placement  # noqa: E402
 
 SHAPE = TenantShape(num_layers=2, num_kv_heads=2, head_size=32, block_size=32, dtype_bytes=4)
 PAGE = SHAPE.head_block_bytes
@@ -367,3 +371,90 @@ def test_a_dead_engines_blocks_return_to_the_pool_and_its_successor_leases_anew(
     successor.sync(5)
     assert [b.block_id for b in pool.get_new_blocks(5)] == [1, 2, 3, 4, 5]
     successor.client.close()
+
+
+# --- the pool's owner restarts under a hot engine (HotRouting.cold_restarted) -------------
+class _Request:
+    def __init__(self, request_id: str, blocks: list) -> None:
+        self.request_id = request_id
+        self.blocks = blocks
+
+
+class StandInScheduler:
+    """Stands in for the parts of vLLM's Scheduler that LeaseKeeper.preempt_leased touches
+    (the running queue, the routing manager's placement and block ids, _preempt_request),
+    over a real AllocatorBlockPool leasing from a real owner."""
+
+    def __init__(self, hot_pool: BlockPool) -> None:
+        self.hot_pool = hot_pool
+        self.running: list[_Request] = []
+        self.preempted: list[str] = []
+        self.kv_cache_manager = self  # placed and get_block_ids, as RoutingKVCacheManager's
+        self.placed: dict[str, Placement] = {}
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int]]:
+        (request,) = [r for r in self.running if r.request_id == request_id]
+        return ([b.block_id for b in request.blocks],)
+
+    def _preempt_request(self, request: _Request, timestamp: float) -> None:
+        self.hot_pool.free_blocks(request.blocks)
+        self.preempted.append(request.request_id)
+
+
+def _owner_until_killed(plan: PoolPlan, ready) -> None:
+    """A forked child: the pool's owner, as a cold engine's scheduler holds it."""
+    open_pool_owner(plan, "cold", BlockPool(plan.max_blocks("cold") + 1, enable_caching=False,
+                                            hash_block_size=32))
+    ready.send(True)
+    while True:
+        time.sleep(60)
+
+
+def test_a_restarted_owner_gets_the_old_pools_requests_preempted_and_a_new_lease():
+    """The owner's process is SIGKILLed (a cold engine dying) and a new owner starts under
+    the same names; the hot side preempts what it held of the old pool and leases anew."""
+    plan = make_plan(quota_blocks=3, service=True)
+    context = multiprocessing.get_context("fork")
+    ready_out, ready_in = context.Pipe(duplex=False)
+    first = context.Process(target=_owner_until_killed, args=(plan, ready_in), daemon=True)
+    first.start()
+    assert ready_out.poll(30) and ready_out.recv()
+    lease = LeasedTenantAllocator(PoolClient(plan), "hot", plan.max_blocks("hot"), 4)
+    hot_pool = BlockPool(NUM_LOCAL + plan.max_blocks("hot"), enable_caching=False,
+                         hash_block_size=32)
+    hot_pool.get_new_blocks(NUM_LOCAL - 1)
+    hot_pool = AllocatorBlockPool.adopt(hot_pool, lease, "hot", NUM_LOCAL)
+    keeper = LeaseKeeper(lease, is_local=False)
+    scheduler = StandInScheduler(hot_pool)
+    lease.sync(4)
+    for request_id, placement in (("a", Placement.REMOTE), ("b", Placement.LOCAL),
+                                  ("c", Placement.REMOTE)):
+        blocks = hot_pool.get_new_blocks(2) if placement is Placement.REMOTE else []
+        scheduler.running.append(_Request(request_id, blocks))
+        scheduler.placed[request_id] = placement
+    keeper.num_reclaim_preemptions = 2  # told to the old owner
+    os.kill(first.pid, signal.SIGKILL)
+    first.join(10)
+    os.unlink(f"/dev/shm/{plan.table_name}")  # what the gateway removes before a restart
+    owner = open_pool_owner(plan, "cold", BlockPool(plan.max_blocks("cold") + 1,
+                                                    enable_caching=False, hash_block_size=32))
+    try:
+        lease.sync(4)  # the dead owner's connection is broken: the lease stops
+        assert lease.broken_reason is not None and lease.num_allocatable_blocks("hot") == 0
+        lease.void("the unified pool's owner restarted")  # what cold_restarted does
+        assert keeper.preempt_leased(scheduler) == (4, 2)
+        assert scheduler.preempted == ["c", "a"]  # newest first; the local one runs on
+        assert [r.request_id for r in scheduler.running] == ["b"]
+        assert lease.num_held_blocks == 0
+        keeper.renew()
+        lease.sync(3)  # a new connection, to the new owner
+        assert lease.broken_reason is None
+        assert [b.block_id for b in hot_pool.get_new_blocks(3)] == [
+            NUM_LOCAL, NUM_LOCAL + 1, NUM_LOCAL + 2]
+        assert owner.stats()["tenants"][1]["num_blocks"] == 3
+        keeper._give_back(scheduler, 0)  # the new owner hears only of its own preemptions
+        assert lease.report["reclaim_preemptions"] == 0
+    finally:
+        keeper.close()
+        owner.close()
+

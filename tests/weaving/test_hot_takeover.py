@@ -1,6 +1,7 @@
 """A hot runtime carries on after its cold engine restarted (weaving/hot.py,
 take_over_from): the new region gets the K/V of the remote sequences still running and the
-counters go on; a pair whose remote KV lived in the dead engine's unified pool cannot. A
+counters go on; a pair whose remote KV lived in the dead engine's unified pool lets the old
+pool go and carries its counters on. A
 pair degraded by one late task resumes once its cold side answers again (settle_step).
 
 Real shared-memory regions; `_Plan` stands in for the PairPlan fields the runtime reads."""
@@ -75,15 +76,36 @@ def test_a_restarted_cold_sides_region_gets_the_running_sequences_kv(name):
     second_owner.close()
 
 
-def test_a_pair_in_a_unified_pool_cannot_take_over(name):
-    owner = ShmRegion.create(LAYOUT, name)
-    before = attach(name, _Plan(region_name=name))
-    after = attach(name, _Plan(region_name=name, pool=object()))
-    with pytest.raises(ValueError, match="unified pool"):
-        after.take_over_from(before)
-    for runtime in (before, after):
-        runtime.sender.close()
-    owner.close()
+class _PoolKV:
+    """A unified pool's mapping as the runtime sees it (RemotePoolKV's close)."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_pair_in_a_unified_pool_takes_over_with_the_new_pool_and_lets_the_old_one_go(name):
+    """Nothing is copied (the scheduler preempted every request on the old pool before
+    this attach); the old pool's mapping is closed, the counters go on."""
+    plan = _Plan(region_name=name, pool=object())
+    first_owner = ShmRegion.create(LAYOUT, name)
+    old_pool, new_pool = _PoolKV(), _PoolKV()
+    before = HotWeaving(plan, OffloadSender(ShmRegion.attach(LAYOUT, name)), old_pool)
+    before.sender.kv_layer(0).fill_(3.0)
+    before.stats.num_offloaded_tasks = 5
+    first_owner.close()
+    second_owner = ShmRegion.create(LAYOUT, name)
+    after = HotWeaving(plan, OffloadSender(ShmRegion.attach(LAYOUT, name)), new_pool)
+    after.take_over_from(before)
+    assert old_pool.closed and not new_pool.closed
+    assert not after.sender.kv_layer(0).any()  # the region's KV section is not the pool's
+    assert after.stats.num_offloaded_tasks == 5
+    with pytest.raises(ValueError, match="closed"):
+        before.sender.kv_layer(0)
+    after.sender.close()
+    second_owner.close()
 
 
 def _one_decode_step() -> StepRows:

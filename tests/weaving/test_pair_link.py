@@ -131,6 +131,28 @@ def test_a_restarted_cold_side_is_attached_again(cold, files):
     assert hot.connected and hot.num_attaches == 2
 
 
+def test_what_the_hot_side_keeps_of_a_restarted_cold_side_is_let_go_before_the_reattach(
+        cold, files):
+    events: list[str] = []
+    attach = Attacher()
+
+    def attaching(plan_data: dict, handle: str | None) -> None:
+        events.append("attach")
+        attach(plan_data, handle)
+
+    hot = HotLink(files, "p1", plan_of(1), attaching, read_stats=lambda: {"hot": {}},
+                  before_reattach=lambda: events.append("let go"))
+    cold.start()
+    cold.step("p1")
+    hot.tick(now=0.0)
+    assert events == ["attach"]  # the first attach has nothing to let go
+    cold.served.clear()  # the cold engine restarted: a new region
+    cold.step("p1")
+    hot.tick(now=1.0)
+    hot.tick(now=2.0)  # the same region again: nothing to do
+    assert events == ["attach", "let go", "attach"] and hot.connected
+
+
 def test_a_changed_hot_plan_gets_a_new_region_and_the_old_one_is_unlinked(cold, files):
     cold.start()
     HotLink(files, "p1", plan_of(1), Attacher(), read_stats=lambda: {"hot": {}})

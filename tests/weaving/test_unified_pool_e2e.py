@@ -209,6 +209,26 @@ def test_killing_the_pool_owner_mid_run_loses_no_hot_request(server, client, hot
         time.sleep(1)
 
 
+def test_the_restarted_pool_owners_pair_weaves_again_without_a_hot_restart(
+        server, client, hot_reference):
+    """After the previous test's kill: the restarted cold engine made the pool again; the
+    hot engine let the old pool's blocks go, renewed its lease and attached the new region
+    (HotRouting.cold_restarted), so the pair is `ok` and offloads again, token-exact."""
+    deadline = time.monotonic() + 120
+    while True:
+        pairs = {(p["hot"], p["cold"]): p for p in server.health().json()["weaving"]}
+        if pairs[("hot", "cold")]["status"] == "ok":
+            break
+        assert time.monotonic() < deadline, pairs[("hot", "cold")]
+        time.sleep(1)
+    tasks_before = metric(server, 'weaver_offload_tasks_total{cold="cold",hot="hot"}')
+    fallbacks_before = metric(server, 'weaver_offload_fallbacks_total{model="hot"}')
+    assert complete_all(client, "hot", make_prompts(NUM_PROMPTS)) == hot_reference
+    assert metric(server, 'weaver_offload_tasks_total{cold="cold",hot="hot"}') > tasks_before
+    assert metric(server, 'weaver_offload_fallbacks_total{model="hot"}') == fallbacks_before
+    assert server.health().json()["models"]["hot"]["restarts"] == 0
+
+
 def test_no_shared_memory_left_after_sigterm(server):
     prefix = f"weaver{server.process.pid}-"
     assert server.stop(signal.SIGTERM) == 0

@@ -119,16 +119,38 @@ class LeasedTenantAllocator:
             if to_release and self._spare:
                 to_release, _ = self._round_trip(release=self._take_spares(to_release), want=0)
         except (OSError, EOFError) as exc:  # the owner (the cold engine) is gone
-            self.broken_reason = f"{type(exc).__name__}: {exc}"
-            for block in self._spare:
-                self._pages.pop(block.block_id, None)
-            self._spare.clear()
-            logger.error("KV pool lease of %r broken (%s): no new remote blocks",
-                         self.tenant, self.broken_reason)
+            self.void(f"{type(exc).__name__}: {exc}")
             return 0
         self.num_to_release = to_release
         self.num_syncs += 1
         return to_release
+
+    def void(self, reason: str) -> None:
+        """Stop taking blocks from this owner: it died, or a restarted one replaced it
+        (the blocks this side holds belong to the old pool, which the new owner does not
+        know). The spares are dropped; the blocks in use are dropped as they are freed."""
+        if self.broken_reason is not None:
+            return
+        self.broken_reason = reason
+        for block in self._spare:
+            self._pages.pop(block.block_id, None)
+        self._spare.clear()
+        logger.error("KV pool lease of %r broken (%s): no new remote blocks",
+                     self.tenant, self.broken_reason)
+
+    def renew(self, client: _Caller) -> None:
+        """Lease from a new owner (the cold engine restarted and made the pool again):
+        only once every block of the old pool is freed, since the new allocator hands out
+        the same block ids."""
+        if self._pages:
+            raise ValueError(f"{len(self._pages)} block(s) of {self.tenant!r} from the old "
+                             "pool are still in use: free them before renewing the lease")
+        self.client = client
+        self.broken_reason = None
+        self.num_to_release = 0
+        self._starved_since = None
+        self.report = {}
+        logger.info("KV pool lease of %r renewed with the pool's new owner", self.tenant)
 
     def _take_spares(self, num: int) -> list[LeasedBlock]:
         """Up to ``num`` spare blocks, highest ids first (the allocator hands out low ids)."""

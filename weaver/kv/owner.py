@@ -275,6 +275,8 @@ class PoolClient:
                 time.sleep(0.2)
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        # Forgotten first: a connection to an owner that died raises on close, and the next
+        # call must open a new one (a restarted owner's).
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()

@@ -316,5 +316,7 @@ class KVAllocatorClient:
         return self.call("stats")
 
     def close(self) -> None:
-        self._conn.send(None)
-        self._conn.close()
+        try:
+            self._conn.send(None)  # a goodbye; the owner may be gone already
+        finally:
+            self._conn.close()

@@ -35,11 +35,16 @@ def on_engine_core_ready(engine_core: Any) -> None:
         raise ValueError(f"a hot engine's link section names pairs {list(link.pairs)} but it "
                          f"has {len(plans)} plan(s) (additional_config weaver.hot): one each")
     files = PairFiles(Path(link.root))
-    engine_core.scheduler.weaver_hot.links = [
+    scheduler = engine_core.scheduler
+    hot = scheduler.weaver_hot
+    hot.links = [
         HotLink(files, pair, plan,
                 attach=lambda plan_data, handle: rpc("weaver_attach_hot",
                                                      args=(plan_data, handle)),
-                read_stats=_stats_reader(rpc, plan.cold))
+                read_stats=_stats_reader(rpc, plan.cold),
+                # a unified pool dies with its cold engine: its blocks are let go first
+                before_reattach=(lambda: hot.cold_restarted(scheduler))
+                if plan.pool is not None else None)
         for pair, plan in zip(link.pairs, plans, strict=True)]
 
 

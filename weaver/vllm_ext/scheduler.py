@@ -375,6 +375,9 @@ class HotRouting:
         remotes = [self._remote_pool(scheduler, num_local + offset, plan.num_remote_blocks)
                    for plan, offset in zip(plans, remote_block_offsets(plans), strict=True)]
         self.lease: LeaseKeeper | None = None
+        # Set when the pool's owner restarted: the lease is renewed with the new owner once
+        # its region is attached (weaver/vllm_ext/pair_links.py calls cold_restarted).
+        self._lease_renewal_due = False
         pooled = [plan for plan in plans if plan.pool is not None]
         if pooled:
             plan = pooled[0]
@@ -442,7 +445,27 @@ class HotRouting:
         if self.feed is not None:
             self.feed.step_starts()
         if self.lease is not None:
+            if (self._lease_renewal_due and self.links[0].connected
+                    and not self.lease.lease.num_held_blocks):
+                self.lease.renew()
+                self._lease_renewal_due = False
             self.lease.before_schedule(scheduler)
+
+    def cold_restarted(self, scheduler: WeaverScheduler) -> None:
+        """The cold engine that owns the unified pool restarted and made the pool again,
+        under the same names; its new region is about to be attached. Whatever this engine
+        holds of the old pool goes first: the lease stops, and the requests whose blocks
+        are there are preempted (vLLM recomputes them later, placed where memory then is),
+        since the new owner hands out the same block ids. The lease is renewed once the new
+        region is attached (before_schedule)."""
+        if self.lease is None:
+            return
+        self.lease.lease.void("the unified pool's owner restarted")
+        freed, num_preempted = self.lease.preempt_leased(scheduler)
+        self._lease_renewal_due = True
+        logger.warning("the unified pool's owner %r restarted: %d remote requests preempted "
+                       "(%d blocks of the old pool); the lease is renewed once its new region "
+                       "is attached", self.plans[0].cold, num_preempted, freed)
 
     def batch_of(self, scheduler: WeaverScheduler, scheduler_output: Any
                  ) -> tuple[int, int, bool] | None:
@@ -476,6 +499,9 @@ class LeaseKeeper:
         self.lease = lease
         self.is_local = is_local
         self.num_reclaim_preemptions = 0  # requests preempted to give memory back
+        # What the current owner has been told of them: a restarted owner counts from 0
+        # (the gateway forgets the old one's totals).
+        self._preemptions_before_owner = 0
 
     @classmethod
     def for_colocated(cls, scheduler: WeaverScheduler, plan: PoolPlan,
@@ -511,14 +537,26 @@ class LeaseKeeper:
             time.sleep(STARVED_NAP_S)
 
     def _give_back(self, scheduler: WeaverScheduler, num_blocks: int) -> None:
-        """Preempt requests whose blocks are leased (a hot engine's remote ones; any of a
-        colocated engine's), newest first, until their blocks cover what the owner's
-        allocator asks back. They return to the waiting queue and are recomputed later,
-        placed where the memory then is."""
+        """Preempt requests whose blocks are leased until their blocks cover what the
+        owner's allocator asks back, and hand those blocks over."""
+        freed, num_preempted = self.preempt_leased(scheduler, num_blocks)
+        self.num_reclaim_preemptions += num_preempted
+        self.lease.report["reclaim_preemptions"] = (self.num_reclaim_preemptions
+                                                    - self._preemptions_before_owner)
+        logger.info("gave %d leased blocks back to the pool: %d requests preempted",
+                    freed, num_preempted)
+        self.lease.sync(0)  # hand the freed blocks over now, take none
+
+    def preempt_leased(self, scheduler: WeaverScheduler,
+                       num_blocks: int | None = None) -> tuple[int, int]:
+        """Preempt running requests whose blocks are leased (a hot engine's remote ones; any
+        of a colocated engine's), newest first, until their blocks cover `num_blocks` (None:
+        all of them). They return to the waiting queue and are recomputed later, placed
+        where the memory then is. Returns (blocks freed, requests preempted)."""
         manager = scheduler.kv_cache_manager
         victims, freed = [], 0
         for request in reversed(scheduler.running):
-            if freed >= num_blocks:
+            if num_blocks is not None and freed >= num_blocks:
                 break
             if self.is_local or manager.placed.get(request.request_id) is Placement.REMOTE:
                 victims.append(request)
@@ -527,11 +565,16 @@ class LeaseKeeper:
         for request in victims:
             scheduler.running.remove(request)
             scheduler._preempt_request(request, now)
-        self.num_reclaim_preemptions += len(victims)
-        self.lease.report["reclaim_preemptions"] = self.num_reclaim_preemptions
-        logger.info("gave %d leased blocks back to the pool: %d requests preempted",
-                    freed, len(victims))
-        self.lease.sync(0)  # hand the freed blocks over now, take none
+        return freed, len(victims)
+
+    def renew(self) -> None:
+        """Lease from the pool's new owner (its engine restarted): the same address and
+        key, a new connection."""
+        client = self.lease.client
+        with contextlib.suppress(OSError, EOFError):
+            client.close()  # the old owner's connection; the next call opens a new one
+        self.lease.renew(client)
+        self._preemptions_before_owner = self.num_reclaim_preemptions
 
     def close(self) -> None:
         with contextlib.suppress(OSError, EOFError):  # the owner may be gone already

@@ -115,6 +115,9 @@ class RemoteKV(Protocol):
     def attend(self, ops: AttentionOps, rows: RowGroup, query: torch.Tensor,
                output: torch.Tensor) -> None: ...
 
+    def close(self) -> None:
+        """Let the mapping go (a restarted cold side's runtime replaced this one)."""
+
 
 class RegionKV:
     """Remote blocks whose K/V live in the region's own KV section, in the backend's own
@@ -130,6 +133,9 @@ class RegionKV:
     def attend(self, ops: AttentionOps, rows: RowGroup, query: torch.Tensor,
                output: torch.Tensor) -> None:
         ops.attend(self.sender.kv_layer(ops.layer_index), rows, query, output)
+
+    def close(self) -> None:
+        pass  # the region is the sender's: closing it unmaps this too
 
 
 @dataclass
@@ -186,23 +192,28 @@ class HotWeaving:
 
     def take_over_from(self, previous: HotWeaving) -> None:
         """Carry the pair on after its cold engine restarted: this runtime's region is the
-        one the new cold worker created, `previous` the dead one's (still mapped here). The
-        remote sequences still running keep their block ids, so their K/V are copied into
-        the new region, and the counters carry on. Called between steps (an RPC)."""
-        if self.plan.pool is not None:
-            raise ValueError(
-                f"weaving {self.plan.hot} -> {self.plan.cold} keeps remote KV in the cold "
-                "engine's unified pool, which died with it: the pair stays degraded until "
-                "the hot engine restarts too")
-        if previous.sender.layout != self.sender.layout:
-            raise ValueError(f"the restarted cold side's region {self.plan.region_name} has "
-                             "another layout; the pair stays degraded")
-        for layer in range(self.plan.shape.num_layers):
-            self.sender.kv_layer(layer).copy_(previous.sender.kv_layer(layer))
+        one the new cold worker created, `previous` the dead one's (still mapped here); the
+        counters carry on. Called between steps (an RPC).
+
+        Remote K/V in the region: the remote sequences still running keep their block ids,
+        so their K/V are copied into the new region. Remote K/V in the cold engine's unified
+        pool: nothing to carry, the pool died with that engine and its successor made a new
+        one; the hot scheduler preempted every request holding the old pool's blocks before
+        this attach (weaver/vllm_ext/scheduler.py HotRouting.cold_restarted), and the old
+        pool's mapping is let go."""
+        if self.plan.pool is None:
+            if previous.sender.layout != self.sender.layout:
+                raise ValueError(f"the restarted cold side's region {self.plan.region_name} "
+                                 "has another layout; the pair stays degraded")
+            for layer in range(self.plan.shape.num_layers):
+                self.sender.kv_layer(layer).copy_(previous.sender.kv_layer(layer))
+        previous.remote_kv.close()
         self.stats = previous.stats
         previous.sender.close()
-        logger.info("weaving %s -> %s resumed on the restarted cold side's region (remote "
-                    "K/V carried over)", self.plan.hot, self.plan.cold)
+        logger.info("weaving %s -> %s resumed on the restarted cold side's region (%s)",
+                    self.plan.hot, self.plan.cold,
+                    "remote K/V carried over" if self.plan.pool is None
+                    else "a new unified pool")
 
     # --- a step's rows on this cold side (weaving/hot_pairs.py drives them) -------------
     def submit(self, layer_index: int, query: torch.Tensor, rows: RemoteRows, *, scale: float,

@@ -168,12 +168,17 @@ class ColdLink:
 class HotLink:
     def __init__(self, files: PairFiles, pair: str, plan: PairPlan,
                  attach: Callable[[dict, str | None], Any],
-                 read_stats: Callable[[], dict]) -> None:
+                 read_stats: Callable[[], dict],
+                 before_reattach: Callable[[], None] | None = None) -> None:
         self.files = files
         self.pair = rendezvous.check_pair_name(pair)
         self.plan = plan
         self.attach = attach
         self.read_stats = read_stats
+        # Runs before a restarted cold engine's new region is attached, when something the
+        # hot side keeps of the old one must be let go first (blocks of a unified pool that
+        # died with it: weaver/vllm_ext/scheduler.py HotRouting.cold_restarted).
+        self.before_reattach = before_reattach
         self.attached_region: str | None = None
         self.connected = False
         self.num_attaches = 0
@@ -225,6 +230,8 @@ class HotLink:
             return
         if _unnamed(cold["plan"]) != _unnamed(self.plan.to_dict()):
             return  # the cold side has not seen this engine's plan yet
+        if self.attached_region is not None and self.before_reattach is not None:
+            self.before_reattach()
         try:
             self.attach(cold["plan"], cold.get("cuda_handle"))
         except Exception as exc:  # the pair stays local; tried again later

@@ -246,6 +246,22 @@ class RemotePoolKV:
                             softcap=float(ops.impl.logits_soft_cap or 0.0))
         output[rows.tokens] = sub_out
 
+    def close(self) -> None:
+        """Unmap the pool and its page table (a restarted owner made new ones): the views
+        go first, or the mapping cannot close."""
+        if self._shm is None:
+            return
+        shm, self._shm = self._shm, None
+        self._slots = None
+        self._batches.clear()
+        del self.pages, self.page_table
+        self._table.close()
+        try:
+            shm.close()
+        except BufferError:  # a view still alive somewhere: the mapping goes with it
+            logger.warning("unified KV pool %s: the old mapping is still viewed; it is "
+                           "released when the last view is", self.tenant)
+
 
 class PoolTaskExecutor:
     """The cold side's executor of a hot model's offloaded decode attention when the hot
