@@ -2,14 +2,18 @@
 engines through the OpenAI endpoint.
 
 `cold` (tiny-llama-c: 4 layers, 4 KV heads of 128) keeps its own KV cache and the memory it
-lends in one pool of 32 KiB pages (one of its head-blocks at block size 32): 0.02 + 0.02 GiB,
-1310 pages, room for 14 blocks of `hot`, whose 8 requests want 21 blocks in all. `hot`
+lends in one pool of 32 KiB pages (one of its head-blocks at block size 32): 0.02 + 0.03 GiB,
+1638 pages, room for 18 blocks of `hot`, whose 8 requests want 21 blocks in all. `hot`
 (SmolLM2: 30 layers, 3 KV heads of 64, block size 64 so that its head-blocks fill the same
 pages) places every sequence remotely: its
 blocks are leased from the pool's allocator in the cold engine's scheduler, their K/V written
 into pool pages, their decode attention run by the cold worker. `ref` and `cold-ref` are the
 same models dedicated, with the same local KV. The SmolLM2 engines have 8 usable local
 blocks of 64 tokens and a 64-token prefill chunk.
+
+`hot-b` is `hot` again, a second hot model weaving into the same pool (the
+lent quota starts split evenly between the two; ADBS moves it to the one that needs it; an
+idle tenant keeps one free block, 90 pages).
 
 The scenario of benchmarks/unified_pool_reclaim.py in small: with the cold model idle,
 ADBS moves its quota to the hot model, which fills most of the pool; then the cold model
@@ -38,6 +42,8 @@ pytestmark = pytest.mark.engine(seconds=330)
 
 NUM_PROMPTS = 8  # 16 took the module 248 s alone
 NUM_COLD_PROMPTS = 4
+NUM_LIGHT_PROMPTS = 2  # hot-b's share when two hots want the loan at once
+HOTS = ("hot", "hot-b")
 SMOLLM2_ENGINE = """
     model: {smollm2}
     kv_cache_gib: 0.25
@@ -59,16 +65,19 @@ models:
     role: dedicated{smollm2}
   - name: hot
     role: hot{smollm2}
+  - name: hot-b
+    role: hot{smollm2}
   - name: cold-ref
     role: dedicated{tiny}
     kv_cache_gib: 0.05
   - name: cold
     role: cold{tiny}
     kv_cache_gib: 0.02
-    lend_kv_gib: 0.02
+    lend_kv_gib: 0.03
     unified_kv: true
 weaving:
   - {{hot: hot, cold: [cold], offload_ratio: 1.0, timeout_s: 10.0}}
+  - {{hot: hot-b, cold: [cold], offload_ratio: 1.0, timeout_s: 10.0}}
 """
 
 
@@ -97,24 +106,38 @@ def client(server) -> openai.OpenAI:
 
 
 
-def pool_share_of_hot(server) -> float:
-    """The hot tenant's pages over the pool's, from one scrape (0 before the first stats)."""
+def pool_gauges(server) -> tuple[dict[str, float], dict[str, float], float]:
+    """(pages, quota pages) per tenant and the pool's size, from one scrape (empty and 0
+    before the owner's first stats)."""
     text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
-    hot = size = 0.0
+    pages: dict[str, float] = {}
+    quotas: dict[str, float] = {}
+    size = 0.0
     for line in text.splitlines():
-        if line.startswith("weaver_kv_pool_pages{") and 'tenant="hot"' in line:
-            hot += float(line.split()[-1])
+        if line.startswith(("weaver_kv_pool_pages{", "weaver_kv_pool_quota_pages{")):
+            tenant = line.split('tenant="', 1)[1].split('"', 1)[0]
+            into = pages if line.startswith("weaver_kv_pool_pages{") else quotas
+            into[tenant] = float(line.split()[-1])
         elif line.startswith("weaver_kv_pool_size_pages{"):
             size += float(line.split()[-1])
-    return hot / size if size else 0.0
+    return pages, quotas, size
+
+
+def pool_share_of_hot(server) -> float:
+    """The hot tenants' pages over the pool's, from one scrape (0 before the first stats)."""
+    pages, _, size = pool_gauges(server)
+    return sum(pages.get(hot, 0.0) for hot in HOTS) / size if size else 0.0
 
 
 class PoolWatcher:
-    """Polls the pool gauges while requests run: the hot tenant's peak share of the pool."""
+    """Polls the pool gauges while requests run: the hot tenants' peak share of the pool,
+    and each tenant's peak pages and quota."""
 
     def __init__(self, server) -> None:
         self.server = server
         self.peak_hot_share = 0.0
+        self.peak_pages: dict[str, float] = {}
+        self.peak_quota: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -128,7 +151,13 @@ class PoolWatcher:
 
     def _run(self) -> None:
         while not self._stop.wait(0.5):
-            self.peak_hot_share = max(self.peak_hot_share, pool_share_of_hot(self.server))
+            pages, quotas, size = pool_gauges(self.server)
+            if size:
+                self.peak_hot_share = max(self.peak_hot_share,
+                                          sum(pages.get(hot, 0.0) for hot in HOTS) / size)
+            for peaks, values in ((self.peak_pages, pages), (self.peak_quota, quotas)):
+                for tenant, value in values.items():
+                    peaks[tenant] = max(peaks.get(tenant, 0.0), value)
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +197,28 @@ def test_cold_takes_its_memory_back_and_no_request_is_lost(server, client, hot_r
     # finish and free blocks); benchmarks/unified_pool_reclaim.py shows both paths (9).
     preempted = metric(server, 'weaver_kv_pool_reclaim_preemptions_total{model="hot"}')
     print(f"remote requests preempted to give memory back: {preempted:.0f}")
+
+
+def test_the_busier_of_two_hots_gets_more_of_the_loan(server, client, hot_reference):
+    """Two hot models weave into the one cold pool: 8 requests for `hot`, 2 for `hot-b`.
+    They start with half the lent quota each; ADBS moves quota to the tenant whose
+    allocations fail (weaver/kv/adbs.py), so the busier one gets more of the loan. Both
+    stay token-exact. (The cold TPOT budget of `auto` is shared by the same feedback: the
+    cold side writes its one TPOT factor into every hot's region.)"""
+    tasks_before = {hot: metric(server, f'weaver_offload_tasks_total{{cold="cold",hot="{hot}"}}')
+                    for hot in HOTS}
+    prompts = make_prompts(NUM_PROMPTS)
+    with PoolWatcher(server) as watcher, cf.ThreadPoolExecutor(2) as pool:
+        busy = pool.submit(complete_all, client, "hot", prompts)
+        light = pool.submit(complete_all, client, "hot-b", prompts[:NUM_LIGHT_PROMPTS])
+        assert busy.result(timeout=600) == hot_reference
+        assert light.result(timeout=600) == hot_reference[:NUM_LIGHT_PROMPTS]
+    print(f"peak pages {watcher.peak_pages}, peak quota {watcher.peak_quota}")
+    assert watcher.peak_pages["hot"] > watcher.peak_pages["hot-b"] > 0
+    assert watcher.peak_quota["hot"] > watcher.peak_quota["hot-b"]
+    for hot in HOTS:  # both offloaded their decode attention to the cold engine
+        assert metric(server, f'weaver_offload_tasks_total{{cold="cold",hot="{hot}"}}') \
+            > tasks_before[hot]
 
 
 def test_killing_the_pool_owner_mid_run_loses_no_hot_request(server, client, hot_reference):
