@@ -1,5 +1,6 @@
 import pytest
 
+from weaver.sim.adaptive_feed import ColdLoad
 from weaver.sim.engine import Engine
 from weaver.sim.instance import (
     BlockPool,
@@ -11,6 +12,7 @@ from weaver.sim.instance import (
     SimRequest,
 )
 from weaver.sim.perf_model import LinkModel, OffloadCostModel, PerfModel
+from weaver.weaving.placement_feed import PAIR_LOAD_INTERVAL_S
 from weaver.workloads.types import TraceRequest
 
 BLOCK = 16  # conftest.Linear.BLOCK
@@ -173,12 +175,38 @@ def test_auto_placement_is_the_engines_own_local_first_and_feeds_on_the_steps(li
     first and remote once local is full, fed each simulated step."""
     from weaver.weaving.placement import AdaptivePlacement
 
-    reqs, hot = _woven_four_requests(lin, "auto", "ratio", AdaptivePlacement())
+    placement = AdaptivePlacement()
+    decided_at = []
+    update = placement.update
+    placement.update = lambda now: decided_at.append(now) or update(now)
+    reqs, hot = _woven_four_requests(lin, "auto", "ratio", placement)
     assert [r.is_remote for r in reqs] == [False, False, True, True]
     report = hot.placement.report()
     assert report["hot_woven_step_s"] is not None and report["weaving_active"]
     # The cold device's TPOT factor is fed too: its own model runs nothing, so 1.0.
     assert report["cold_inflation"] == 1.0
+    # It decides as the engine's scheduler does: every PAIR_LOAD_INTERVAL_S, not each step.
+    gaps = [b - a for a, b in zip(decided_at, decided_at[1:], strict=False)]
+    assert decided_at and all(gap >= PAIR_LOAD_INTERVAL_S for gap in gaps)
+    assert len(decided_at) < hot.num_steps
+    # Each finished sequence's TPOT, rebuilt from the steps it saw, is the one measured.
+    assert sorted(placement.tail.tpots_s) == pytest.approx(sorted(
+        (r.finish_s - r.first_token_s) / (r.num_output - 1) for r in reqs))
+
+
+def test_the_cold_tpot_factor_auto_reads_is_the_cold_sides_over_its_window():
+    """As the cold worker measures it (weaver/weaving/cold_load.py): its steps with the
+    offloaded tasks over its steps alone, over the last WINDOW_S; not the last hot step's
+    share, which swung with each step's make-up."""
+    load = ColdLoad()
+    assert load.factor(0.0) == 1.0
+    for _ in range(50):  # 2.2 s of steps 10 % longer for the tasks
+        load.record(0.044, 0.004)
+    assert load.factor(4.0) == pytest.approx(1.10)
+    for _ in range(50):  # then 2 s unslowed: the window holds both
+        load.record(0.040, 0.0)
+    assert load.factor(8.0) == pytest.approx(4.2 / 4.0)
+    assert load.factor(12.0) == pytest.approx(1.0)  # the slowed steps left the window
 
 
 def _first_and_late(lin, scheduling):

@@ -46,3 +46,26 @@ def test_a_regime_map_cell_gives_each_slo_its_goodputs_and_gains(tmp_path):
     slos = cell["slos"]
     assert slos["loose"]["tpot_ms"] == pytest.approx(2 * slos["tight"]["tpot_ms"])
     assert (tmp_path / "regime_map.png").exists()
+
+
+@pytest.mark.parametrize(("model", "device", "workload", "slo", "dedicated", "weaver"), [
+    # Weaving pays (the map: +50 %); the planner weaves with auto, +11 %.
+    ("llama-2-13b", "H100-80GB", "conv", "tight", 4.0, 6.0),
+    # Weaving does not pay: auto steps aside (short outputs over the SLO's TPOT), the
+    # planner serves the plain placement.
+    ("llama-2-13b", "A100-40GB", "code", "loose", 6.0, 6.0),
+    # A GQA model: the GEMMs bind before the KV.
+    ("llama-3-8b", "H100-80GB", "code", "tight", 20.0, 20.0),
+])
+def test_the_planner_answers_as_the_regime_map_in_representative_cells(
+        model, device, workload, slo, dedicated, weaver):
+    """benchmarks/plan_vs_regime_map.py: `weaver plan`'s "weaving pays here" against the
+    map's goodputs (benchmarks/results/sim_regime_map/regime_map.json, these cells)."""
+    check, regime = _load("plan_vs_regime_map"), _load("regime_map")
+    scale = regime.SLOS[slo]
+    tpot_ms = scale.tpot_times_isolated * regime.isolated_tpot_s(model, device) * 1e3
+    cell = {"model": model, "device": device, "workload": workload,
+            "slos": {slo: {"ttft_s": scale.ttft_s, "tpot_ms": tpot_ms}},
+            "goodput_rps": {slo: {"dedicated": dedicated, "weaver": weaver}}}
+    row = check.ask(cell, slo)
+    assert row["plan_pays"] == row["map_pays"] == (weaver > dedicated), row["answer"]

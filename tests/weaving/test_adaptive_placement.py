@@ -21,6 +21,7 @@ from weaver.weaving.placement import (
     cold_order,
     placement_for,
 )
+from weaver.weaving.tpot_tail import TpotTail
 
 BOTH = [Placement.LOCAL, Placement.REMOTE]
 
@@ -274,3 +275,59 @@ def test_a_remote_sequence_goes_to_the_open_cold_with_most_free_blocks():
     assert cold_order([0, 4], [True, True]) == [1]  # a full cold is not tried
     assert cold_order([5, 5], [False, False]) == []
     assert RatioPlacement(0.5).cold_is_open(7)
+
+
+def feed_finishing(placement: AdaptivePlacement, num_output_tokens: int, num_remote: int,
+                   num_cycles: int):
+    """Cycles of 14 decode steps (30 ms) and a burst of 4 prompt steps (140 ms): their
+    mean, 54 ms, is under a 60 ms target. After each step a sequence of
+    `num_output_tokens` finishes; update() every 5 steps. The (time, is_open) changes."""
+    cycle = [(0.030, True)] * 14 + [(0.140, False)] * 4
+    now, changes = 0.0, []
+    for index, (step_s, decode_only) in enumerate(cycle * num_cycles):
+        placement.observe_step(step_s, 4, num_remote, decode_only)
+        placement.observe_finished(num_output_tokens)
+        now += step_s
+        if index % 5 == 4 and placement.update(now):
+            changes.append((now, placement.is_open))
+    return changes
+
+
+def test_short_sequences_over_the_slo_beside_remote_ones_step_weaving_aside():
+    """Short sequences decoding through a burst of prompt chunks ran at the prompt steps'
+    time (the regime map's Azure-code cells: 20 % of the requests over the SLO's TPOT
+    while the woven steps' mean stayed under its target): weaving steps aside, though the
+    mean is within the target."""
+    placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=0.060))
+    changes = feed_finishing(placement, num_output_tokens=5, num_remote=4, num_cycles=8)
+    assert changes and not placement.is_open and placement.order(4, 0) == [Placement.LOCAL]
+    assert "SLO's TPOT 70.6 ms" in placement.reason and placement.num_step_asides == 1
+    assert placement.report()["hot_woven_step_s"] < 0.060
+
+
+def test_long_sequences_through_the_same_bursts_keep_weaving():
+    """The same steps, sequences of 100 tokens: each one's TPOT is the steps' mean."""
+    placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=0.060))
+    assert feed_finishing(placement, num_output_tokens=100, num_remote=4, num_cycles=12) == []
+    assert placement.is_open and placement.report()["tpot_over_slo_share"] == 0.0
+
+
+def test_sequences_that_decoded_beside_no_remote_one_are_not_weavings_to_answer_for():
+    placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=0.060))
+    assert feed_finishing(placement, num_output_tokens=5, num_remote=0, num_cycles=8) == []
+    assert placement.is_open and placement.report()["tpot_over_slo_share"] is None
+
+
+def test_a_sequence_is_judged_on_its_own_steps_and_only_after_the_last_restart():
+    tail = TpotTail()
+    for step_s, is_woven in [(0.010, False), (0.020, True), (0.040, False), (0.060, False)]:
+        tail.add_step(step_s, is_woven)
+    tail.add_finished(4)  # decoded over the last 3 steps, one of them woven
+    tail.add_finished(3)  # the last 2, neither woven
+    tail.add_finished(1)  # no decode step
+    assert tail.tpots_s == [pytest.approx(0.040)]
+    tail.restart()
+    tail.add_step(0.050, True)
+    tail.add_finished(3)  # it started decoding before the restart
+    tail.add_finished(2)
+    assert tail.tpots_s == [pytest.approx(0.050)] and tail.share_over(0.045) is None

@@ -391,4 +391,4 @@ def _cold_budget_text(entry: dict) -> str:
     if not factors:
         return ""
     return (f" cold TPOT {cold_factors_text(factors)}"
-            + ("" if entry["within_cold_budget"] else " (over budget)"))
+            + ("" if entry["within_cold_budget"] else " (over budget: not served)"))

@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from weaver.sim.adaptive_feed import ColdLoad, adaptive_feed
 from weaver.sim.engine import Engine, Event
 from weaver.sim.perf_model import (
     IDLE_POLL_INTERVAL_S,
@@ -29,11 +30,11 @@ from weaver.sim.perf_model import (
 from weaver.sim.profile import blocks_for
 from weaver.weaving.placement import (
     AdaptivePlacement,
-    PairLoad,
     Placement,
     RatioPlacement,
     cold_order,
 )
+from weaver.weaving.placement_feed import PlacementFeed
 from weaver.workloads.types import TraceRequest
 
 logger = logging.getLogger(__name__)
@@ -221,8 +222,10 @@ class ModelServer:
         self.remotes: list[RemotePool] = []
         self.offload_ratio = 0.0
         self.offload_policy = "fixed"  # or "overflow", see _choose_set
-        # The hot scheduler's own placement (offload_policy "ratio"), set by weaving.
-        self.placement: RatioPlacement | AdaptivePlacement | None = None
+        # The hot scheduler's own placement (offload_policy "ratio"), set by weaving, and
+        # under `auto` what feeds it (weaver/sim/adaptive_feed.py).
+        self._placement: RatioPlacement | AdaptivePlacement | None = None
+        self.feed: PlacementFeed | None = None
         self.waiting: deque[SimRequest] = deque()
         self.num_steps = 0
         self.finishing: dict[int, list[SimRequest]] = {}
@@ -233,6 +236,16 @@ class ModelServer:
         # token (SplitwiseSpec.first_token "token").
         self.first_token_here = False
         self.prefilling: list[Prefill] = []
+
+    @property
+    def placement(self) -> RatioPlacement | AdaptivePlacement | None:
+        return self._placement
+
+    @placement.setter
+    def placement(self, placement: RatioPlacement | AdaptivePlacement | None) -> None:
+        self._placement = placement
+        self.feed = adaptive_feed(self, placement) \
+            if isinstance(placement, AdaptivePlacement) else None
 
     # --- capacity -------------------------------------------------------------------
     @property
@@ -322,17 +335,18 @@ class ModelServer:
                 return self.local
         return None
 
-    def observe_step(self, plan: StepPlan, step_s: float, now: float) -> None:
-        """An adaptive placement's live measurements, as the hot scheduler takes them: the
-        step's time and batch, whether it ran decodes only, and the cold device's TPOT
-        factor (the growth the simulator charges to it: Instance._inflate)."""
-        placement = self.placement
-        if not isinstance(placement, AdaptivePlacement) or not self.remotes:
-            return
-        placement.observe_step(step_s, self.local.num_seqs, self.num_remote, not plan.chunks)
-        placement.observe_pair(PairLoad.of_colds(
-            [{"cold_inflation": remote.instance.tpot_factor()} for remote in self.remotes]))
-        placement.update(now)
+    def step_starts(self, now: float) -> None:
+        """Before a step is planned, as the hot scheduler does before schedule(): under
+        `auto`, every PAIR_LOAD_INTERVAL_S the colds' TPOT factors and the policy's
+        decision."""
+        if self.feed is not None and self.remotes:
+            self.feed.step_starts(now)
+
+    def step_ended(self, plan: StepPlan, now: float) -> None:
+        """A step ran (its sequences not yet finished): its time and batch, and whether it
+        ran decodes only, for `auto`."""
+        if self.feed is not None and self.remotes:
+            self.feed.step_ended(self.local.num_seqs, self.num_remote, not plan.chunks, now)
 
     def can_admit(self) -> bool:
         if not self.waiting or self.num_running + len(self.prefilling) >= self.cfg.max_num_seqs:
@@ -482,6 +496,8 @@ class ModelServer:
             if req.is_running and req.finish_step == self.num_steps:
                 req.num_done = req.num_output
                 req.seq_set.remove(req, self.num_steps)
+                if self.feed is not None:
+                    self.feed.sequence_finished(req.num_output)
                 self._finish(req, now)
 
     def _finish(self, req: SimRequest, now: float) -> None:
@@ -517,6 +533,7 @@ class Instance:
         # None: unsplit (perf_model.operator_fractions).
         self.operator_fractions: tuple[float, ...] | None = None
         self.split_chunks: dict[str, int] = {}  # the cold model's split plan, when split
+        self.cold_load = ColdLoad()  # its steps, for the TPOT factor weaving costs it
         self._rr = 0
 
     # --- load seen by routers and by offloaded attention ----------------------------
@@ -563,12 +580,12 @@ class Instance:
             if job is None:  # idle until an arrival, a transfer or a re-balance kicks it
                 self.is_busy = False
                 return []
+            job.server.step_starts(now)
             job.plan = job.server.plan_step()
             if job.plan.num_decode or job.plan.chunks:
                 break
             tried.add(job.server.name)  # e.g. its quota shrank: let another model run
         dt = self._begin(job)
-        job.server.observe_step(job.plan, dt, now)
         self.is_busy = True
         return [self.engine.event(now + dt, f"{self.name}.step",
                                   lambda t, job=job: self._end_step(job, t))]
@@ -577,7 +594,9 @@ class Instance:
         """Account for a planned step that starts now; returns how long it takes alone."""
         server = job.server
         polls = [remote.instance.poll_context() for remote in server.remotes]
-        dt = self._inflate(server.step_time(job.plan, polls))
+        own_s = server.step_time(job.plan, polls)
+        dt = self._inflate(own_s)
+        self.cold_load.record(dt, self._task_s(own_s))
         if job.plan.num_decode:
             self.last_decode_s = dt
             self._report_remote_load(server, dt)
@@ -594,13 +613,16 @@ class Instance:
         return dt / (1.0 - self._external_share()) + (
             self.poll_overhead_s if self.external_loads else 0.0)
 
+    def _task_s(self, own_s: float) -> float:
+        """What `_inflate` adds to a step of `own_s` for the offloaded attention alone."""
+        share = self._external_share()
+        return own_s * share / (1.0 - share)
+
     def tpot_factor(self) -> float:
         """How much longer the offloaded attention makes this device's own steps, as the
-        cold side measures it (weaver/weaving/cold_load.py): 1.0 while its own models run
-        nothing (an idle model has no TPOT to hurt)."""
-        if not any(server.num_running for server in self.servers.values()):
-            return 1.0
-        return 1.0 / (1.0 - self._external_share())
+        cold side measures it (weaver/weaving/cold_load.py): over its last WINDOW_S of
+        steps, 1.0 while it steps too little to have a TPOT to hurt."""
+        return self.cold_load.factor(self.engine.now)
 
     def _report_remote_load(self, server: ModelServer, dt: float) -> None:
         if dt <= 0:
@@ -610,5 +632,6 @@ class Instance:
             remote.instance.external_loads[f"{self.name}/{server.name}"] = busy / dt
 
     def _end_step(self, job: Job, now: float) -> list[Event]:
+        job.server.step_ended(job.plan, now)
         events = job.server.finish_step(job.plan, now)
         return events + self._start_step(now)

@@ -28,7 +28,7 @@ from weaver.sim.cluster import Cluster
 from weaver.sim.config import SimConfig, WeavingSpec
 from weaver.sim.engine import Engine
 from weaver.sim.plan import Plan
-from weaver.sim.planner import cold_factors_text
+from weaver.sim.planner import MIN_WEAVING_GAIN, cold_factors_text, is_clearly_better
 from weaver.sim.profile import CPU_DEVICE
 from weaver.weaving.plan import GiB, lend_kv_gib_for
 
@@ -164,7 +164,8 @@ def best_woven(result: dict) -> dict | None:
 def weaving_answer(result: dict, weaving: WeavingSpec) -> str:
     """Does weaving pay for this deployment: the best woven candidate's simulated goodput
     against the best plain one (MuxServe's placement) and the dedicated baseline, and the
-    knobs it used; or which plain placement to serve instead."""
+    knobs it used; or which plain placement to serve instead. It pays by the planner's own
+    rule for choosing it (a gain above simulation noise: planner.is_clearly_better)."""
     plain, woven = best_plain(result), best_woven(result)
     baseline = result["baseline"]["summary"]["_all"]["goodput_rps"]
     plain_goodput = plain["summary"]["_all"]["goodput_rps"]
@@ -184,11 +185,27 @@ def weaving_answer(result: dict, weaving: WeavingSpec) -> str:
     ratios = sorted({str(p["offload_ratio"]) for p in woven["plan"]["pairs"]})
     knobs = (f"offload_ratio {'/'.join(ratios)}, region_fraction {weaving.region_fraction}, "
              f"split {weaving.split}, {len(woven['plan']['pairs'])} pair(s)")
-    if woven_goodput > plain_goodput:
+    refused = _refused_text(over_budget, woven_goodput)
+    if is_clearly_better(_score(woven), _score(plain)):
         return (f"weaving pays here: goodput {vs_plain} over the best plain placement, "
-                f"{vs_baseline} over dedicated ({knobs}); serve {woven['label']}")
+                f"{vs_baseline} over dedicated, token throughput "
+                f"{_relative(_score(woven)[1], _score(plain)[1])} ({knobs}); "
+                f"serve {woven['label']}{refused}")
     return (f"weaving does not pay here: goodput {vs_plain} against the best plain placement "
-            f"({knobs}); serve {plain['label']}")
+            f"({knobs}; a woven one must gain over {MIN_WEAVING_GAIN:.0%}); "
+            f"serve {plain['label']}{refused}")
+
+
+def _refused_text(over_budget: list[dict], served_goodput: float) -> str:
+    """The woven candidates of a higher goodput than the one served, which their cold
+    models' TPOT budget refused (goodput alone would have served them)."""
+    better = sorted((c for c in over_budget if _score(c)[0] > served_goodput),
+                    key=lambda c: -_score(c)[0])
+    if not better:
+        return ""
+    return "; not served, over the cold TPOT budget (cold_tpot_budget): " + ", ".join(
+        f"{c['label']} (goodput {_score(c)[0]:.2f} req/s, "
+        f"{cold_factors_text(c['cold_tpot_factors'])})" for c in better)
 
 
 def _relative(value: float, base: float) -> str:

@@ -245,8 +245,13 @@ def cold_factors_text(factors: dict[str, float]) -> str:
 
 
 def _clearly_better(cand: Candidate, than: Candidate) -> bool:
-    """Weaving adds moving parts: take it only for a gain above simulation noise."""
-    (good, tokens), (good_ref, tokens_ref) = cand.score, than.score
+    return is_clearly_better(cand.score, than.score)
+
+
+def is_clearly_better(score: tuple[float, float], than: tuple[float, float]) -> bool:
+    """Weaving adds moving parts: take it only for a gain above simulation noise. Scores
+    are (goodput, token throughput)."""
+    (good, tokens), (good_ref, tokens_ref) = score, than
     if good > good_ref * (1 + MIN_WEAVING_GAIN):
         return True
     return good >= good_ref * (1 - MIN_WEAVING_GAIN) and \

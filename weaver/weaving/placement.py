@@ -17,8 +17,10 @@ turn, for a newly admitted (or preempted and re-admitted) sequence.
   the cold device meanwhile). How many sequences may be remote is judged from live
   measurements: the hot steps' mean time against its TPOT target and the cold model's
   TPOT growth against its budget (`PairLoad`). When weaving does not pay (that number
-  falls to 0) it steps aside (no new remote sequences; the running ones finish where they
-  are) for a cool-down, then tries again, and says why (`reason`, `report`). A step-time
+  falls to 0, or more than `TAIL_SHARE` of the sequences that decoded beside remote ones
+  ran over the SLO's TPOT: `TpotTail`) it steps aside (no new remote sequences; the
+  running ones finish where they are) for a cool-down, then tries again, and says why
+  (`reason`, `report`). A step-time
   model fitted on recent decode steps (`StepTimeModel`) gives what a local and a remote
   sequence each add to the hot step, and how many more tokens per second the woven batch
   serves than its local part.
@@ -41,6 +43,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 import numpy as np
+
+from weaver.weaving.tpot_tail import TpotTail
 
 _EPSILON = 1e-9  # so that r · n landing exactly on an integer counts as reached
 AUTO = "auto"  # the offload_ratio value that selects AdaptivePlacement
@@ -176,6 +180,10 @@ COLD_CUT_HOLD_S = 6.0
 # the two keeps fit noise from flipping the order every update).
 REMOTE_FIRST_SHARE = 0.9
 STEP_MODEL_WINDOW = 256  # recent decode-only steps the step-time model is fitted on
+# The most of the sequences that decoded beside remote ones whose TPOT may run over the
+# SLO's (the TPOT target over SLO_TPOT_SHARE): half the 10 % a goodput judge allows
+# (weaver/results/goodput.py), the other half left to TTFT and noise.
+TAIL_SHARE = 0.05
 
 
 class StepTimeModel:
@@ -247,6 +255,7 @@ class AdaptivePlacement:
         self.gain: float | None = None  # the woven batch's predicted tokens/s gain
         self.remote_first = False  # a remote sequence is cheaper for the hot step
         self.load = PairLoad()
+        self.tail = TpotTail()  # finished sequences' TPOTs, from the steps' times
 
     @property
     def hot_tpot_target_s(self) -> float | None:
@@ -254,6 +263,12 @@ class AdaptivePlacement:
             return self.targets.hot_tpot_s
         base = self._local_step.value
         return None if base is None else self.targets.hot_budget * base
+
+    @property
+    def hot_tpot_slo_s(self) -> float | None:
+        """The SLO's TPOT, which the target is SLO_TPOT_SHARE of (a planned pair's)."""
+        target = self.hot_tpot_target_s
+        return None if target is None else target / SLO_TPOT_SHARE
 
     def cold_is_open(self, index: int) -> bool:
         """Whether the `index`-th cold may take a new remote sequence: not while its TPOT
@@ -278,6 +293,7 @@ class AdaptivePlacement:
         if step_s <= 0 or num_local + num_remote == 0:
             return
         self._num_remote = num_remote
+        self.tail.add_step(step_s, num_remote > 0)
         if num_remote == 0:
             self._local_step.add(step_s)
         else:
@@ -292,6 +308,11 @@ class AdaptivePlacement:
 
     def observe_pair(self, load: PairLoad) -> None:
         self.load = load
+
+    def observe_finished(self, num_output_tokens: int) -> None:
+        """A hot sequence finished with the step last observed, with that many tokens."""
+        if self.is_open:
+            self.tail.add_finished(num_output_tokens)
 
     # --- the decision ---------------------------------------------------------------------
     def update(self, now: float) -> bool:
@@ -308,11 +329,13 @@ class AdaptivePlacement:
             self.is_open, self.remote_cap = True, 1
             self.reason = "weaving resumed: the cool-down passed; one remote sequence at first"
             self._woven_step = Ewma(TPOT_ALPHA)  # its TPOT is measured afresh
+            self.tail.restart()
             return True
-        reason = self._cut_for_cold(now) or self._adjust_cap()
+        reason = self._cut_for_cold(now) or self._judge_tail() or self._adjust_cap()
         if reason is None:
             return False
         self.is_open, self.reason = False, reason
+        self.tail.restart()
         self.num_step_asides += 1
         self._closed_until = now + t.cooldown_s
         return True
@@ -353,13 +376,27 @@ class AdaptivePlacement:
         recent = round(self._woven_remote.value or 0)
         return self._cut(max(self._num_remote, recent), over)
 
+    def _judge_tail(self) -> str | None:
+        """A reason to step aside when too many of the sequences that decoded beside remote
+        ones ran over the SLO's TPOT: the lent KV admitted more than the hot step serves
+        within it (a short sequence decoding through a burst of prompt chunks), which no
+        cap on the remote sequences alone undoes."""
+        slo = self.hot_tpot_slo_s
+        share = None if slo is None else self.tail.share_over(slo)
+        if share is None or share <= TAIL_SHARE:
+            return None
+        return (f"stepped aside: {share:.0%} of {len(self.tail.tpots_s)} sequences that "
+                f"decoded beside remote ones ran over the SLO's TPOT {1000 * slo:.1f} ms "
+                f"(at most {TAIL_SHARE:.0%} may)")
+
     def _cut(self, num_running_remote: int, why: str) -> str | None:
         """The remote cap to 3/4 of the sequences running remote; a reason to step aside
         when that is none."""
         self.remote_cap = int(REMOTE_CAP_DECREASE * num_running_remote)
-        # Judge the smaller batch afresh: its step time and its make-up.
+        # Judge the smaller batch afresh: its step time, its make-up, its sequences.
         self._woven_step = Ewma(TPOT_ALPHA)
         self._woven_local, self._woven_remote = Ewma(STEP_ALPHA), Ewma(STEP_ALPHA)
+        self.tail.restart()
         if self.remote_cap == 0:
             return f"stepped aside: {why}, with {num_running_remote} remote sequence(s)"
         self.reason = f"weaving: at most {self.remote_cap} remote sequences ({why})"
@@ -390,6 +427,8 @@ class AdaptivePlacement:
                 "hot_tpot_target_s": self.hot_tpot_target_s,
                 "hot_local_step_s": self._local_step.value,
                 "hot_woven_step_s": self._woven_step.value,
+                "tpot_over_slo_share": (None if self.hot_tpot_slo_s is None
+                                        else self.tail.share_over(self.hot_tpot_slo_s)),
                 "woven_gain": self.gain, "remote_first": self.remote_first,
                 "step_model_s": None if fit is None else list(fit),
                 "cold_inflation": self.load.cold_inflation,

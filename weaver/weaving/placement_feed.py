@@ -2,7 +2,9 @@
 
 Each step: its wall time from schedule() to the update of its output, its local and
 remote sequences, and whether it ran decodes only (weaver/weaving/placement.py
-`AdaptivePlacement.observe_step`); every `PAIR_LOAD_INTERVAL_S`: its pairs' load (each cold
+`AdaptivePlacement.observe_step`), then each request it finished and its output tokens
+(`sequence_finished`; the simulator feeds it, the engine's scheduler does not yet, so the
+policy's tail rule waits there); every `PAIR_LOAD_INTERVAL_S`: its pairs' load (each cold
 model's TPOT factor, the offload wait) read from the hot worker, then the policy's
 decision. The scheduler (weaver/vllm_ext/scheduler.py) knows vLLM's objects; this knows
 the timing and the policy, so the simulator's and the tests' steps could drive it too.
@@ -27,9 +29,12 @@ PairLoadReader = Callable[[dict], "list[dict | None] | None"]
 
 
 class PlacementFeed:
-    def __init__(self, placement: AdaptivePlacement, hot: str) -> None:
+    def __init__(self, placement: AdaptivePlacement, hot: str, verbose: bool = True) -> None:
         self.placement = placement
         self.hot = hot
+        # Step-asides log as warnings, the order's flips and the cap's cuts as info; not
+        # verbose, both at debug (the simulator runs thousands of decisions).
+        self.verbose = verbose
         self.read_pair_load: PairLoadReader | None = None  # set once the engine is up
         self._step_started: float | None = None
         self._next_load = 0.0
@@ -41,12 +46,14 @@ class PlacementFeed:
             self._read_pair_load()
             remote_first, cap = self.placement.remote_first, self.placement.remote_cap
             if self.placement.update(now):  # stepped aside or resumed
-                logger.warning("weaving %s: %s", self.hot, self.placement.reason)
+                (logger.warning if self.verbose else logger.debug)(
+                    "weaving %s: %s", self.hot, self.placement.reason)
             elif self.placement.remote_first != remote_first or _was_cut(
                     cap, self.placement.remote_cap):
                 # The order's flips and the cap's cuts (not its one-by-one growth, which
                 # would log every update under load).
-                logger.info("weaving %s: %s", self.hot, self.placement.reason)
+                (logger.info if self.verbose else logger.debug)(
+                    "weaving %s: %s", self.hot, self.placement.reason)
         self._step_started = now
 
     def step_ended(self, num_local: int, num_remote: int, is_decode_only: bool,
@@ -56,6 +63,11 @@ class PlacementFeed:
             return
         now = time.monotonic() if now is None else now
         self.placement.observe_step(now - started, num_local, num_remote, is_decode_only)
+
+    def sequence_finished(self, num_output_tokens: int) -> None:
+        """A hot request finished with the step that just ended (after `step_ended`), with
+        that many output tokens: its TPOT, for the policy's tail (placement.py TpotTail)."""
+        self.placement.observe_finished(num_output_tokens)
 
     def _read_pair_load(self) -> None:
         if self.read_pair_load is None:
