@@ -113,6 +113,24 @@ def test_fcfs_preemption_takes_the_last_running_request():  # vllm_ext/scheduler
     assert SchedulingPolicy.FCFS.value == "fcfs"
 
 
+def test_a_steps_finished_requests_are_read_from_its_outputs():  # vllm_ext/scheduler.py
+    # finished_lengths: update_from_output returns EngineCoreOutputs per client, each output
+    # naming its request and, when it finished, a finish_reason.
+    from types import SimpleNamespace
+
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+
+    from weaver.vllm_ext.scheduler import finished_lengths
+
+    outputs = {0: EngineCoreOutputs(outputs=[
+        EngineCoreOutput("a", [5], finish_reason=FinishReason.LENGTH),
+        EngineCoreOutput("b", [6]),
+        EngineCoreOutput("gone", [7], finish_reason=FinishReason.STOP),  # not in this step
+    ])}
+    ran = {"a": SimpleNamespace(num_output_tokens=12), "b": SimpleNamespace(num_output_tokens=3)}
+    assert finished_lengths(outputs, ran) == [12]
+
+
 def test_cpu_engines_spawn_their_processes():  # vllm_ext/engine/app.py _spawned_children
     # The spawn lock ends once the EngineCore shows spawn_main; forked, it would last the
     # whole build (engines would start one at a time again, correctly but slowly).

@@ -338,10 +338,13 @@ class WeaverScheduler(Scheduler):
     def update_from_output(self, scheduler_output: Any, *args: Any, **kwargs: Any):
         hot = self.weaver_hot
         ran = hot.batch_of(self, scheduler_output) if hot is not None else None
+        # The requests that ran, by id: a finished one leaves the scheduler in the update,
+        # its output length is read from here after it.
+        ran_requests = {r.request_id: r for r in self.running} if ran is not None else None
         with self._pool_lock():
             outputs = super().update_from_output(scheduler_output, *args, **kwargs)
         if ran is not None:
-            hot.step_ended(ran)
+            hot.step_ended(ran, finished_lengths(outputs, ran_requests))
         return outputs
 
     def finish_requests(self, *args: Any, **kwargs: Any):
@@ -478,9 +481,13 @@ class HotRouting:
                           == len(scheduler_output.num_scheduled_tokens))
         return len(scheduler.running) - num_remote, num_remote, is_decode_only
 
-    def step_ended(self, ran: tuple[int, int, bool]) -> None:
+    def step_ended(self, ran: tuple[int, int, bool], finished: list[int]) -> None:
+        """The step that `batch_of` described ended, finishing requests of these output
+        lengths (the policy's TPOT tail, weaver/weaving/tpot_tail.py)."""
         assert self.feed is not None, "batch_of returns None without a feed"
         self.feed.step_ended(*ran)
+        for num_output_tokens in finished:
+            self.feed.sequence_finished(num_output_tokens)
 
     def close(self) -> None:
         for link in self.links:
@@ -579,6 +586,14 @@ class LeaseKeeper:
     def close(self) -> None:
         with contextlib.suppress(OSError, EOFError):  # the owner may be gone already
             self.lease.client.close()
+
+
+def finished_lengths(outputs: dict[int, Any], ran: dict[str, Any]) -> list[int]:
+    """The output lengths of the requests of `ran` (id -> vLLM Request) that the step's
+    outputs (update_from_output's: client index -> EngineCoreOutputs) finished."""
+    return [ran[out.request_id].num_output_tokens
+            for engine_outputs in outputs.values() for out in engine_outputs.outputs
+            if out.finish_reason is not None and out.request_id in ran]
 
 
 def blocks_for_next_step(scheduler: Scheduler, remote_only: bool = False) -> int:

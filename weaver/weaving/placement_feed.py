@@ -3,8 +3,7 @@
 Each step: its wall time from schedule() to the update of its output, its local and
 remote sequences, and whether it ran decodes only (weaver/weaving/placement.py
 `AdaptivePlacement.observe_step`), then each request it finished and its output tokens
-(`sequence_finished`; the simulator feeds it, the engine's scheduler does not yet, so the
-policy's tail rule waits there); every `PAIR_LOAD_INTERVAL_S`: its pairs' load (each cold
+(`sequence_finished`); every `PAIR_LOAD_INTERVAL_S`: its pairs' load (each cold
 model's TPOT factor, the offload wait) read from the hot worker, then the policy's
 decision. The scheduler (weaver/vllm_ext/scheduler.py) knows vLLM's objects; this knows
 the timing and the policy, so the simulator's and the tests' steps could drive it too.
