@@ -24,6 +24,7 @@ class FakeBehavior:
     itl_s: float = 0.02
     report_usage: bool = True
     status_code: int = 200
+    retry_after: str | None = None  # the Retry-After header of a status_code answer
     api_key: str | None = None  # when set, other keys get 401
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
@@ -115,8 +116,9 @@ class FakeOpenAIServer:
             status = 401
         if status != 200:
             msg = json.dumps({"error": {"message": "fake failure"}}).encode()
+            retry = "" if b.retry_after is None else f"Retry-After: {b.retry_after}\r\n"
             writer.write(
-                f"HTTP/1.1 {status} Fake\r\nContent-Length: {len(msg)}\r\n"
+                f"HTTP/1.1 {status} Fake\r\nContent-Length: {len(msg)}\r\n{retry}"
                 "Connection: close\r\n\r\n".encode() + msg
             )
             await writer.drain()

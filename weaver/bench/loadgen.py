@@ -156,7 +156,11 @@ async def _stream_one(
     async with client.stream("POST", config.completions_url, json=payload) as response:
         if response.status_code != 200:
             body = (await response.aread()).decode("utf-8", "replace")
-            raise RuntimeError(f"HTTP {response.status_code}: {body[:_MAX_ERROR_CHARS]}")
+            # Retry-After kept: a 429 or 503 without it tells the client nothing about when
+            # to come back (benchmarks/soak.py counts those apart).
+            retry_after = response.headers.get("retry-after")
+            retry = "" if retry_after is None else f" (Retry-After: {retry_after})"
+            raise RuntimeError(f"HTTP {response.status_code}{retry}: {body[:_MAX_ERROR_CHARS]}")
         async for line in response.aiter_lines():
             if not line.startswith("data:"):
                 continue  # SSE comments, blank keep-alives

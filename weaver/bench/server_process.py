@@ -79,24 +79,26 @@ class RunningServer:
 @contextlib.contextmanager
 def weaver_server(
     config: Path | str | None, log_path: Path, *extra_args: str,
-    env_overrides: Mapping[str, str] | None = None,
+    env_overrides: Mapping[str, str] | None = None, port: int | None = None,
 ) -> Iterator[RunningServer]:
     """`weaver serve CONFIG` (the embedded default deployment when CONFIG is None; a model
-    and its vLLM flags in `extra_args` for the single-model form) on a free port, with
+    and its vLLM flags in `extra_args` for the single-model form) on `port` (default: a
+    free one; a server started again on the same port keeps its clients' URL), with
     `env_overrides` in its environment, until the block ends; then it and every process it
     started are gone."""
     config_args = [] if config is None else [str(config)]
     with _server([sys.executable, "-m", "weaver.cli.main", "serve", *config_args],
-                 list(extra_args), log_path, env_overrides, "wb") as server:
+                 list(extra_args), log_path, env_overrides, "wb", port) as server:
         yield server
 
 
 @contextlib.contextmanager
 def _server(command: list[str], extra_args: list[str], log_path: Path,
-            env_overrides: Mapping[str, str] | None, log_mode: str) -> Iterator[RunningServer]:
-    """`command --port PORT EXTRA_ARGS` on a free port until ready; when the block ends it
-    gets SIGTERM (90 s to stop), and every process it started is killed."""
-    port = free_port()
+            env_overrides: Mapping[str, str] | None, log_mode: str,
+            port: int | None = None) -> Iterator[RunningServer]:
+    """`command --port PORT EXTRA_ARGS` on `port` (default: a free one) until ready; when
+    the block ends it gets SIGTERM (90 s to stop), and every process it started is killed."""
+    port = free_port() if port is None else port
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_overrides or {}))
     with open(log_path, log_mode) as log:
         process = popen_dying_with_parent([*command, "--port", str(port), *extra_args],
