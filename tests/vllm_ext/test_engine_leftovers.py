@@ -33,6 +33,7 @@ from weaver.vllm_ext.engine.leftovers import (
     reclaim_dead_owners_shm,
     record_shm_files,
     release_closed_engine_memory,
+    remove_left_over_shm,
     remove_rpc_dir,
 )
 
@@ -207,3 +208,22 @@ def test_closing_an_engine_drops_vllms_cached_answers_about_its_tokenizer():
     forget_closed_engine_callables()
     gc.collect()
     assert method() is None
+
+
+def test_what_a_dead_engine_shared_with_living_processes_stays():
+    """A killed mux member held its group's turn table and the pool the gateway hosts; the
+    other member and the gateway map them still. Its own message queue goes."""
+    import mmap
+
+    shared = Path("/dev/shm") / f"wvtest{os.getpid()}-group-kvpool"
+    own = Path("/dev/shm") / f"wvtest{os.getpid()}-psm"
+    for path in (shared, own):
+        path.write_bytes(b"\0" * 4096)
+    try:
+        with open(shared, "r+b") as f, mmap.mmap(f.fileno(), 4096):  # a living member
+            assert remove_left_over_shm("mux-a", {str(shared), str(own)}) == [str(own)]
+            assert shared.exists() and not own.exists()
+        assert remove_left_over_shm("mux-a", {str(shared)}) == [str(shared)]
+    finally:
+        for path in (shared, own):
+            path.unlink(missing_ok=True)

@@ -66,15 +66,17 @@ def shm_files_of(pids: list[int]) -> set[str]:
     return shm_files_of_processes(tree)
 
 
-def remove_left_over_shm(engine_name: str, paths: set[str]) -> None:
-    """Unlink what a dead or killed engine could not (its processes never tore down)."""
-    left = sorted(path for path in paths if os.path.exists(path))
-    for path in left:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-    if left:
+def remove_left_over_shm(engine_name: str, paths: set[str]) -> list[str]:
+    """Unlink what a dead or killed engine could not (its processes never tore down), of
+    what it held: only what no living process maps or holds open. An engine also maps files
+    that are not its own: its mux group's turn table and the pool the gateway hosts for the
+    group, which the other members and the gateway still use (unlinked with a killed
+    member, its restart found no pool and the surviving member a table nobody else read)."""
+    removed = unlink_left_over(paths)
+    if removed:
         logger.warning("engine %s left %d shared-memory file(s) behind; removed %s",
-                       engine_name, len(left), left)
+                       engine_name, len(removed), removed)
+    return removed
 
 
 def record_shm_files(rpc_dir: Path, paths: set[str]) -> None:
