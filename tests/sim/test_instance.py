@@ -263,5 +263,7 @@ def test_a_hot_model_over_two_colds_fills_both_and_each_cold_is_told_its_load(li
     assert len(finished) == 5 and not any(r.num_preemptions for r in reqs)
     assert peak[0] == 5  # 2 local, 2 on the 8-block cold, 1 on the 4-block one
     assert sum(r.is_remote for r in reqs) == 3
+    # Each pool's most blocks at once: both colds' lent KV filled.
+    assert [r.seqs.num_peak_blocks for r in hot.remotes] == [4, 8]
     for cold in colds:
         assert set(cold.external_loads) == {"gpu0/hot"}

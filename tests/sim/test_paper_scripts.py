@@ -48,6 +48,63 @@ def test_a_regime_map_cell_gives_each_slo_its_goodputs_and_gains(tmp_path):
     assert (tmp_path / "regime_map.png").exists()
 
 
+def test_the_fan_in_column_weaves_the_hot_model_into_two_colds_beside_one(tmp_path):
+    regime = _load("regime_map")
+    assert regime.main(["--models", "qwen2.5-3b", "--devices", "H100-80GB", "--workloads",
+                        "code", "--seeds", "1", "--duration-s", "3", "--jobs", "1",
+                        "--fan-in", "all", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "regime_map.json").read_text())
+    assert "two colds over one:" in result["verdict"]
+    (cell,) = result["cells"]
+    for slo in ("tight", "loose"):
+        goodput = cell["goodput_rps"][slo]
+        assert set(goodput) == {"dedicated", "muxserve", "weaver", "weaver_two_colds"}
+        assert cell["fan_in_gain"][slo]["over_one_cold"] == pytest.approx(
+            goodput["weaver_two_colds"] / goodput["weaver"] - 1)
+        # What each column's weaving used, per rate run: two colds lend twice the blocks.
+        use = cell["weaving_use"][slo]
+        assert set(use) == {"weaver", "weaver_two_colds"}
+        for by_rate in use.values():
+            assert all(0 <= u["remote_share"] <= 1 and 0 <= u["lent_kv_peak"] <= 1
+                       for u in by_rate.values())
+    assert (tmp_path / "regime_map_fan_in.png").exists()
+    # The plots come from the saved map alone.
+    (tmp_path / "regime_map_fan_in.png").unlink()
+    assert regime.main(["--replot", str(tmp_path / "regime_map.json")]) == 0
+    assert (tmp_path / "regime_map_fan_in.png").exists()
+    # Two cold GPUs, each its own cold model at the one-to-one cell's cold rate, both woven
+    # into by the hot GPU under one `auto` policy held to each SLO's target
+    # (kv_bound_a100_two_colds.yaml's shape); dedicated and MuxServe are not run again.
+    slos = {name: regime.Slo(ttft_s=1.0, tpot_s=tpot_s)
+            for name, tpot_s in (("tight", 0.05), ("loose", 0.1))}
+    jobs = regime._jobs(("qwen2.5-3b", "H100-80GB", "azure-code", 3.0), slos, 2)
+    assert [(column, policy, judged) for column, policy, _, judged in jobs] == [
+        ("weaver_two_colds", "weaver", ["tight"]), ("weaver_two_colds", "weaver", ["loose"])]
+    for (*_, config, (slo,)) in jobs:
+        assert config.cluster.num_gpus == 3
+        assert [m.rate for m in config.models] == [1.0, regime.COLD_RATE, regime.COLD_RATE]
+        target_ms = regime.SLO_TPOT_SHARE * slos[slo].tpot_s * 1e3
+        assert [(p.hot_gpu, p.cold_gpu, p.offload_ratio, p.hot_tpot_ms)
+                for p in config.placement.pairs] == [(0, 1, "auto", target_ms),
+                                                     (0, 2, "auto", target_ms)]
+
+
+def test_near_pay_runs_two_colds_only_where_one_cold_raised_goodput(tmp_path):
+    regime = _load("regime_map")
+    tie = {"tight": {"dedicated": 0.0, "muxserve": 0.5}, "loose": {"dedicated": None,
+                                                                   "muxserve": None}}
+    assert not regime.is_near_pay(tie)
+    assert regime.is_near_pay({**tie, "loose": {"dedicated": 0.2, "muxserve": 0.0}})
+    # A GQA cell where one cold ties dedicated: the column is not run, and the map says so.
+    assert regime.main(["--models", "qwen2.5-3b", "--devices", "H100-80GB", "--workloads",
+                        "code", "--seeds", "1", "--duration-s", "3", "--jobs", "1",
+                        "--fan-in", "near-pay", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "regime_map.json").read_text())
+    (cell,) = result["cells"]
+    assert cell["fan_in_gain"] is None and "weaver_two_colds" not in cell["goodput_rps"]["tight"]
+    assert "not run in 1 cells where one cold ties dedicated" in result["verdict"]
+
+
 @pytest.mark.parametrize(("model", "device", "workload", "slo", "dedicated", "weaver"), [
     # Weaving pays (the map: +50 %); the planner weaves with auto, +11 %.
     ("llama-2-13b", "H100-80GB", "conv", "tight", 4.0, 6.0),

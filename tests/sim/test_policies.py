@@ -189,6 +189,20 @@ def test_weaving_offloads_hot_sequences_and_slows_the_cold_model(make_config):
     assert woven["cold"]["tpot_s"]["mean"] > dedicated["cold"]["tpot_s"]["mean"]
 
 
+def test_a_run_reports_each_colds_lent_kv_and_the_most_it_held(make_config):
+    """simulate's lent_kv: one pool per cold GPU the hot model weaves into, in plan order
+    (the regime map reads whether the lent KV filled from it); none without weaving."""
+    placement = {"gpus": [{"models": ["hot"]}, {"models": ["cold"]}, {"models": ["cold2"]}],
+                 "pairs": [{"hot_gpu": 0, "cold_gpu": 1, "offload_ratio": 0.5},
+                           {"hot_gpu": 0, "cold_gpu": 2, "offload_ratio": 0.5}]}
+    cfg = make_config([("hot", 20.0), ("cold", 2.0), ("cold2", 2.0)], num_gpus=3,
+                      placement=placement)
+    pools = simulate(cfg, policy="weaver", keep_requests=False)["lent_kv"]["hot"]
+    assert len(pools) == 2 and pools[0]["capacity_blocks"] == pools[1]["capacity_blocks"] > 0
+    assert all(0 < pool["peak_blocks"] <= pool["capacity_blocks"] for pool in pools)
+    assert "lent_kv" not in simulate(cfg, policy="dedicated", keep_requests=False)
+
+
 def test_a_split_cold_model_is_polled_between_its_chunks(make_config):
     """weaving.split: the cold GPU's operators as a task sees them, cut into a
     deployment's chunks; each extra chunk lengthens the cold step."""

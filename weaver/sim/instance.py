@@ -98,6 +98,7 @@ class SeqSet:
         self.seqs: dict[SimRequest, None] = {}  # insertion-ordered set
         self.num_context_tokens = 0
         self.num_blocks = 0
+        self.num_peak_blocks = 0  # the most it held at once (a lent pool binding or not)
         self._crossing = [0] * block_size
 
     @property
@@ -117,6 +118,8 @@ class SeqSet:
     def allocate(self, num_blocks: int) -> None:
         """Take blocks (the caller checked `can_take`); negative numbers give them back."""
         self.num_blocks += num_blocks
+        if self.num_blocks > self.num_peak_blocks:  # (not max(): every step calls this)
+            self.num_peak_blocks = self.num_blocks
         self.pool.used_bytes += num_blocks * self.block_bytes
 
     def free(self, num_blocks: int) -> None:

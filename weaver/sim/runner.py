@@ -15,6 +15,7 @@ from weaver.sim.instance import SimRequest
 from weaver.sim.metrics import request_record, summarize
 from weaver.sim.plan import Plan, default_plan, plan_from_spec
 from weaver.sim.policies import get_policy
+from weaver.sim.policies.base import Policy
 from weaver.sim.workload import generate, workload_spec
 from weaver.workloads.types import TraceRequest
 
@@ -65,11 +66,26 @@ def simulate(config: SimConfig, policy: str | None = None, plan: Plan | None = N
                 "num_unfinished": sum(r.finish_s is None and not r.is_rejected
                                       for r in sim_requests)},
     }
+    if lent := lent_kv(pol):
+        result["lent_kv"] = lent
     if keep_requests:
         result["requests"] = records
     logger.info("%s/%s: %d events in %.1f s wall", config.name, policy_name,
                 engine.num_processed, wall)
     return result
+
+
+def lent_kv(policy: Policy) -> dict[str, list[dict[str, int]]]:
+    """Each weaving model's lent pools, one per (replica, cold GPU) in plan order: the most
+    blocks it held at once and how many it had. A pool whose peak reaches its capacity is
+    one where the lent KV bound the hot batch."""
+    pools: dict[str, list[dict[str, int]]] = {}
+    for inst in policy.instances:
+        for name, server in inst.servers.items():
+            pools.setdefault(name, []).extend(
+                {"peak_blocks": r.seqs.num_peak_blocks, "capacity_blocks": r.seqs.capacity_blocks}
+                for r in server.remotes)
+    return {name: found for name, found in pools.items() if found}
 
 
 def _check_models(config: SimConfig, requests: list[TraceRequest]) -> None:
