@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
 
 import psutil
 
+from weaver.offload.naming import owner_pid
 from weaver.processes import SHM_DIR, is_process_alive, is_resource_tracker, shm_in_use
 
 SHM = Path(SHM_DIR)
@@ -63,17 +65,29 @@ def shm_left(before: set[str], grace_s: float = GRACE_S) -> dict[str, float]:
     """The /dev/shm entries not in `before` that no live process maps or holds open after
     up to `grace_s` (an engine's own atexit clean-up may still be running), with their
     modification times (about when they were created: a semaphore or a segment is sized
-    once)."""
+    once). An entry named after a live process outside this session (a `weaver serve` or a
+    soak run beside the suite: its pairs' directory, its pools) is that process's, not
+    the suite's: neither counted nor removed."""
     deadline = time.monotonic() + grace_s
     while True:
         held = {Path(path).name for path in shm_in_use()}
         left = {}
         for name in shm_entries() - before - held:
+            if _owned_outside_the_session(name):
+                continue
             with contextlib.suppress(FileNotFoundError):
                 left[name] = (SHM / name).stat().st_mtime
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.5)
+
+
+def _owned_outside_the_session(name: str) -> bool:
+    pid = owner_pid(name)
+    if pid is None or not is_process_alive(pid):
+        return False
+    session = {os.getpid(), *(child.pid for child in psutil.Process().children(recursive=True))}
+    return pid not in session
 
 
 def suspects(created_at: float, windows: list[tuple[str, float, float]]) -> list[str]:
@@ -101,8 +115,12 @@ def describe_left(header: str, left: dict[str, float],
 
 def remove_shm(names: set[str] | dict[str, float]) -> None:
     for name in names:
+        path = SHM / name
+        if path.is_dir():  # a pairs' or mux runtime directory
+            shutil.rmtree(path, ignore_errors=True)
+            continue
         with contextlib.suppress(FileNotFoundError):
-            (SHM / name).unlink()
+            path.unlink()
 
 
 # vLLM's ZeroMQ socket files. The session points VLLM_RPC_BASE_PATH at a directory of its

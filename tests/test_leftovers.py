@@ -32,3 +32,29 @@ def test_the_modules_running_when_an_entry_appeared_are_named():
     assert leftovers.suspects(500.0, windows) == []
     text = leftovers.describe_shm_left({"sem.mp-x": 160.0, "psm_y": 500.0}, windows)
     assert "sem.mp-x" in text and "tests.a, tests.b" in text and "psm_y" in text and "?" in text
+
+
+def test_a_live_servers_entries_beside_the_suite_are_its_own_and_a_dead_ones_are_left():
+    """A `weaver serve` running beside the suite (its pairs' directory named after its
+    pid) keeps its entries; the same name of a dead process is left, and removed whole."""
+    before = leftovers.shm_entries()
+    outside = leftovers.SHM / f"weaver{os.getppid()}-pairs"  # pytest's parent: alive, not ours
+    dead = leftovers.SHM / f"weaver{_dead_pid()}-pairs"
+    try:
+        for directory in (outside, dead):
+            directory.mkdir()
+            (directory / "p0.json").write_text("{}")
+        left = leftovers.shm_left(before, grace_s=0.0)
+        assert dead.name in left and outside.name not in left
+        leftovers.remove_shm({dead.name})
+        assert not dead.exists() and outside.exists()
+    finally:
+        for directory in (outside, dead):
+            leftovers.remove_shm({directory.name})
+
+
+def _dead_pid() -> int:
+    pid = 4_000_000
+    while leftovers.is_process_alive(pid):
+        pid += 1
+    return pid
