@@ -458,3 +458,22 @@ def test_a_restarted_owner_gets_the_old_pools_requests_preempted_and_a_new_lease
         keeper.close()
         owner.close()
 
+
+
+def test_an_owner_tearing_down_is_gone_to_its_leases_not_an_error():
+    """A cold engine whose worker died shuts its scheduler down while the allocator's
+    connections are still served: a lease's sync then met the torn-down page table
+    (ValueError 'sync_lease: KeyError') and crashed the hot engine (seen in the soak). It
+    now reads as the owner gone: the lease stops, the hot engine runs on."""
+    plan = make_plan(quota_blocks=3, service=True)
+    owner = open_pool_owner(plan, "cold", BlockPool(plan.max_blocks("cold") + 1,
+                                                    enable_caching=False, hash_block_size=32))
+    lease = LeasedTenantAllocator(PoolClient(plan), "hot", plan.max_blocks("hot"), 4)
+    try:
+        lease.sync(2)  # connected, served
+        lease.allocate_blocks("hot", 1)
+        owner.close()  # in this process its connection threads live on, as in a dying engine
+        assert lease.sync(4) == 0
+        assert lease.broken_reason == "ConnectionResetError: the pool's owner is closing"
+    finally:
+        lease.client.close()

@@ -121,6 +121,10 @@ class PoolService:
         listener, self._listener = self._listener, None
         if listener is not None:
             listener.close()
+        # Connections still served answer "closing" from here on: a hot engine's lease
+        # takes that as the owner gone (seen: a dying cold engine's table, torn down under a
+        # lease's sync, answered KeyError, and the hot engine crashed on it).
+        self.allocator.closed = True
         self.page_table.close()
 
 

@@ -53,6 +53,9 @@ class LockedKVAllocator:
         self._allocator = allocator
         self._page_table = page_table
         self._lock = threading.Lock()
+        # Set by the owner as it tears down (weaver/kv/owner.py PoolService.close): a call
+        # that fails from then on failed because the owner is going, not by its caller.
+        self.closed = False
         # What remote tenants report about themselves with each lease sync (counters their
         # schedulers keep, e.g. requests preempted to give memory back), for the metrics.
         self.tenant_reports: dict[str, dict[str, Any]] = {}
@@ -157,6 +160,10 @@ class LockedKVAllocator:
             self._allocator.check_invariants()
 
 
+# The answer of an owner that is tearing down; its clients take it as the owner gone.
+_OWNER_CLOSING = {"ok": False, "closing": True, "error": "the pool's owner is closing"}
+
+
 class KVAllocatorService:
     """Turns JSON-able request dicts into calls on a locked allocator."""
 
@@ -168,9 +175,13 @@ class KVAllocatorService:
         handler = getattr(self, f"_op_{op}", None) if isinstance(op, str) else None
         if handler is None:
             return {"ok": False, "error": f"unknown op {op!r}; see KVAllocatorService._op_*"}
+        if self.allocator.closed:
+            return _OWNER_CLOSING
         try:
             return {"ok": True, "result": handler(request)}
         except (ValueError, KeyError, TypeError) as exc:
+            if self.allocator.closed:  # torn down under the call (its page table)
+                return _OWNER_CLOSING
             # A client's mistake must not kill the serving loop of the cold process.
             return {"ok": False, "error": f"{op}: {type(exc).__name__}: {exc}"}
 
@@ -291,6 +302,8 @@ class KVAllocatorClient:
     def call(self, op: str, **kwargs: Any) -> Any:
         self._conn.send({"op": op, **kwargs})
         response = self._conn.recv()
+        if response.get("closing"):  # as a broken connection: the owner (its engine) is going
+            raise ConnectionResetError(response["error"])
         if not response["ok"]:
             raise ValueError(response["error"])
         return response["result"]
