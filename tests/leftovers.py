@@ -71,9 +71,10 @@ def shm_left(before: set[str], grace_s: float = GRACE_S) -> dict[str, float]:
     deadline = time.monotonic() + grace_s
     while True:
         held = {Path(path).name for path in shm_in_use()}
+        session = {os.getpid(), *live_descendants()}
         left = {}
         for name in shm_entries() - before - held:
-            if _owned_outside_the_session(name):
+            if _owned_outside(session, name):
                 continue
             with contextlib.suppress(FileNotFoundError):
                 left[name] = (SHM / name).stat().st_mtime
@@ -82,12 +83,10 @@ def shm_left(before: set[str], grace_s: float = GRACE_S) -> dict[str, float]:
         time.sleep(0.5)
 
 
-def _owned_outside_the_session(name: str) -> bool:
+def _owned_outside(session: set[int], name: str) -> bool:
+    """Whether `name` carries the pid of a live process that is not one of `session`."""
     pid = owner_pid(name)
-    if pid is None or not is_process_alive(pid):
-        return False
-    session = {os.getpid(), *(child.pid for child in psutil.Process().children(recursive=True))}
-    return pid not in session
+    return pid is not None and pid not in session and is_process_alive(pid)
 
 
 def suspects(created_at: float, windows: list[tuple[str, float, float]]) -> list[str]:

@@ -210,7 +210,7 @@ def plan_cluster(config: SimConfig, progress: bool = False,
     chosen = best
     for cand in simulated:
         if cand.policy == "weaver" and cand.is_within_cold_budget and \
-                _clearly_better(cand, chosen):
+                is_clearly_better(cand.score, chosen.score):
             chosen = cand
     baseline = _baseline(config, progress)
     return {
@@ -242,10 +242,6 @@ def cold_tpot_factors(woven: dict, plain: dict, plan: Plan) -> dict[str, float]:
 def cold_factors_text(factors: dict[str, float]) -> str:
     """The cold TPOT factors as people read them: "cold 1.16x, cold2 1.12x"."""
     return ", ".join(f"{name} {factor:.2f}x" for name, factor in sorted(factors.items()))
-
-
-def _clearly_better(cand: Candidate, than: Candidate) -> bool:
-    return is_clearly_better(cand.score, than.score)
 
 
 def is_clearly_better(score: tuple[float, float], than: tuple[float, float]) -> bool:
