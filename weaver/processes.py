@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from collections.abc import Iterable
 
 
@@ -46,9 +47,14 @@ def is_resource_tracker(pid: int) -> bool:
 SHM_DIR = "/dev/shm"
 
 
-def shm_files_of(pid: int, names_by_inode: dict[int, set[str]] | None = None) -> set[str]:
+def shm_files_of(pid: int, names_by_inode: dict[int, set[str]] | None = None,
+                 kept_only: bool = False) -> set[str]:
     """The /dev/shm files process `pid` maps (vLLM's message queues, Weaver's regions and
     pools, semaphores) or holds open (a region's doorbell pipes); empty once it is gone.
+    `kept_only`: of the files it has open without mapping them, only pipes, which it holds
+    for as long as it runs; a regular file it has open is one it reads or writes at that
+    moment (a weaving pair's JSON, weaver/weaving/rendezvous.py), someone else's to remove,
+    so not among what it would leave behind if killed.
 
     A POSIX semaphore (multiprocessing's `sem.mp-*`) is mapped under another name: glibc's
     sem_open creates a temporary file, maps it, links it to the semaphore's name and
@@ -69,7 +75,8 @@ def shm_files_of(pid: int, names_by_inode: dict[int, set[str]] | None = None) ->
         for fd in os.listdir(f"/proc/{pid}/fd"):
             with contextlib.suppress(OSError):
                 target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith(f"{SHM_DIR}/"):
+                if target.startswith(f"{SHM_DIR}/") and \
+                        (not kept_only or stat.S_ISFIFO(os.stat(f"/proc/{pid}/fd/{fd}").st_mode)):
                     paths.add(target)
     return paths
 
@@ -83,11 +90,11 @@ def shm_names_by_inode() -> dict[int, set[str]]:
     return names
 
 
-def shm_files_of_processes(pids: Iterable[int]) -> set[str]:
+def shm_files_of_processes(pids: Iterable[int], kept_only: bool = False) -> set[str]:
     """The /dev/shm files any of these processes maps or holds open (/dev/shm listed once
-    for all of them)."""
+    for all of them; `kept_only` as in shm_files_of)."""
     names_by_inode = shm_names_by_inode()
-    return {path for pid in pids for path in shm_files_of(pid, names_by_inode)}
+    return {path for pid in pids for path in shm_files_of(pid, names_by_inode, kept_only)}
 
 
 def shm_in_use() -> set[str]:

@@ -5,12 +5,15 @@ group. Each is started (Weaver's plugin loads in it: weaver/bench/server_process
 `vllm_server`), given a little load, SIGTERMed and started again, the cold one also
 SIGKILLed (front end, EngineCore and worker at once, as a crash) while the hot one serves;
 in the end every server gets SIGTERM, and /dev/shm must hold no file it did not hold before
-the phase. vLLM's socket files are not counted here: a plain `vllm serve` leaves them by
-design (docs/operating.md), and the harness removes them.
+the phase, and the socket base no socket file.
 
-The servers use the default runtime directories (/dev/shm/weaver-pairs-<uid>,
-/dev/shm/weaver-mux-<uid>), as a user's would; the pair's and the group's names carry this
-process's pid, so two runs do not meet.
+The servers run as a user's would: vLLM's default --shutdown-timeout (0: SIGTERM kills the
+worker before it unlinks anything), the default runtime directories
+(/dev/shm/weaver-pairs-<uid>, /dev/shm/weaver-mux-<uid>), one socket base for all of them
+(as one machine's /tmp; a directory of the phase's own here, so that only its servers'
+files are counted), and nothing the harness unlinks for them (weaver/bench/server_process.py
+`as_deployed`). The pair's and the group's names carry this process's pid, so two runs do
+not meet.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import psutil
 from benchmarks.soak_kit.outcomes import OUTCOMES
 from benchmarks.soak_kit.watch import ShmLedger
 from weaver.bench.server_process import RunningServer, vllm_cli_env, vllm_server
+from weaver.vllm_ext.engine.leftovers import RPC_BASE_PATH_ENV
 
 MiB = 1 << 20
 REQUESTS_EACH = 4  # "a little load": per server, per round
@@ -39,10 +43,7 @@ CONNECT_LIMIT_S = 120.0
 STOP_TIMEOUT_S = 60.0
 COMMON_ARGS = ("--max-model-len", "512", "--dtype", "float32", "--enforce-eager",
                "--block-size", "32", "--max-num-seqs", "16",
-               "--kv-cache-memory-bytes", str(50 * MiB),
-               # vLLM's default (0) force-kills the worker on SIGTERM before it can unlink
-               # its message queues and a cold worker's regions (docs/weaving.md).
-               "--shutdown-timeout", "10")
+               "--kv-cache-memory-bytes", str(50 * MiB))
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,8 @@ class PlainServer:
         stack = contextlib.ExitStack()
         self.server = stack.enter_context(vllm_server(
             str(prepare_model(self.engine.model)), self.log_path, *self.engine.args(),
-            env_overrides={**self.env, "VLLM_CPU_OMP_THREADS_BIND": self.engine.cores}))
+            env_overrides={**self.env, "VLLM_CPU_OMP_THREADS_BIND": self.engine.cores},
+            as_deployed=True))
         self._stack, self.starts = stack, self.starts + 1
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
@@ -147,7 +149,9 @@ class PlainPhase:
 
     def __init__(self, work_dir: Path, log_dir: Path) -> None:
         self.ledger = ShmLedger()
-        env = {**vllm_cli_env(work_dir / "shim")}
+        self.rpc_base = work_dir / "rpc"
+        self.rpc_base.mkdir()
+        env = {**vllm_cli_env(work_dir / "shim"), RPC_BASE_PATH_ENV: str(self.rpc_base)}
         self.servers = {e.name: PlainServer(e, log_dir / f"vllm-{e.name}.serve.log", env)
                         for e in plain_engines(str(os.getpid()))}
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
@@ -173,7 +177,7 @@ class PlainPhase:
         return self.result()
 
     def result(self) -> dict[str, Any]:
-        left = self.ledger.left(None, self.survivors)
+        left = self.ledger.left(self.rpc_base, self.survivors)
         removed = self.ledger.clean_up()
         return {"outcomes": self.outcomes, "steps": self.steps, "not_back": self.not_back,
                 "left_after_stop": left, "removed_after_counting": removed,

@@ -10,6 +10,7 @@ import gc
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import weakref
 from pathlib import Path
@@ -31,7 +32,6 @@ from weaver.vllm_ext.engine.leftovers import (
     make_rpc_dir,
     reclaim_dead_owners_rpc_dirs,
     reclaim_dead_owners_shm,
-    record_shm_files,
     release_closed_engine_memory,
     remove_left_over_shm,
     remove_rpc_dir,
@@ -92,10 +92,30 @@ def _dead_pid() -> int:
     return exited.pid
 
 
+def _record_as_an_engine(rpc_dir: Path, *paths: str) -> str:
+    """What an EngineCore does once up (leftovers.record_engine_shm, run from the plugin's
+    EngineCore hook): a child process with `rpc_dir` as its socket directory maps `paths`,
+    lists what it holds there, and exits without unlinking anything, as a killed engine.
+    Returns the list's path, as it printed it."""
+    code = ("import mmap, sys\n"
+            "from weaver.vllm_ext.engine.leftovers import record_engine_shm\n"
+            "files = [open(path, 'r+b') for path in sys.argv[1:]]\n"
+            "views = [mmap.mmap(f.fileno(), 0) for f in files]\n"
+            "print(record_engine_shm())\n")
+    done = subprocess.run([sys.executable, "-c", code, *paths], capture_output=True,
+                          text=True, check=True,
+                          env={**os.environ, RPC_BASE_PATH_ENV: str(rpc_dir)})
+    return done.stdout.strip()
+
+
+def test_an_engine_outside_weavers_socket_directories_lists_nothing(rpc_base):
+    assert _record_as_an_engine(rpc_base) == "None"  # vLLM's default base: not Weaver's
+
+
 def test_a_dead_servers_engine_message_queues_are_reclaimed_from_its_list(rpc_base):
-    """A SIGKILLed gateway's engines leave vLLM's psm_* segments, whose names say nothing
-    of their owner: the list in the engine's socket directory names them, and the next
-    server unlinks those no living process maps."""
+    """A SIGKILLed server's engines leave vLLM's psm_* segments, whose names say nothing
+    of their owner: the list its EngineCore wrote into its socket directory names them, and
+    the next server unlinks those no living process maps."""
     from multiprocessing import shared_memory
 
     dead_dir = rpc_base / f"weaver-rpc-{_dead_pid()}-abc"
@@ -103,7 +123,9 @@ def test_a_dead_servers_engine_message_queues_are_reclaimed_from_its_list(rpc_ba
     left = shared_memory.SharedMemory(create=True, size=64)
     mapped = shared_memory.SharedMemory(create=True, size=64)  # a living process maps it
     try:
-        record_shm_files(dead_dir, {f"/dev/shm/{left.name}", f"/dev/shm/{mapped.name}"})
+        listing = _record_as_an_engine(dead_dir, f"/dev/shm/{left.name}",
+                                       f"/dev/shm/{mapped.name}")
+        assert listing == str(dead_dir / SHM_LIST)
         assert (dead_dir / SHM_LIST).read_text().count("/dev/shm/psm_") == 2
         left.close()  # nobody maps it any more: what a killed engine leaves
         assert reclaim_dead_owners_rpc_dirs() == [dead_dir]
@@ -210,20 +232,23 @@ def test_closing_an_engine_drops_vllms_cached_answers_about_its_tokenizer():
     assert method() is None
 
 
-def test_what_a_dead_engine_shared_with_living_processes_stays():
+def test_what_a_dead_engine_shared_with_living_processes_stays(rpc_base):
     """A killed mux member held its group's turn table and the pool the gateway hosts; the
-    other member and the gateway map them still. Its own message queue goes."""
+    other member and the gateway map them still. Its own message queue goes; the table
+    once its last holder is gone."""
     import mmap
 
     shared = Path("/dev/shm") / f"wvtest{os.getpid()}-group-kvpool"
     own = Path("/dev/shm") / f"wvtest{os.getpid()}-psm"
     for path in (shared, own):
         path.write_bytes(b"\0" * 4096)
+    rpc_dir = make_rpc_dir()
     try:
+        _record_as_an_engine(rpc_dir, str(shared), str(own))
         with open(shared, "r+b") as f, mmap.mmap(f.fileno(), 4096):  # a living member
-            assert remove_left_over_shm("mux-a", {str(shared), str(own)}) == [str(own)]
+            assert remove_left_over_shm("mux-a", rpc_dir) == [str(own)]
             assert shared.exists() and not own.exists()
-        assert remove_left_over_shm("mux-a", {str(shared)}) == [str(shared)]
+        assert remove_left_over_shm("mux-a", rpc_dir) == [str(shared)]
     finally:
         for path in (shared, own):
             path.unlink(missing_ok=True)

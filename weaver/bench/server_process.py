@@ -66,9 +66,12 @@ class RunningServer:
         unlink_left_over(mapped)
 
     def mapped_shm(self) -> set[str]:
-        """The /dev/shm files the server and its processes map or hold open now."""
+        """The /dev/shm files the server and its processes hold for as long as they run:
+        what they map, and pipes they have open (not a file read or written at the moment,
+        weaver/processes.py `kept_only`: unlinked afterwards, a weaving pair lost its
+        cold side's answer)."""
         pids = [self.process.pid, *(proc.pid for proc in self.descendants())]
-        return shm_files_of_processes(pids)
+        return shm_files_of_processes(pids, kept_only=True)
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 90) -> int:
         if self.process.poll() is None:
@@ -95,9 +98,10 @@ def weaver_server(
 @contextlib.contextmanager
 def _server(command: list[str], extra_args: list[str], log_path: Path,
             env_overrides: Mapping[str, str] | None, log_mode: str,
-            port: int | None = None) -> Iterator[RunningServer]:
+            port: int | None = None, unlink_what_it_left: bool = True) -> Iterator[RunningServer]:
     """`command --port PORT EXTRA_ARGS` on `port` (default: a free one) until ready; when
-    the block ends it gets SIGTERM (90 s to stop), and every process it started is killed."""
+    the block ends it gets SIGTERM (90 s to stop), every process it started is killed, and
+    (`unlink_what_it_left`) the /dev/shm files they mapped and nobody maps any more go."""
     port = free_port() if port is None else port
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_overrides or {}))
     with open(log_path, log_mode) as log:
@@ -119,9 +123,10 @@ def _server(command: list[str], extra_args: list[str], log_path: Path,
             with contextlib.suppress(psutil.NoSuchProcess):
                 child.kill()
         psutil.wait_procs(survivors, timeout=30)
-        # A plain `vllm serve` force-kills its workers on SIGTERM (its --shutdown-timeout
-        # is 0 by default), so their message queues and a cold worker's regions stay.
-        unlink_left_over(mapped)
+        # A plain `vllm serve` without a Weaver block force-kills its workers on SIGTERM
+        # (its --shutdown-timeout is 0 by default), so their message queues stay.
+        if unlink_what_it_left:
+            unlink_left_over(mapped)
 
 
 def vllm_cli() -> list[str]:
@@ -141,13 +146,21 @@ def vllm_cli_env(shim_dir: Path) -> dict[str, str]:
 
 @contextlib.contextmanager
 def vllm_server(model: str, log_path: Path, *vllm_args: str,
-                env_overrides: Mapping[str, str] | None = None) -> Iterator[RunningServer]:
+                env_overrides: Mapping[str, str] | None = None,
+                as_deployed: bool = False) -> Iterator[RunningServer]:
     """Plain `vllm serve MODEL ARGS...` on a free port (Weaver's plugin loads in it), until
     the block ends; then it and every process it started are gone (a killed one too), and
     so are vLLM's socket files, which libzmq leaves on close (`weaver serve` removes its
     engines' own: weaver/vllm_ext/engine/leftovers.py): the server gets a directory for
     them. The log is appended to, so that a server started again keeps the earlier one's
-    lines."""
+    lines. `as_deployed`: as a user runs it, with the socket files where the environment
+    says and nothing it leaves in /dev/shm unlinked here, for a caller that counts what
+    is left (benchmarks/soak_kit/plain_vllm.py); what outlives it is still killed."""
+    if as_deployed:
+        with _server([*vllm_cli(), "serve", model], list(vllm_args), log_path,
+                     env_overrides, "ab", unlink_what_it_left=False) as server:
+            yield server
+        return
     base = os.environ.get(RPC_BASE_PATH_ENV) or tempfile.gettempdir()
     rpc_dir = tempfile.mkdtemp(prefix="vllm-serve-rpc-", dir=base)
     try:

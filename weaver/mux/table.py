@@ -29,11 +29,11 @@ from typing import NamedTuple
 
 from weaver.mux.turns import DEFAULT_SKIP_LIMIT, Kind, Member, Mode, next_turn
 from weaver.processes import is_process_alive
+from weaver.runtime_dirs import create_in, remove_default_if_empty, shared_dir
 
 logger = logging.getLogger(__name__)
 
 MAGIC = 0x57584D31  # "WXM1"
-RUNTIME_DIR_ENV = "WEAVER_RUNTIME_DIR"
 MAX_MEMBERS = 16
 NAME_BYTES = 96
 # magic, num_members, mode (0 temporal, 1 spatial-temporal), skip_limit, num_grants
@@ -48,7 +48,7 @@ POLL_S = 0.0002
 
 
 def default_runtime_dir() -> Path:
-    return Path(os.environ.get(RUNTIME_DIR_ENV) or f"/dev/shm/weaver-mux-{os.getuid()}")
+    return shared_dir("mux")
 
 
 def table_path(group: str, runtime_dir: Path | None = None) -> Path:
@@ -60,9 +60,7 @@ def remove_table(group: str) -> None:
     user named in WEAVER_RUNTIME_DIR stays)."""
     with contextlib.suppress(FileNotFoundError):
         table_path(group).unlink()
-    if not os.environ.get(RUNTIME_DIR_ENV):
-        with contextlib.suppress(OSError):  # not empty, or already gone
-            default_runtime_dir().rmdir()
+    remove_default_if_empty("mux")
 
 
 @dataclass(frozen=True)
@@ -141,9 +139,8 @@ class TurnTable:
         none of its members is alive; one whose live members disagree on the group is
         refused (ValueError saying which file)."""
         path = table_path(layout.group, runtime_dir)
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         size = _HEADER.size + NAME_BYTES * MAX_MEMBERS + _RECORD.size * MAX_MEMBERS
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = create_in(path.parent, lambda: os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:

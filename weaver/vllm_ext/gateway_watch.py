@@ -8,9 +8,9 @@ gateway names itself in its engines' environment (GATEWAY_PID_ENV, set by
 weaver/vllm_ext/engine/app.py); once an EngineCore's loop starts, a daemon thread waits for
 that process to end, then sends the EngineCore SIGTERM (vLLM's own shutdown, which takes
 its workers and their message queues with it) and SIGKILL if it is still there after
-STOP_GRACE_S. A weaving engine under plain `vllm serve` watches its front end the same way
-(the plugin names it when it completes the engine's config: weaver/vllm_ext/plugin_pairs.py);
-other engines have no such variable and are left alone.
+STOP_GRACE_S. An engine with a Weaver block under plain `vllm serve` watches its front end
+the same way (the plugin names it when it completes the engine's config:
+weaver/vllm_ext/plain_serve.py); other engines have no such variable and are left alone.
 """
 
 from __future__ import annotations

@@ -15,11 +15,14 @@ moved). Then:
   no-op unless the engine keeps its KV in a unified pool;
 - it hooks vLLM's config building (patches/engine_config_hook.py) for weaving under plain
   `vllm serve` (weaver/vllm_ext/plugin_pairs.py), a no-op unless the engine has a `weaver`
-  block with a role, and EngineCore start (patches/engine_core_hook.py), where an engine of
-  a weaving pair links itself (weaver/vllm_ext/pair_links.py, both launchers) and a
-  colocated engine takes turns with its group (weaver/vllm_ext/mux_gate.py); each a no-op
-  unless the block has its section. There, too, an engine that `weaver serve` started
-  stops once that gateway is gone (weaver/vllm_ext/gateway_watch.py).
+  block with a role, and for what a plain `vllm serve` engine with a Weaver block leaves
+  behind (weaver/vllm_ext/plain_serve.py); and EngineCore start
+  (patches/engine_core_hook.py), where an engine of a weaving pair links itself
+  (weaver/vllm_ext/pair_links.py, both launchers) and a colocated engine takes turns with
+  its group (weaver/vllm_ext/mux_gate.py); each a no-op unless the block has its section.
+  There, too, an engine stops once the server that started it is gone
+  (weaver/vllm_ext/gateway_watch.py), and lists the shared memory it holds for that
+  server to reclaim (weaver/vllm_ext/engine/leftovers.py).
 """
 
 from __future__ import annotations
@@ -57,19 +60,27 @@ def register() -> None:
 
     register_split_layers()
     kv_cache_allocation.install(pool_section, initialize_with_pool)
-    engine_config_hook.install(plugin_pairs.configure_engine_args,
-                               plugin_pairs.complete_engine_config)
+    engine_config_hook.install(plugin_pairs.configure_engine_args, _complete_engine_config)
     engine_core_hook.install(_on_engine_core_ready)
     register_woven_backends(current_platform)
 
 
+def _complete_engine_config(vllm_config: Any) -> None:
+    from weaver.vllm_ext import plain_serve, plugin_pairs
+
+    plain_serve.look_after_front_end(vllm_config)  # first: it names the server's pid
+    plugin_pairs.complete_engine_config(vllm_config)
+
+
 def _on_engine_core_ready(engine_core: Any) -> None:
     from weaver.vllm_ext import gateway_watch, mux_gate, pair_links, scheduler
+    from weaver.vllm_ext.engine.leftovers import record_engine_shm
 
-    gateway_watch.follow_gateway()  # an engine of `weaver serve` ends with its gateway
+    gateway_watch.follow_gateway()  # an engine ends with the server that started it
     mux_gate.on_engine_core_ready(engine_core)
     pair_links.on_engine_core_ready(engine_core)
     scheduler.connect_pair_load(engine_core)
+    record_engine_shm()  # last: its workers have joined their group, made their regions
 
 
 def register_woven_backends(platform: Any) -> list[str]:

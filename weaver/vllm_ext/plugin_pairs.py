@@ -22,7 +22,6 @@ Three moments of an engine's start, each reached through a patch the plugin inst
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,15 +154,10 @@ def complete_engine_config(vllm_config: Any) -> None:
     weaving = plugin_weaving(vllm_config.additional_config)
     if weaving is None:
         return
-    from weaver.vllm_ext.engine.leftovers import reclaim_dead_owners_shm
-    from weaver.vllm_ext.gateway_watch import GATEWAY_PID_ENV
     from weaver.weaving.pair_metrics import register_pair_collector
 
-    # What a killed predecessor left (its cold worker's regions; vLLM's default
-    # --shutdown-timeout 0 kills the workers of a plain `vllm serve` on SIGTERM too).
-    reclaim_dead_owners_shm()
-    # This front end spawns the EngineCore next: the engine stops if it is SIGKILLed.
-    os.environ[GATEWAY_PID_ENV] = str(os.getpid())
+    # What a killed predecessor left, and what this engine will leave, are looked after by
+    # weaver/vllm_ext/plain_serve.py (called first, for a mux member too).
     served = vllm_config.model_config.served_model_name
     model = served if isinstance(served, str) else served[0]
     files = rendezvous.PairFiles(rendezvous.runtime_dir())

@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from weaver.runtime_dirs import create_in, shared_dir
+
 logger = logging.getLogger(__name__)
 
-RUNTIME_DIR_ENV = "WEAVER_RUNTIME_DIR"
 SIDES = ("hot", "cold")
 _PAIR_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -40,9 +41,9 @@ def check_pair_name(name: Any) -> str:
 
 
 def runtime_dir() -> Path:
-    """Where the pairs' files live: one node-local directory per user."""
-    configured = os.environ.get(RUNTIME_DIR_ENV)
-    return Path(configured) if configured else Path(f"/dev/shm/weaver-pairs-{os.getuid()}")
+    """Where the pairs' files live under plain `vllm serve`: one node-local directory per
+    user, removed once empty by the last server out (weaver/runtime_dirs.py)."""
+    return shared_dir("pairs")
 
 
 def is_alive(pid: Any) -> bool:
@@ -70,9 +71,11 @@ class PairFiles:
     def publish(self, pair: str, name: str, data: dict[str, Any]) -> None:
         """Write `<pair>.<name>.json` whole, with this process's id."""
         path = self.path(pair, name)
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # made by the first writer
         temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        temporary.write_text(json.dumps({**data, "pid": os.getpid()}))
+        # The directory is made by the first writer (and again if the last server out
+        # removed it meanwhile).
+        text = json.dumps({**data, "pid": os.getpid()})
+        create_in(path.parent, lambda: temporary.write_text(text))
         os.replace(temporary, path)
 
     def read(self, pair: str, name: str) -> dict[str, Any] | None:
@@ -88,6 +91,22 @@ class PairFiles:
         except (OSError, ValueError):
             return None
         return data if isinstance(data, dict) else None
+
+    def remove_dead_writers_files(self) -> list[Path]:
+        """Remove every pair's file whose writer is gone (a worker killed before it could
+        withdraw it: vLLM's default --shutdown-timeout 0 kills it on SIGTERM); a successor
+        writes its own. Returns what was removed."""
+        removed = []
+        for path in sorted(self.root.glob("*.json")):
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue  # removed meanwhile, or not one of ours
+            if isinstance(data, dict) and not is_alive(data.get("pid")):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                    removed.append(path)
+        return removed
 
     def withdraw(self, pair: str, name: str) -> None:
         """Remove `<pair>.<name>.json` if this process wrote it (a successor's stays)."""

@@ -36,11 +36,9 @@ from weaver.vllm_ext.engine.leftovers import (
     RPC_BASE_PATH_ENV,
     forget_closed_engine_callables,
     make_rpc_dir,
-    record_shm_files,
     release_closed_engine_memory,
     remove_left_over_shm,
     remove_rpc_dir,
-    shm_files_of,
 )
 from weaver.vllm_ext.engine.stats import EngineStatsRecorder, attach_stats_recorder
 from weaver.vllm_ext.gateway_watch import GATEWAY_PID_ENV
@@ -385,9 +383,8 @@ async def open_engine(
     process_ids = _engine_process_ids(client)
     if cores is not None:
         pin_engine_processes(spec.name, process_ids, cores)
-    engine_shm = shm_files_of(process_ids)
-    record_shm_files(rpc_dir, engine_shm)  # for the next server, if this one is SIGKILLed
-    stack.callback(remove_left_over_shm, spec.name, engine_shm)
+    # What its EngineCore lists there once up (leftovers.record_engine_shm).
+    stack.callback(remove_left_over_shm, spec.name, rpc_dir)
     stack.callback(client.shutdown, timeout=ENGINE_TEARDOWN_GRACE_S)
     stack.callback(_fail_pending_requests, spec.name, client)  # before the shutdown
     supported_tasks = await client.get_supported_tasks()

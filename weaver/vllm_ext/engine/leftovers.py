@@ -3,11 +3,11 @@
 nothing:
 
 - **Its message queues** in /dev/shm (vLLM's psm_* segments, semaphores), which an
-  EngineCore or worker that was killed never unlinks: found while it runs (what its
-  processes map or hold open), unlinked once it stopped. Their names say nothing of their
-  owner, so the list is also written into the engine's socket directory (below): when
-  `weaver serve` itself was SIGKILLed, the next one unlinks what that list names and no
-  living process maps. Weaver's own files carry their owner's pid (a cold worker's
+  EngineCore or worker that was killed never unlinks. Their names say nothing of their
+  owner, so once up the EngineCore lists what it and its workers map or hold open in its
+  socket directory (below; `record_engine_shm`); once the engine stopped, its server
+  unlinks what the list names and no living process maps, and when the server itself was
+  SIGKILLed, the next one does. Weaver's own files carry their owner's pid (a cold worker's
   regions, a gateway's pairs' directory, pools and staging segments:
   weaver/offload/naming.py) and are reclaimed by it when that process is gone.
 - **Its ZeroMQ socket files.** vLLM names every IPC endpoint `ipc://<VLLM_RPC_BASE_PATH>/
@@ -56,33 +56,46 @@ SHM_LIST = "shm-files"  # in an engine's socket directory: the /dev/shm files it
 
 # --- /dev/shm -------------------------------------------------------------------------
 def shm_files_of(pids: list[int]) -> set[str]:
-    """The /dev/shm files that these processes and their children hold."""
+    """The /dev/shm files that these processes and their children hold for as long as they
+    run (what a kill leaves behind)."""
     import psutil
 
     tree: list[int] = []
     for pid in pids:
         with contextlib.suppress(psutil.Error):
             tree += [pid, *(child.pid for child in psutil.Process(pid).children(recursive=True))]
-    return shm_files_of_processes(tree)
+    return shm_files_of_processes(tree, kept_only=True)
 
 
-def remove_left_over_shm(engine_name: str, paths: set[str]) -> list[str]:
+def remove_left_over_shm(engine_name: str, rpc_dir: Path) -> list[str]:
     """Unlink what a dead or killed engine could not (its processes never tore down), of
-    what it held: only what no living process maps or holds open. An engine also maps files
-    that are not its own: its mux group's turn table and the pool the gateway hosts for the
-    group, which the other members and the gateway still use (unlinked with a killed
-    member, its restart found no pool and the surviving member a table nobody else read)."""
-    removed = unlink_left_over(paths)
+    what its socket directory lists: only what no living process maps or holds open. An
+    engine also maps files that are not its own: its mux group's turn table and the pool
+    the gateway hosts for the group, which the other members and the gateway still use
+    (unlinked with a killed member, its restart found no pool and the surviving member a
+    table nobody else read); the table goes with the group's last member."""
+    paths = _listed_shm(rpc_dir / SHM_LIST)
+    removed = unlink_left_over(paths) if paths else []  # else no need to read every /proc
     if removed:
         logger.warning("engine %s left %d shared-memory file(s) behind; removed %s",
                        engine_name, len(removed), removed)
     return removed
 
 
-def record_shm_files(rpc_dir: Path, paths: set[str]) -> None:
-    """Write the engine's /dev/shm files into its socket directory, for whoever reclaims
-    the directory after this process died."""
-    (rpc_dir / SHM_LIST).write_text("".join(f"{path}\n" for path in sorted(paths)))
+def record_engine_shm() -> Path | None:
+    """Run in an EngineCore once it is up (its workers and their message queues exist):
+    write the /dev/shm files it and its workers hold into its socket directory, for its
+    server to reclaim once the engine stopped, or the next server once that one died.
+    Returns the list's path; None for an engine without a socket directory of Weaver's
+    (one that neither launcher's Weaver started)."""
+    rpc_dir = Path(os.environ.get(RPC_BASE_PATH_ENV) or tempfile.gettempdir())
+    if not _RPC_DIR_RE.match(rpc_dir.name) or not rpc_dir.is_dir():
+        return None
+    listing = rpc_dir / SHM_LIST
+    temporary = listing.with_name(f".{SHM_LIST}.{os.getpid()}")
+    temporary.write_text("".join(f"{path}\n" for path in sorted(shm_files_of([os.getpid()]))))
+    os.replace(temporary, listing)  # whole: a server reading it never sees half
+    return listing
 
 
 def reclaim_dead_owners_shm() -> list[str]:
@@ -164,12 +177,19 @@ def reclaim_dead_owners_rpc_dirs() -> list[Path]:
 
 
 def _listed_shm(listing: Path) -> set[str]:
-    """The /dev/shm files a dead server's engine held (its SHM_LIST): its message queues
-    and semaphores, which name no owner; none when it wrote no list."""
+    """The /dev/shm files an engine held (its SHM_LIST): its message queues and semaphores,
+    which name no owner; none when it wrote no list. A file whose name carries a living
+    owner's pid is that owner's to remove, whoever maps it at the moment (a hot engine
+    lists the region of its cold engine, which keeps serving it to the next hot engine)."""
     with contextlib.suppress(OSError):
         return {line for line in listing.read_text().splitlines()
-                if line.startswith(f"{SHM_DIR}/")}
+                if line.startswith(f"{SHM_DIR}/") and not _has_living_owner(line)}
     return set()
+
+
+def _has_living_owner(path: str) -> bool:
+    pid = owner_pid(os.path.basename(path))
+    return pid is not None and is_process_alive(pid)
 
 
 # --- memory of a closed engine ----------------------------------------------------------
