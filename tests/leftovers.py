@@ -129,17 +129,18 @@ def remove_shm(names: set[str] | dict[str, float]) -> None:
 # serve`, an offline LLM) leaves its files, which go with the session's directory.
 def make_rpc_base() -> Path:
     """The session's directory, named by its pid; those of sessions that were killed (no
-    teardown ran) are removed first."""
+    teardown ran) are removed first. Short: a plain `vllm serve` the tests start nests the
+    harness's directory and its engine's own in it, under a socket path's 107 bytes."""
     import re
     import shutil
     import tempfile
 
     base = Path(tempfile.gettempdir())
-    for path in base.glob("weaver-tests-rpc-*"):
-        match = re.match(r"weaver-tests-rpc-(\d+)-", path.name)
+    for path in base.glob("wt-rpc-*"):
+        match = re.match(r"wt-rpc-(\d+)-", path.name)
         if match and not is_process_alive(int(match.group(1))):
             shutil.rmtree(path, ignore_errors=True)
-    return Path(tempfile.mkdtemp(prefix=f"weaver-tests-rpc-{os.getpid()}-", dir=base))
+    return Path(tempfile.mkdtemp(prefix=f"wt-rpc-{os.getpid()}-", dir=base))
 
 
 def rpc_dirs_left(base: Path) -> dict[str, float]:

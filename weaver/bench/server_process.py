@@ -162,7 +162,9 @@ def vllm_server(model: str, log_path: Path, *vllm_args: str,
             yield server
         return
     base = os.environ.get(RPC_BASE_PATH_ENV) or tempfile.gettempdir()
-    rpc_dir = tempfile.mkdtemp(prefix="vllm-serve-rpc-", dir=base)
+    # Short: the plugin nests the engine's own directory in it for a server with a Weaver
+    # block (weaver/vllm_ext/plain_serve.py), under a socket path's 107 bytes.
+    rpc_dir = tempfile.mkdtemp(prefix="vs-", dir=base)
     try:
         with _server([*vllm_cli(), "serve", model], list(vllm_args), log_path,
                      {RPC_BASE_PATH_ENV: rpc_dir, **(env_overrides or {})}, "ab") as server:
