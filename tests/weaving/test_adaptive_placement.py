@@ -111,6 +111,24 @@ def test_woven_steps_over_the_target_cap_the_remote_sequences_then_the_cap_grows
     assert placement.remote_cap > 6
 
 
+def test_the_cap_holds_while_the_cold_model_nears_its_budget_and_grows_once_it_has_room():
+    """Grown up to the budget, the cap hovers over it between cuts (two hots into one
+    cold ran it at x1.128 against x1.10): past half the budget's growth it holds."""
+    placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=0.050, cold_budget=1.10))
+    feed(placement, steps(0.030, 0.002, 0.004, LOCAL_BATCHES))
+    # Nothing capped yet, woven steps well under the target, the cold model at x1.07:
+    # the cap is set where the remote sequences are, and holds there.
+    placement.observe_pair(PairLoad(cold_inflation=1.07))
+    _, changes = feed(placement, [(0.030, 4, 5, True)] * 60, start=2.0)
+    assert changes == [] and placement.is_open and placement.remote_cap == 5
+    assert "near its budget" in placement.reason
+    feed(placement, [(0.030, 4, 5, True)] * 60, start=10.0)
+    assert placement.remote_cap == 5
+    placement.observe_pair(PairLoad(cold_inflation=1.03))  # room again: one more an update
+    feed(placement, [(0.030, 4, 5, True)] * 60, start=20.0)
+    assert placement.remote_cap > 5
+
+
 def test_a_cap_that_falls_to_zero_steps_aside_then_resumes_with_one():
     placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=0.050, cooldown_s=5.0))
     now, changes = feed(placement, [(0.080, 4, 1, True)] * 60)

@@ -171,6 +171,11 @@ STEP_ALPHA = 0.05
 TPOT_ALPHA = 0.01
 REMOTE_CAP_DECREASE = 0.75  # the remote cap after woven steps ran over the TPOT target
 REMOTE_CAP_HEADROOM = 0.9  # the cap grows while woven steps stay under this share of it
+# ... and while the cold model has spent at most this share of its budget's growth (1.05
+# of a budget of 1.10); past it the cap holds. Grown up to the budget itself, the cap
+# hovered over it between cuts: two hots weaving into one cold ran it at x1.128 against a
+# budget of x1.10 (benchmarks/README.md, "A cold model hosting two hot ones").
+COLD_BUDGET_HEADROOM = 0.5
 # After a cut for the cold budget, the next one waits this long: the cold side measures its
 # factor over a window (weaver/weaving/cold_load.py WINDOW_S), which must see the smaller
 # batch before it can say whether the cut was enough.
@@ -232,7 +237,9 @@ class AdaptivePlacement:
     demand goes); 3/4 of the remote sequences running once the woven steps' mean time runs
     over the TPOT target, or once the cold model's TPOT runs over its budget (then not
     again until the cold side has measured the smaller batch); one more each update the
-    woven steps stay under 90 % of the target. A cap that falls to 0 steps weaving aside
+    woven steps stay under 90 % of the target and the cold model under half its budget's
+    growth (past that, the cap holds; with none yet, it is set to the sequences running
+    remote). A cap that falls to 0 steps weaving aside
     for the cool-down; then it resumes with a cap of one, if the cold model is within its
     budget. One noisy reading of the cold factor costs a quarter of the remote sequences,
     not all of them."""
@@ -363,6 +370,13 @@ class AdaptivePlacement:
                     f"x{budget:.3f}")
         return None
 
+    def _cold_has_headroom(self) -> bool:
+        """Whether the cold model has spent at most COLD_BUDGET_HEADROOM of its budget's
+        growth (true while its factor is unknown)."""
+        inflation = self.load.cold_inflation
+        budget = self.targets.cold_budget
+        return inflation is None or inflation <= 1 + COLD_BUDGET_HEADROOM * (budget - 1)
+
     def _cut_for_cold(self, now: float) -> str | None:
         """Cut the remote cap when the cold model is over its budget; a reason to step aside
         when the cut leaves none."""
@@ -413,6 +427,13 @@ class AdaptivePlacement:
             return self._cut(round(self._woven_remote.value),
                              f"woven hot steps take {1000 * woven.value:.1f} ms on average, "
                              f"over the TPOT target {1000 * target:.1f} ms")
+        if not self._cold_has_headroom():
+            if self.remote_cap is None and self._num_remote:
+                self.remote_cap = self._num_remote  # no more growth than the cold has room for
+                self.reason = (f"weaving: at most {self.remote_cap} remote sequences (the "
+                               f"cold model's TPOT is x{self.load.cold_inflation:.3f} its "
+                               f"own, near its budget x{self.targets.cold_budget:.3f})")
+            return None
         if woven.value < REMOTE_CAP_HEADROOM * target and self.remote_cap is not None \
                 and self._num_remote >= self.remote_cap:
             self.remote_cap += 1
