@@ -126,3 +126,57 @@ def test_the_planner_answers_as_the_regime_map_in_representative_cells(
             "goodput_rps": {slo: {"dedicated": dedicated, "weaver": weaver}}}
     row = check.ask(cell, slo)
     assert row["plan_pays"] == row["map_pays"] == (weaver > dedicated), row["answer"]
+
+
+def _planner_entry(pairs: list[tuple[int, int]], hot_goodput: float, *, tokens: float = 100.0,
+                   within_budget: bool = True) -> dict:
+    """A planner result's candidate (plan_cluster's _describe), as fan_in_row reads it."""
+    return {"label": f"pairs {pairs}", "policy": "weaver" if pairs else "muxserve",
+            "plan": {"gpus": [{"models": ["hot"]}, {"models": ["cold"]}, {"models": ["cold2"]}],
+                     "pairs": [{"hot_gpu": h, "cold_gpu": c, "offload_ratio": "auto"}
+                               for h, c in pairs]},
+            "within_cold_budget": within_budget,
+            "cold_tpot_factors": {"cold": 1.05, "cold2": 1.2 if not within_budget else 1.05},
+            "summary": {"hot": {"goodput_rps": hot_goodput},
+                        "_all": {"goodput_rps": hot_goodput + 2, "output_tokens_per_s": tokens}}}
+
+
+def test_the_fan_in_question_asks_the_planner_about_the_maps_two_colds_deployment():
+    """benchmarks/plan_vs_regime_map.py's second question: the planner's choice of one hot
+    GPU over two colds against the map's two-colds column (>= +10 % over one cold)."""
+    check = _load("plan_vs_regime_map")
+    cell = {"model": "llama-2-13b", "device": "H100-80GB", "workload": "conv",
+            "slos": {"loose": {"ttft_s": 10.0, "tpot_ms": 120.0}},
+            "goodput_rps": {"loose": {"dedicated": 8.0, "weaver": 8.0, "weaver_two_colds": 10.0}},
+            "fan_in_gain": {"loose": {"over_one_cold": 0.25, "over_dedicated": 0.25}}}
+    assert check.has_fan_in_column(cell, "loose")
+    assert not check.has_fan_in_column({**cell, "fan_in_gain": None}, "loose")
+    # The map's fan-in deployment at the better column's rate: three GPUs, two colds at 1 req/s.
+    config = check.planner_config(cell, "loose", 2)
+    assert config.cluster.num_gpus == 3 and config.placement is None
+    assert [(m.name, m.rate) for m in config.models] == [("hot", 10.0), ("cold", 1.0),
+                                                         ("cold2", 1.0)]
+    assert config.slo.tpot_ms == 120.0
+    # hot_cold_pairs' pairs of several hot GPUs are no fan-in.
+    assert not check.is_fan_in(_planner_entry([(0, 1), (2, 3)], 1.0))
+    plain, one_cold = _planner_entry([], 6.0), _planner_entry([(0, 2)], 8.0)
+    fan_in = _planner_entry([(0, 1), (0, 2)], 10.0, tokens=120.0)
+    chosen = check.fan_in_row(cell, "loose", 10.0, {"candidates": [plain, one_cold, fan_in],
+                                                   "chosen": fan_in})
+    assert (chosen["map_pays"], chosen["plan_pays"]) == (True, True)
+    assert chosen["two_over_one"] == {"hot": 1.25, "_all": 1.2, "tokens": 1.2}
+    assert chosen["within_cold_budget"] and chosen["one_cold_within_budget"]
+    # Over the colds' TPOT budget the planner serves the plain placement: a disagreement.
+    refused = _planner_entry([(0, 1), (0, 2)], 10.0, within_budget=False)
+    over = check.fan_in_row(cell, "loose", 10.0, {"candidates": [plain, one_cold, refused],
+                                                 "chosen": plain})
+    assert over["plan_pays"] is False and not over["within_cold_budget"]
+    # No fan-in tried (the colds not under half the hot's load): not asked, counted apart.
+    untried = check.fan_in_row(cell, "loose", 2.0, {"candidates": [plain, one_cold],
+                                                   "chosen": one_cold})
+    assert untried["plan_pays"] is None and "not under half" in untried["not_asked"]
+    verdict = check.fan_in_verdict([chosen, over, untried])
+    assert "in 1 of 2 cell-SLOs; where the map says they pay: 1 of 2; where it does not: 0 of 0" \
+        in verdict
+    assert verdict.endswith("not asked in 1 (the hot model at <= 2 req/s: no cold under half "
+                            "its load), where the map says they pay in 1")
