@@ -183,6 +183,19 @@ def test_a_spent_cold_budget_cuts_the_remote_sequences_once_per_cold_window():
     assert not placement.update(1.0 + COLD_CUT_HOLD_S + 0.1) and placement.remote_cap == 4
 
 
+def test_a_cut_never_raises_the_cap_when_more_run_remote_than_it_allows():
+    """Sequences admitted before the cap was set run on over it: a cut for the cold budget
+    takes 3/4 of the cap then, not of them (it raised a cap of 12 to 16 with 21 running)."""
+    placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=0.050, cold_budget=1.10))
+    feed(placement, steps(0.030, 0.002, 0.004, LOCAL_BATCHES))
+    feed(placement, [(0.070, 4, 16, True)] * 60, start=2.0)  # over the TPOT target
+    assert placement.remote_cap == 12
+    feed(placement, [(0.045, 4, 21, True)] * 5, start=10.0)  # 21 admitted before the cap
+    placement.observe_pair(PairLoad(cold_inflation=1.12))
+    placement.update(20.0)
+    assert placement.remote_cap == 9  # 3/4 of the cap
+
+
 def test_a_cold_cut_takes_the_recent_batch_not_a_step_that_ran_few_remote():
     placement = AdaptivePlacement(AdaptiveTargets(cold_budget=1.10))
     feed(placement, [(0.040, 4, 8, True)] * 30)

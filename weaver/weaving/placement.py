@@ -404,9 +404,13 @@ class AdaptivePlacement:
                 f"(at most {TAIL_SHARE:.0%} may)")
 
     def _cut(self, num_running_remote: int, why: str) -> str | None:
-        """The remote cap to 3/4 of the sequences running remote; a reason to step aside
-        when that is none."""
-        self.remote_cap = int(REMOTE_CAP_DECREASE * num_running_remote)
+        """The remote cap to 3/4 of the sequences running remote, or of the cap when more
+        run than it allows (admitted before it was set): a cut never raises the cap (one
+        did, 12 -> 16, for the cold budget with 21 running). A reason to step aside when
+        that is none."""
+        base = num_running_remote if self.remote_cap is None \
+            else min(num_running_remote, self.remote_cap)
+        self.remote_cap = int(REMOTE_CAP_DECREASE * base)
         # Judge the smaller batch afresh: its step time, its make-up, its sequences.
         self._woven_step = Ewma(TPOT_ALPHA)
         self._woven_local, self._woven_remote = Ewma(STEP_ALPHA), Ewma(STEP_ALPHA)
