@@ -33,8 +33,12 @@ import psutil
 
 from benchmarks.soak_kit.outcomes import OUTCOMES
 from benchmarks.soak_kit.watch import ShmLedger
-from weaver.bench.server_process import RunningServer, vllm_cli_env, vllm_server
-from weaver.vllm_ext.engine.leftovers import RPC_BASE_PATH_ENV
+from weaver.bench.server_process import (
+    RPC_BASE_PATH_ENV,
+    RunningServer,
+    vllm_cli_env,
+    vllm_server,
+)
 
 MiB = 1 << 20
 REQUESTS_EACH = 4  # "a little load": per server, per round
