@@ -51,9 +51,9 @@ def feed(placement: AdaptivePlacement, sequence, start: float = 0.0, gap: float 
 
 def lifted(placement: AdaptivePlacement) -> AdaptivePlacement:
     """The placement after the cold side's first window saw its first remote sequences
-    cost the cold model nothing (an idle cold): the cold cap lifted, only the hot one left
+    cost the busy cold model next to nothing: the cold cap lifted, only the hot one left
     (the tests of the hot cap start here)."""
-    placement.observe_pair(PairLoad(cold_inflation=1.0))
+    placement.observe_pair(PairLoad(cold_inflation=1.005))
     placement.observe_step(0.030, 0, INITIAL_COLD_CAP, is_decode_only=False)
     placement.update(0.0)
     placement.update(COLD_CUT_HOLD_S)
@@ -172,7 +172,7 @@ def test_a_full_probe_is_not_judged_by_the_hot_side_and_its_end_restarts_the_jud
     hot step with a few remote sequences says nothing of weaving with the many the cold
     has room for (judged, `auto` stepped aside from weaving that paid +50 %)."""
     placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=0.050, cold_budget=1.10))
-    placement.observe_pair(PairLoad(cold_inflation=1.0))
+    placement.observe_pair(PairLoad(cold_inflation=1.005))
     slow = [(0.080, 8, INITIAL_COLD_CAP, True)] * 100  # over the TPOT target
     now, changes = feed(placement, slow[:70])  # a cold window at the probe, then lifted
     assert changes == [] and placement.hot_cap is None and placement.cold_cap is None
@@ -186,6 +186,19 @@ def test_a_probe_not_full_is_judged():
     placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=0.050, cooldown_s=5.0))
     _, changes = feed(placement, [(0.080, 4, 1, True)] * 60)
     assert changes and not placement.is_open and "TPOT target" in placement.reason
+
+
+def test_an_idle_cold_doubles_the_cap_each_window_and_its_first_request_sets_it():
+    """An idle cold model reads x1.000 (cold_load.py): it has no TPOT to hurt, but says
+    nothing of what a sequence will cost once its requests come. Lifted on that reading,
+    the cap let 17 remote sequences in before the cold's first request (x1.057)."""
+    placement = AdaptivePlacement(AdaptiveTargets(cold_budget=1.10))
+    now = 0.0
+    for expected in (8, 16, 32):
+        now = at_cap_for_a_window(placement, 1.0, now)
+        assert placement.cold_cap == expected and "idle" in placement.reason
+    now = at_cap_for_a_window(placement, 1.04, now)  # busy: 32 x 0.05 / 0.04 = 40
+    assert placement.cold_cap == 40
 
 
 def test_a_cold_cap_never_reached_is_not_raised():

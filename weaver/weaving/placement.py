@@ -186,9 +186,9 @@ COLD_CUT_HOLD_S = 6.0
 # of its TPOT against a budget of x1.10 (benchmarks/README.md, "A cold model hosting
 # two hot ones").
 INITIAL_COLD_CAP = 4
-# A cold factor within this share of the budget's growth (x1.01 of x1.10) with the cold
-# cap's sequences running says they cost the cold model (next to) nothing: the cold cap is
-# lifted, and set again where the factor nears the budget.
+# A busy cold model's factor within this share of the budget's growth (x1.01 of x1.10)
+# with the cold cap's sequences running says they cost it (next to) nothing: the cold cap
+# is lifted, and set again where the factor nears the budget.
 COLD_NEGLIGIBLE_SHARE = 0.1
 # Remote first once a remote sequence adds less than this share of a local one's cost to
 # the hot step; local first again once it adds more than a local one (the gap between
@@ -251,8 +251,8 @@ class AdaptivePlacement:
       side measures over its window, so it moves at most once a window: `INITIAL_COLD_CAP`
       at first (a probe); once the window has seen the sequences at the cap, set to what
       the factor says the budget's first half has room for (sequences x growth allowed /
-      growth measured; lifted when they cost the cold next to nothing); held between half
-      the budget's growth and the budget; cut past the budget.
+      growth measured; lifted when they cost the cold next to nothing; doubled while the
+      cold is idle); held between half the budget's growth and the budget; cut past it.
     A cap that falls to 0 steps weaving aside for the cool-down; then it resumes with one
     remote sequence, if the cold model is within its budget."""
 
@@ -451,6 +451,15 @@ class AdaptivePlacement:
             return None
         if cap is None or not self._held_since(self._cold_cap_reached_at, now):
             return None  # no cap to raise, or the window has not seen its sequences yet
+        if inflation <= 1.0:
+            # An idle cold model (weaver/weaving/cold_load.py: a busy one serving tasks
+            # reads over 1): no TPOT to hurt now, and no cost per sequence measured for
+            # when its requests come. Lifted, the cap let the pool fill before the cold
+            # model's first request (x1.057 at 17 remote sequences 7 s later): it doubles.
+            self._set_cold_cap(2 * cap, now)
+            self.reason = (f"weaving: at most {2 * cap} remote sequences (the cold model "
+                           f"is idle)")
+            return None
         if inflation - 1 <= COLD_NEGLIGIBLE_SHARE * (budget - 1):
             self._set_cold_cap(None, now)
             self.reason = (f"weaving: the cold model's TPOT is x{inflation:.3f} its own "

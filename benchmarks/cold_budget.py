@@ -1,0 +1,140 @@
+"""Whether a cold model's TPOT stayed within its weaving budget, over seeds.
+
+Reads `weaver bench compare` results of a dedicated and a weaving deployment run on the same
+requests (one file per seed, e.g. benchmarks/deployments/two_hots/), and judges the cold
+model's mean TPOT (per request, then the mean) weaving over dedicated against the weaving
+deployment's `cold_tpot_budget`. A seed whose runs had an error (an engine restarted under
+them) is reported, not judged: its dedicated baseline is not the cold's own TPOT.
+
+Writes JSON that opens with the verdict, and a PNG: the factor per seed against the budget,
+and each hot model's lent KV over the weaving runs (from `--scrape-metric
+weaver_remote_kv_blocks_used`).
+
+    python benchmarks/cold_budget.py benchmarks/results/two_hots/seed{0,1,2}.json \\
+        --cold cold --out benchmarks/results/two_hots/cold_budget.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import yaml
+
+from weaver.results.records import ALL_MODELS, BenchResult, RunResult, load_result
+
+REMOTE_BLOCKS = "weaver_remote_kv_blocks_used"
+
+
+def budget_of(deployment: str, cold: str) -> float:
+    """The cold model's budget: the smallest `cold_tpot_budget` of the pairs into it."""
+    spec = yaml.safe_load(Path(deployment).read_text(encoding="utf-8"))
+    budgets = [pair.get("cold_tpot_budget", 1.10) for pair in spec.get("weaving") or []
+               if cold in ([pair["cold"]] if isinstance(pair["cold"], str) else pair["cold"])]
+    if not budgets:
+        raise SystemExit(f"{deployment}: no weaving pair into {cold!r}; give --cold")
+    return min(budgets)
+
+
+def errors(run: RunResult) -> int:
+    return sum(summary.num_errors for name, summary in run.summary.items()
+               if name != ALL_MODELS)
+
+
+def seed_row(path: str, result: BenchResult, cold: str) -> dict:
+    dedicated, weaving = result.runs  # compare writes them in the command's order
+    tpots = [run.summary[cold].tpot.mean for run in (dedicated, weaving)]
+    row = {"file": path, "seed": dedicated.workload.get("seed"),
+           "dedicated_tpot_ms": 1000 * tpots[0], "weaving_tpot_ms": 1000 * tpots[1],
+           "factor": tpots[1] / tpots[0],
+           "errors": {run.label: errors(run) for run in (dedicated, weaving)},
+           "peak_remote_blocks": {
+               key: max(value for _, value in points)
+               for key, points in weaving.scraped.items() if key.startswith(REMOTE_BLOCKS)}}
+    row["judged"] = not any(row["errors"].values())
+    return row
+
+
+def judge(rows: list[dict], budget: float) -> dict:
+    judged = [row for row in rows if row["judged"]]
+    factors = [row["factor"] for row in judged]
+    within = [factor for factor in factors if factor <= budget]
+    if not factors:
+        verdict = "no verdict: every seed's runs were disturbed (see errors)"
+    else:
+        word = "pass" if len(within) == len(factors) else "fail"
+        spread = f"x{min(factors):.3f}-x{max(factors):.3f}"
+        verdict = (f"{word}: the cold model's mean TPOT within its budget x{budget:.2f} in "
+                   f"{len(within)} of {len(factors)} seeds ({spread}, mean "
+                   f"x{statistics.mean(factors):.3f})")
+        if len(judged) < len(rows):
+            verdict += f"; {len(rows) - len(judged)} seed(s) disturbed, not judged"
+    return {"verdict": verdict, "budget": budget, "seeds": rows}
+
+
+def plot(report: dict, runs: list[RunResult], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (factors, lent) = plt.subplots(1, 2, figsize=(10, 3.4))
+    rows = report["seeds"]
+    for index, row in enumerate(rows):
+        factors.plot(index, row["factor"], "o", color="tab:blue" if row["judged"] else "tab:gray")
+    factors.set_xticks(range(len(rows)), [f"seed {row['seed']}" for row in rows])
+    factors.set_xlim(-0.5, len(rows) - 0.5)
+    factors.axhline(report["budget"], color="tab:red", ls="--", label="budget")
+    factors.axhline(1.0, color="black", lw=0.6)
+    factors.set_ylabel("cold mean TPOT, weaving / dedicated")
+    factors.set_title("grey: disturbed, not judged", fontsize="small", loc="left")
+    factors.legend(fontsize="small")
+    for run in runs:
+        for key, points in run.scraped.items():
+            if key.startswith(REMOTE_BLOCKS):
+                hot = key.split('hot="')[1].split('"')[0]
+                lent.plot([t for t, _ in points], [v for _, v in points], lw=1,
+                          label=f"{hot}, seed {run.workload.get('seed')}")
+    lent.set_xlabel("seconds from the weaving run's start")
+    lent.set_ylabel("lent KV blocks held")
+    lent.legend(fontsize="x-small", ncol=2)
+    fig.suptitle(report["verdict"], fontsize="small")
+    fig.tight_layout()
+    path = out.with_suffix(".png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", nargs="+", help="weaver bench compare JSON, one per seed")
+    parser.add_argument("--cold", default="cold", help="the cold model's name")
+    parser.add_argument("--out", type=Path, required=True, help="the report's JSON path")
+    args = parser.parse_args(argv)
+    results = {path: load_result(path) for path in args.results}
+    deployments = {result.command[4] for result in results.values()}
+    if len(deployments) != 1:
+        raise SystemExit(f"the results compare different weaving deployments: {deployments}")
+    budget = budget_of(deployments.pop(), args.cold)
+    report = judge([seed_row(path, result, args.cold) for path, result in results.items()],
+                   budget)
+    report["command"] = sys.argv
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1), encoding="utf-8")
+    png = plot(report, [result.runs[1] for result in results.values()], args.out)
+    for row in report["seeds"]:
+        print(f"seed {row['seed']}: {row['dedicated_tpot_ms']:.1f} -> "
+              f"{row['weaving_tpot_ms']:.1f} ms, x{row['factor']:.3f}"
+              f"{'' if row['judged'] else ' (disturbed: ' + str(row['errors']) + ')'}; "
+              f"peak lent blocks {row['peak_remote_blocks']}")
+    print(report["verdict"])
+    print(f"wrote {args.out} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,83 @@
+"""benchmarks/cold_budget.py: the cold model's mean TPOT weaving over dedicated, per seed,
+against the weaving deployment's budget; a seed whose runs had errors is not judged."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from bench_scripts import load_benchmark
+
+from weaver.results.metrics import summarize
+from weaver.results.records import (
+    RequestRecord,
+    RequestStatus,
+    RunResult,
+    new_result,
+    save_result,
+)
+
+WEAVING = """
+weaving:
+  - {hot: hot-a, cold: [cold], offload_ratio: auto, cold_tpot_budget: 1.20}
+  - {hot: hot-b, cold: cold, offload_ratio: auto, cold_tpot_budget: 1.10}
+  - {hot: hot-c, cold: [other], offload_ratio: auto, cold_tpot_budget: 1.01}
+"""
+
+
+@pytest.fixture(scope="module")
+def script():
+    return load_benchmark("cold_budget")
+
+
+def _run(label: str, seed: int, cold_tpot_s: float, errors: int = 0) -> RunResult:
+    records = [RequestRecord(
+        request_id=i, model="cold" if i % 2 else "hot-a", input_tokens=4, output_tokens=11,
+        scheduled_at_s=float(i), sent_at_s=float(i), ttft_s=0.1,
+        e2e_s=0.1 + 10 * (cold_tpot_s if i % 2 else 0.2), num_output_tokens=11,
+        status=RequestStatus.ERROR if i < errors else RequestStatus.OK,
+        error="engine dead" if i < errors else None) for i in range(20)]
+    scraped = {'weaver_remote_kv_blocks_used{cold="cold",hot="hot-a"}': [(1.0, 3.0), (2.0, 9.0)]}
+    return RunResult(label=label, base_url="http://x", rate=1.0, started_at="", duration_s=30,
+                     workload={"seed": seed}, loadgen={}, records=records,
+                     summary=summarize(records, 30.0),
+                     scraped=scraped if label == "weaving" else {})
+
+
+def _seed(tmp_path, seed: int, factor: float, errors: int = 0) -> str:
+    (tmp_path / "weaving.yaml").write_text(WEAVING)
+    result = new_result(["weaver", "bench", "compare", "dedicated.yaml",
+                         str(tmp_path / "weaving.yaml")])
+    result.runs = [_run("dedicated", seed, 0.080, errors), _run("weaving", seed, 0.080 * factor)]
+    return str(save_result(result, tmp_path / f"seed{seed}.json"))
+
+
+def test_each_seed_within_the_smallest_budget_into_the_cold_passes(script, tmp_path, capsys):
+    paths = [_seed(tmp_path, 0, 1.05), _seed(tmp_path, 1, 1.08)]
+    out = tmp_path / "report.json"
+    assert script.main([*paths, "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert next(iter(report)) == "verdict" and report["budget"] == 1.10  # hot-b's, not 1.20
+    assert report["verdict"].startswith("pass: ") and "2 of 2 seeds (x1.050-x1.080" in \
+        report["verdict"]
+    assert report["seeds"][1]["peak_remote_blocks"] == {
+        'weaver_remote_kv_blocks_used{cold="cold",hot="hot-a"}': 9.0}
+    assert out.with_suffix(".png").is_file()
+    assert "seed 1: 80.0 -> 86.4 ms, x1.080" in capsys.readouterr().out
+
+
+def test_one_seed_over_fails_and_a_disturbed_one_is_left_out(script, tmp_path):
+    paths = [_seed(tmp_path, 0, 1.05), _seed(tmp_path, 1, 1.15),
+             _seed(tmp_path, 2, 0.70, errors=3)]
+    out = tmp_path / "report.json"
+    script.main([*paths, "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["verdict"].startswith("fail: ") and "1 of 2 seeds" in report["verdict"]
+    assert "1 seed(s) disturbed, not judged" in report["verdict"]
+    assert report["seeds"][2]["errors"] == {"dedicated": 3, "weaving": 0}
+
+
+def test_a_deployment_without_a_pair_into_the_cold_is_refused(script, tmp_path):
+    path = _seed(tmp_path, 0, 1.0)
+    with pytest.raises(SystemExit, match="no weaving pair into 'nobody'"):
+        script.main([path, "--cold", "nobody", "--out", str(tmp_path / "r.json")])
