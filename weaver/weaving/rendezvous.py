@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from weaver.processes import is_process_alive
 from weaver.runtime_dirs import create_in, shared_dir
 
 logger = logging.getLogger(__name__)
@@ -47,15 +48,8 @@ def runtime_dir() -> Path:
 
 
 def is_alive(pid: Any) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
+    """Whether a file's writer, by the process id it wrote (any JSON value), still runs."""
+    return isinstance(pid, int) and is_process_alive(pid)
 
 
 @dataclass(frozen=True)
