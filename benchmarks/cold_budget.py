@@ -1,7 +1,8 @@
 """Whether a cold model's TPOT stayed within its weaving budget, over seeds.
 
 Reads `weaver bench compare` results of a dedicated and a weaving deployment run on the same
-requests (one file per seed, e.g. benchmarks/deployments/two_hots/), and judges the cold
+requests, and optionally the dedicated one again after them (one file per seed, e.g.
+benchmarks/deployments/two_hots/), and judges the cold
 model's mean TPOT (per request, then the mean) weaving over dedicated against the weaving
 deployment's `cold_tpot_budget`. A seed whose runs had an error (an engine restarted under
 them) is reported, not judged: its dedicated baseline is not the cold's own TPOT.
@@ -45,12 +46,21 @@ def errors(run: RunResult) -> int:
 
 
 def seed_row(path: str, result: BenchResult, cold: str) -> dict:
-    dedicated, weaving = result.runs  # compare writes them in the command's order
-    tpots = [run.summary[cold].tpot.mean for run in (dedicated, weaving)]
-    row = {"file": path, "seed": dedicated.workload.get("seed"),
-           "dedicated_tpot_ms": 1000 * tpots[0], "weaving_tpot_ms": 1000 * tpots[1],
-           "factor": tpots[1] / tpots[0],
-           "errors": {run.label: errors(run) for run in (dedicated, weaving)},
+    """One seed: the weaving run (the command's second deployment) against the dedicated
+    run before it, and the one after it when the command had a third (`--target
+    dedicated_after=...`): their mean then, and their drift, which says how far the
+    machine moved during the weaving run."""
+    weaving_label = Path(result.command[4]).stem
+    weaving = next(run for run in result.runs if run.label == weaving_label)
+    dedicated = [run for run in result.runs if run is not weaving]
+    tpots = [run.summary[cold].tpot.mean for run in dedicated]
+    baseline = statistics.mean(tpots)
+    weaving_tpot = weaving.summary[cold].tpot.mean
+    row = {"file": path, "seed": weaving.workload.get("seed"),
+           "dedicated_tpot_ms": 1000 * baseline, "weaving_tpot_ms": 1000 * weaving_tpot,
+           "factor": weaving_tpot / baseline,
+           "dedicated_drift": tpots[-1] / tpots[0] if len(tpots) > 1 else None,
+           "errors": {run.label: errors(run) for run in result.runs},
            "peak_remote_blocks": {
                key: max(value for _, value in points)
                for key, points in weaving.scraped.items() if key.startswith(REMOTE_BLOCKS)}}
@@ -127,8 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(report, indent=1), encoding="utf-8")
     png = plot(report, [result.runs[1] for result in results.values()], args.out)
     for row in report["seeds"]:
+        drift = row["dedicated_drift"]
         print(f"seed {row['seed']}: {row['dedicated_tpot_ms']:.1f} -> "
               f"{row['weaving_tpot_ms']:.1f} ms, x{row['factor']:.3f}"
+              f"{'' if drift is None else f' (dedicated after / before x{drift:.3f})'}"
               f"{'' if row['judged'] else ' (disturbed: ' + str(row['errors']) + ')'}; "
               f"peak lent blocks {row['peak_remote_blocks']}")
     print(report["verdict"])

@@ -65,7 +65,7 @@ def test_auto_is_local_first_and_spills_while_open():
     placement = placement_for("auto")
     assert isinstance(placement, AdaptivePlacement)
     assert placement.order(0, 0) == BOTH
-    assert placement.order(5, 3) == BOTH  # never remote first; no hot cap until TPOT says so
+    assert placement.order(5, 1) == BOTH  # never remote first; no hot cap until TPOT says so
     # The cold side has measured nothing yet: a few remote sequences at first.
     assert placement.order(5, INITIAL_COLD_CAP) == [Placement.LOCAL]
 
@@ -100,14 +100,14 @@ def test_remote_goes_first_while_a_remote_sequence_costs_the_hot_step_less():
     placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=1.0))
     # 2 ms per local sequence, 1 ms per remote one.
     feed(placement, steps(0.030, 0.002, 0.001, LOCAL_BATCHES + WOVEN_BATCHES))
-    assert placement.remote_first and placement.order(4, 2) == [Placement.REMOTE,
+    assert placement.remote_first and placement.order(4, 1) == [Placement.REMOTE,
                                                                Placement.LOCAL]
     assert "remote first" in placement.reason and placement.report()["remote_first"]
     # The costs turn (a busier cold device): local first again, once a remote sequence
     # costs more than a local one; between the two, the order stays.
     placement.model = StepTimeModel()
     feed(placement, steps(0.030, 0.002, 0.0021, LOCAL_BATCHES + WOVEN_BATCHES))
-    assert placement.remote_first is False and placement.order(4, 2) == BOTH
+    assert placement.remote_first is False and placement.order(4, 1) == BOTH
     placement.model = StepTimeModel()
     feed(placement, steps(0.030, 0.002, 0.0019, LOCAL_BATCHES + WOVEN_BATCHES))
     assert placement.remote_first is False
@@ -142,19 +142,19 @@ def test_the_cold_cap_probes_then_grows_to_what_the_budget_has_room_for_and_hold
     growth per sequence leaves room for under half the budget's growth; between that and
     the budget, the cap holds."""
     placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=0.050, cold_budget=1.10))
-    assert placement.cold_cap == INITIAL_COLD_CAP == 4
-    # 4 sequences at x1.02: 4 x 0.05 / 0.02 = 10 fit under x1.05, once the window is over.
+    assert placement.cold_cap == INITIAL_COLD_CAP == 2
+    # 2 sequences at x1.02: 2 x 0.05 / 0.02 = 5 fit under x1.05, once the window is over.
     placement.observe_pair(PairLoad(cold_inflation=1.02))
-    now, _ = feed(placement, [(0.030, 4, 4, True)] * 50)  # 5 s at the cap: not yet
-    assert placement.remote_cap == 4
+    now, _ = feed(placement, [(0.030, 4, 2, True)] * 50)  # 5 s at the cap: not yet
+    assert placement.remote_cap == 2
     now = at_cap_for_a_window(placement, 1.02, now)
-    assert placement.remote_cap == 10 and "aiming at x1.050" in placement.reason
-    # 10 at x1.07: past the aim, within the budget: the cap holds.
+    assert placement.remote_cap == 5 and "aiming at x1.050" in placement.reason
+    # 5 at x1.07: past the aim, within the budget: the cap holds.
     now = at_cap_for_a_window(placement, 1.07, now)
-    assert placement.remote_cap == 10
-    # 10 at x1.03: room for 16.
+    assert placement.remote_cap == 5
+    # 5 at x1.03: room for 8.
     now = at_cap_for_a_window(placement, 1.03, now)
-    assert placement.remote_cap == 16
+    assert placement.remote_cap == 8
     # Next to nothing (the cold model went idle): lifted; then near the budget again:
     # set where the sequences are, and a cut is not held off by it.
     now = at_cap_for_a_window(placement, 1.005, now)
@@ -194,11 +194,11 @@ def test_an_idle_cold_doubles_the_cap_each_window_and_its_first_request_sets_it(
     the cap let 17 remote sequences in before the cold's first request (x1.057)."""
     placement = AdaptivePlacement(AdaptiveTargets(cold_budget=1.10))
     now = 0.0
-    for expected in (8, 16, 32):
+    for expected in (4, 8, 16):
         now = at_cap_for_a_window(placement, 1.0, now)
         assert placement.cold_cap == expected and "idle" in placement.reason
-    now = at_cap_for_a_window(placement, 1.04, now)  # busy: 32 x 0.05 / 0.04 = 40
-    assert placement.cold_cap == 40
+    now = at_cap_for_a_window(placement, 1.04, now)  # busy: 16 x 0.05 / 0.04 = 20
+    assert placement.cold_cap == 20
 
 
 def test_a_cold_cap_never_reached_is_not_raised():
@@ -206,7 +206,7 @@ def test_a_cold_cap_never_reached_is_not_raised():
     window nothing about the cap's sequences: the cap stays."""
     placement = AdaptivePlacement(AdaptiveTargets(cold_budget=1.10))
     placement.observe_pair(PairLoad(cold_inflation=1.02))
-    feed(placement, [(0.030, 4, 2, True)] * 200)
+    feed(placement, [(0.030, 4, INITIAL_COLD_CAP - 1, True)] * 200)
     assert placement.cold_cap == INITIAL_COLD_CAP
 
 
@@ -295,6 +295,8 @@ def test_a_spent_cold_budget_with_one_remote_sequence_steps_aside_and_holds_whil
     assert placement.update(0.0) and not placement.is_open
     assert "budget" in placement.reason and placement.num_step_asides == 1
     assert not placement.update(10.0)  # cooled down, but the cold model is still slowed
+    placement.observe_pair(PairLoad(cold_inflation=1.08))
+    assert not placement.update(10.2)  # within its budget, but without room for more
     placement.observe_pair(PairLoad(cold_inflation=1.02))
     assert placement.update(10.5) and placement.is_open and placement.remote_cap == 1
 
@@ -354,7 +356,7 @@ def test_the_feed_logs_a_cut_of_the_remote_cap_but_not_its_growth(monkeypatch):
     from weaver.weaving import placement_feed
     from weaver.weaving.placement_feed import PAIR_LOAD_INTERVAL_S, PlacementFeed
 
-    placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=0.050, min_tpot_samples=2))
+    placement = lifted(AdaptivePlacement(AdaptiveTargets(hot_tpot_s=0.050, min_tpot_samples=2)))
     feed = PlacementFeed(placement, "hot")
     said = []
     monkeypatch.setattr(placement_feed.logger, "info",
@@ -415,7 +417,7 @@ def test_short_sequences_over_the_slo_beside_remote_ones_step_weaving_aside():
     while the woven steps' mean stayed under its target): weaving steps aside, though the
     mean is within the target."""
     placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=0.060))
-    changes = feed_finishing(placement, num_output_tokens=5, num_remote=3, num_cycles=8)
+    changes = feed_finishing(placement, num_output_tokens=5, num_remote=1, num_cycles=8)
     assert changes and not placement.is_open and placement.order(4, 0) == [Placement.LOCAL]
     assert "SLO's TPOT 70.6 ms" in placement.reason and placement.num_step_asides == 1
     assert placement.report()["hot_woven_step_s"] < 0.060
@@ -424,7 +426,7 @@ def test_short_sequences_over_the_slo_beside_remote_ones_step_weaving_aside():
 def test_long_sequences_through_the_same_bursts_keep_weaving():
     """The same steps, sequences of 100 tokens: each one's TPOT is the steps' mean."""
     placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=0.060))
-    assert feed_finishing(placement, num_output_tokens=100, num_remote=3, num_cycles=12) == []
+    assert feed_finishing(placement, num_output_tokens=100, num_remote=1, num_cycles=12) == []
     assert placement.is_open and placement.report()["tpot_over_slo_share"] == 0.0
 
 

@@ -183,9 +183,11 @@ COLD_CUT_HOLD_S = 6.0
 # The cold cap before the cold side has measured any remote sequence. Without one the
 # pool filled before the first reading: two hots admitted 9-21 remote sequences each,
 # which ran on (a minute or more each) after the cuts and held the cold at x1.155-1.18
-# of its TPOT against a budget of x1.10 (benchmarks/README.md, "A cold model hosting
+# of its TPOT against a budget of x1.10. Every hot into a cold probes it at once, and on
+# this project's CPU a remote sequence costs the cold model 1-2 % of its TPOT: with 4
+# each, two hots' probes alone read x1.105 (benchmarks/README.md, "A cold model hosting
 # two hot ones").
-INITIAL_COLD_CAP = 4
+INITIAL_COLD_CAP = 2
 # A busy cold model's factor within this share of the budget's growth (x1.01 of x1.10)
 # with the cold cap's sequences running says they cost it (next to) nothing: the cold cap
 # is lifted, and set again where the factor nears the budget.
@@ -254,7 +256,7 @@ class AdaptivePlacement:
       growth measured; lifted when they cost the cold next to nothing; doubled while the
       cold is idle); held between half the budget's growth and the budget; cut past it.
     A cap that falls to 0 steps weaving aside for the cool-down; then it resumes with one
-    remote sequence, if the cold model is within its budget."""
+    remote sequence, once the cold model is within half its budget's growth."""
 
     def __init__(self, targets: AdaptiveTargets | None = None) -> None:
         self.targets = targets or AdaptiveTargets()
@@ -352,7 +354,10 @@ class AdaptivePlacement:
                                         round(self._woven_remote.value), t.min_samples)
         self._choose_first_pool()
         if not self.is_open:
-            if now < self._closed_until or self._cold_over_budget() is not None:
+            # Back once the cold model has room again, not merely once it is within its
+            # budget: resumed at the budget, two hots stepped aside and back in turn, and
+            # the sequences each resume admitted held the cold over it.
+            if now < self._closed_until or not self._cold_has_room():
                 return False
             self.is_open, self.hot_cap = True, 1
             self._set_cold_cap(INITIAL_COLD_CAP, now)
@@ -395,6 +400,12 @@ class AdaptivePlacement:
                     f"x{budget:.3f}")
         return None
 
+    def _cold_has_room(self) -> bool:
+        """Whether the cold model's TPOT is within half its budget's growth (true while
+        unmeasured)."""
+        inflation, budget = self.load.cold_inflation, self.targets.cold_budget
+        return inflation is None or inflation <= 1 + COLD_BUDGET_HEADROOM * (budget - 1)
+
     def _set_cold_cap(self, cap: int | None, now: float) -> None:
         self.cold_cap = cap
         self._cold_cap_changed_at, self._cold_cap_reached_at = now, None
@@ -403,6 +414,7 @@ class AdaptivePlacement:
             # from now on: the hot side judges that one afresh.
             self._probing = False
             self._woven_step = Ewma(TPOT_ALPHA)
+            self._woven_local, self._woven_remote = Ewma(STEP_ALPHA), Ewma(STEP_ALPHA)
             self.tail.restart()
 
     def _probe_is_full(self) -> bool:
@@ -441,7 +453,7 @@ class AdaptivePlacement:
             cap, reason = self._cut(recent, self.remote_cap, over)
             self._set_cold_cap(cap, now)
             return reason
-        if inflation > 1 + aim:  # between the aim and the budget: hold
+        if not self._cold_has_room():  # between the aim and the budget: hold
             if cap is None and self._num_remote:  # no more than the cold has room for
                 # The window has seen these sequences: no wait before a cut.
                 self.cold_cap, self._cold_cap_reached_at = self._num_remote, now
