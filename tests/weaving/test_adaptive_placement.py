@@ -219,6 +219,25 @@ def test_a_cap_that_falls_to_zero_steps_aside_then_resumes_with_one():
     assert placement.update(now + 5.1) and placement.is_open and placement.remote_cap == 1
 
 
+def test_a_resume_that_steps_aside_again_soon_doubles_the_next_cool_down():
+    """Each resume admits sequences that finish where they are: where weaving does not pay,
+    the tries thin out (20, 40, 80 s ...); one that lasts brings the cool-down back."""
+    placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=0.050, cooldown_s=20.0))
+    now, _ = feed(placement, [(0.080, 4, 1, True)] * 60)
+    assert not placement.is_open and placement.cooldown_s == 20.0
+    assert placement.reason.endswith("tried again in 20 s")
+    for expected in (40.0, 80.0, 160.0, 320.0, 320.0):
+        now += placement.cooldown_s
+        assert placement.update(now) and placement.is_open  # resumed
+        now, _ = feed(placement, [(0.080, 4, 1, True)] * 60, start=now)  # 6 s: aside again
+        assert not placement.is_open and placement.cooldown_s == expected
+    now += placement.cooldown_s
+    assert placement.update(now) and placement.is_open
+    now, _ = feed(placement, [(0.030, 4, 1, True)] * 700, start=now)  # pays for 70 s
+    feed(placement, [(0.080, 4, 1, True)] * 100, start=now)
+    assert not placement.is_open and placement.cooldown_s == 20.0
+
+
 def test_a_burst_of_slow_steps_shorter_than_a_decode_is_not_a_tpot():
     """A burst of arrivals whose prompts lengthen a few seconds of steps: the mean a
     sequence's TPOT takes (about 100 steps) stays under the target, so nothing is cut (a

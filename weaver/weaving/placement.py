@@ -192,6 +192,13 @@ INITIAL_COLD_CAP = 2
 # with the cold cap's sequences running says they cost it (next to) nothing: the cold cap
 # is lifted, and set again where the factor nears the budget.
 COLD_NEGLIGIBLE_SHARE = 0.1
+# A weaving that steps aside again within this long of resuming did not pay then either:
+# the next cool-down is twice the last (exponential back-off, at most MAX_COOLDOWN_S).
+# Each resume admits remote sequences that finish where they are: resumed every 20 s
+# where weaving did not pay, two hots on one core ran at 2-3x their dedicated TPOT
+# (benchmarks/README.md, "A cold model hosting two hot ones").
+RESUME_TRIAL_S = 60.0
+MAX_COOLDOWN_S = 320.0
 # Remote first once a remote sequence adds less than this share of a local one's cost to
 # the hot step; local first again once it adds more than a local one (the gap between
 # the two keeps fit noise from flipping the order every update).
@@ -256,7 +263,8 @@ class AdaptivePlacement:
       growth measured; lifted when they cost the cold next to nothing; doubled while the
       cold is idle); held between half the budget's growth and the budget; cut past it.
     A cap that falls to 0 steps weaving aside for the cool-down; then it resumes with one
-    remote sequence, once the cold model is within half its budget's growth."""
+    remote sequence, once the cold model is within half its budget's growth. A resume that
+    steps aside again within `RESUME_TRIAL_S` doubles the next cool-down."""
 
     def __init__(self, targets: AdaptiveTargets | None = None) -> None:
         self.targets = targets or AdaptiveTargets()
@@ -269,6 +277,8 @@ class AdaptivePlacement:
         self._cold_cap_changed_at: float | None = None  # the time of its last change
         self._cold_cap_reached_at: float | None = None  # first reached after that
         self._closed_until = -math.inf
+        self.cooldown_s = self.targets.cooldown_s  # the next step-aside's cool-down
+        self._resumed_at: float | None = None
         self._local_step = Ewma(TPOT_ALPHA)  # step time of local-only steps (s)
         self._woven_step = Ewma(TPOT_ALPHA)  # step time of steps with remote sequences
         # The recent woven batch: its local and remote sequences.
@@ -359,7 +369,7 @@ class AdaptivePlacement:
             # the sequences each resume admitted held the cold over it.
             if now < self._closed_until or not self._cold_has_room():
                 return False
-            self.is_open, self.hot_cap = True, 1
+            self.is_open, self.hot_cap, self._resumed_at = True, 1, now
             self._set_cold_cap(INITIAL_COLD_CAP, now)
             self._probing = True
             self.reason = "weaving resumed: the cool-down passed; one remote sequence at first"
@@ -371,10 +381,14 @@ class AdaptivePlacement:
             reason = self._judge_tail() or self._adjust_hot_cap()
         if reason is None:
             return False
-        self.is_open, self.reason = False, reason
+        resumed_at = self._resumed_at
+        failed_trial = resumed_at is not None and now - resumed_at < RESUME_TRIAL_S
+        self.cooldown_s = min(2 * self.cooldown_s, MAX_COOLDOWN_S) if failed_trial \
+            else t.cooldown_s
+        self.is_open, self.reason = False, f"{reason}; tried again in {self.cooldown_s:.0f} s"
         self.tail.restart()
         self.num_step_asides += 1
-        self._closed_until = now + t.cooldown_s
+        self._closed_until = now + self.cooldown_s
         return True
 
     def _choose_first_pool(self) -> None:
@@ -540,7 +554,8 @@ class AdaptivePlacement:
         """The policy's state, for /metrics and the log."""
         fit = self.model.coefficients(self.targets.min_samples)
         return {"policy": AUTO, "weaving_active": self.is_open, "reason": self.reason,
-                "step_asides": self.num_step_asides, "remote_cap": self.remote_cap,
+                "step_asides": self.num_step_asides, "cooldown_s": self.cooldown_s,
+                "remote_cap": self.remote_cap,
                 "hot_cap": self.hot_cap, "cold_cap": self.cold_cap,
                 "hot_tpot_target_s": self.hot_tpot_target_s,
                 "hot_local_step_s": self._local_step.value,
