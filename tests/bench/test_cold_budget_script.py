@@ -75,6 +75,23 @@ def test_one_seed_over_fails_and_a_disturbed_one_is_left_out(script, tmp_path):
     assert report["verdict"].startswith("fail: ") and "1 of 2 seeds" in report["verdict"]
     assert "1 seed(s) disturbed, not judged" in report["verdict"]
     assert report["seeds"][2]["errors"] == {"dedicated": 3, "weaving": 0}
+    assert report["seeds"][2]["disturbed"] == "errors"
+
+
+def test_a_dedicated_baseline_that_drifted_more_than_the_budget_is_not_judged(script, tmp_path):
+    """A dedicated run after the weaving one: the factor is over their mean, and a seed
+    whose two drifted apart by more than the budget's growth says nothing of it."""
+    (tmp_path / "weaving.yaml").write_text(WEAVING)
+    result = new_result(["weaver", "bench", "compare", "dedicated.yaml",
+                         str(tmp_path / "weaving.yaml")])
+    result.runs = [_run("dedicated", 0, 0.080), _run("weaving", 0, 0.090),
+                   _run("dedicated_after", 0, 0.100)]
+    path = str(save_result(result, tmp_path / "aba.json"))
+    out = tmp_path / "report.json"
+    script.main([path, "--out", str(out)])
+    row = json.loads(out.read_text())["seeds"][0]
+    assert row["factor"] == pytest.approx(1.0) and row["dedicated_drift"] == pytest.approx(1.25)
+    assert row["disturbed"] == "drift" and not row["judged"]
 
 
 def test_a_deployment_without_a_pair_into_the_cold_is_refused(script, tmp_path):
