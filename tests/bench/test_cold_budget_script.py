@@ -37,7 +37,10 @@ def _run(label: str, seed: int, cold_tpot_s: float, errors: int = 0) -> RunResul
         e2e_s=0.1 + 10 * (cold_tpot_s if i % 2 else 0.2), num_output_tokens=11,
         status=RequestStatus.ERROR if i < errors else RequestStatus.OK,
         error="engine dead" if i < errors else None) for i in range(20)]
-    scraped = {'weaver_remote_kv_blocks_used{cold="cold",hot="hot-a"}': [(1.0, 3.0), (2.0, 9.0)]}
+    scraped = {'weaver_remote_kv_blocks_used{cold="cold",hot="hot-a"}': [(1.0, 3.0), (2.0, 9.0)],
+               # the cold side's reading; 1.30 after the cold's last request is left out
+               'weaver_weaving_cold_tpot_factor{cold="cold",hot="hot-a"}': [
+                   (2.0, 1.05), (4.0, 1.12), (6.0, 1.07), (8.0, 1.08), (99.0, 1.30)]}
     return RunResult(label=label, base_url="http://x", rate=1.0, started_at="", duration_s=30,
                      workload={"seed": seed}, loadgen={}, records=records,
                      summary=summarize(records, 30.0),
@@ -63,6 +66,11 @@ def test_each_seed_within_the_smallest_budget_into_the_cold_passes(script, tmp_p
     assert report["seeds"][1]["peak_remote_blocks"] == {
         'weaver_remote_kv_blocks_used{cold="cold",hot="hot-a"}': 9.0}
     assert out.with_suffix(".png").is_file()
+    reading = report["seeds"][0]["cold_reading"][
+        'weaver_weaving_cold_tpot_factor{cold="cold",hot="hot-a"}']
+    assert reading["mean"] == pytest.approx(1.08) and reading["share_over_budget"] == 0.25
+    assert "own reading (what `auto` holds to the budget): mean x1.080-x1.080, over the " \
+        "budget in 25%-25% of the samples" in report["verdict"]
     assert "seed 1: 80.0 -> 86.4 ms, x1.080" in capsys.readouterr().out
 
 
