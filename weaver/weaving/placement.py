@@ -184,7 +184,7 @@ COLD_CUT_HOLD_S = 6.0
 # pool filled before the first reading: two hots admitted 9-21 remote sequences each,
 # which ran on (a minute or more each) after the cuts and held the cold at x1.155-1.18
 # of its TPOT against a budget of x1.10. Every hot into a cold probes it at once, and on
-# this project's CPU a remote sequence costs the cold model 1-2 % of its TPOT: with 4
+# this project's CPU a remote sequence costs a busy cold model 2-5 % of its TPOT: with 4
 # each, two hots' probes alone read x1.105 (benchmarks/README.md, "A cold model hosting
 # two hot ones").
 INITIAL_COLD_CAP = 2
