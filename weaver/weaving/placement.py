@@ -15,12 +15,12 @@ turn, for a newly admitted (or preempted and re-admitted) sequence.
   cannot hold the sequence (the batch is capped by KV right now); remote first instead
   when a remote sequence costs the hot step less than a local one (its attention runs on
   the cold device meanwhile). How many sequences may be remote is judged from live
-  measurements, each holding a cap of its own: the hot steps' mean time against its TPOT
-  target, and the cold model's TPOT growth against its budget (`PairLoad`). When weaving
-  does not pay (a cap falls to 0, or more than `TAIL_SHARE` of the sequences that decoded
-  beside remote ones ran over the SLO's TPOT: `TpotTail`) it steps aside (no new remote
-  sequences; the running ones finish where they are) for a cool-down, then tries again,
-  and says why (`reason`, `report`). A step-time
+  measurements: the hot steps' mean time against its TPOT target and the cold model's
+  TPOT growth against its budget (`PairLoad`). When weaving does not pay (that number
+  falls to 0, or more than `TAIL_SHARE` of the sequences that decoded beside remote ones
+  ran over the SLO's TPOT: `TpotTail`) it steps aside (no new remote sequences; the
+  running ones finish where they are) for a cool-down, then tries again, and says why
+  (`reason`, `report`). A step-time
   model fitted on recent decode steps (`StepTimeModel`) gives what a local and a remote
   sequence each add to the hot step, and how many more tokens per second the woven batch
   serves than its local part.
@@ -169,36 +169,17 @@ STEP_ALPHA = 0.05
 # request's TPOT stayed well under the target: admitted requests then queued instead
 # (benchmarks/HISTORY.md, "Goodput: runs 4-6", run 5).
 TPOT_ALPHA = 0.01
-REMOTE_CAP_DECREASE = 0.75  # a cap after its target was missed: 3/4 of the sequences
-REMOTE_CAP_HEADROOM = 0.9  # the hot cap grows while woven steps stay under this share of it
-# The cold cap aims at this share of the cold budget's growth (x1.05 of a budget of x1.10)
-# and holds between it and the budget. Grown up to the budget itself, the cap hovered over
-# it between cuts: two hots weaving into one cold ran it at x1.128 against a budget of
-# x1.10 (benchmarks/README.md, "A cold model hosting two hot ones").
+REMOTE_CAP_DECREASE = 0.75  # the remote cap after woven steps ran over the TPOT target
+REMOTE_CAP_HEADROOM = 0.9  # the cap grows while woven steps stay under this share of it
+# ... and while the cold model has spent at most this share of its budget's growth (1.05
+# of a budget of 1.10); past it the cap holds. Grown up to the budget itself, the cap
+# hovered over it between cuts: two hots weaving into one cold ran it at x1.128 against a
+# budget of x1.10 (benchmarks/README.md, "A cold model hosting two hot ones").
 COLD_BUDGET_HEADROOM = 0.5
-# The cold side measures its factor over a window (weaver/weaving/cold_load.py WINDOW_S):
-# the cold cap changes at most once in this long, so that the window has seen the batch
-# the last change made before the next one is judged on it.
+# After a cut for the cold budget, the next one waits this long: the cold side measures its
+# factor over a window (weaver/weaving/cold_load.py WINDOW_S), which must see the smaller
+# batch before it can say whether the cut was enough.
 COLD_CUT_HOLD_S = 6.0
-# The cold cap before the cold side has measured any remote sequence. Without one the
-# pool filled before the first reading: two hots admitted 9-21 remote sequences each,
-# which ran on (a minute or more each) after the cuts and held the cold at x1.155-1.18
-# of its TPOT against a budget of x1.10. Every hot into a cold probes it at once, and on
-# this project's CPU a remote sequence costs a busy cold model 2-5 % of its TPOT: with 4
-# each, two hots' probes alone read x1.105 (benchmarks/README.md, "A cold model hosting
-# two hot ones").
-INITIAL_COLD_CAP = 2
-# A busy cold model's factor within this share of the budget's growth (x1.01 of x1.10)
-# with the cold cap's sequences running says they cost it (next to) nothing: the cold cap
-# is lifted, and set again where the factor nears the budget.
-COLD_NEGLIGIBLE_SHARE = 0.1
-# A weaving that steps aside again within this long of resuming did not pay then either:
-# the next cool-down is twice the last (exponential back-off, at most MAX_COOLDOWN_S).
-# Each resume admits remote sequences that finish where they are: resumed every 20 s
-# where weaving did not pay, two hots on one core ran at 2-3x their dedicated TPOT
-# (benchmarks/README.md, "A cold model hosting two hot ones").
-RESUME_TRIAL_S = 60.0
-MAX_COOLDOWN_S = 320.0
 # Remote first once a remote sequence adds less than this share of a local one's cost to
 # the hot step; local first again once it adds more than a local one (the gap between
 # the two keeps fit noise from flipping the order every update).
@@ -251,34 +232,26 @@ class AdaptivePlacement:
     """`offload_ratio: auto`: local first and remote on overflow (remote first while a
     remote sequence is the cheaper one for the hot step), while weaving pays.
 
-    How many sequences may be remote is the smaller of two caps, each cut to 3/4 of the
-    remote sequences when its target is missed (multiplicative decrease, as TCP finds a
-    link's rate; one noisy reading costs a quarter of them, not all):
-    - the hot cap holds the woven steps' mean time to the TPOT target: none at first; cut
-      once they run over it; then one more each update they stay under 90 % of it;
-    - the cold cap holds the cold model's TPOT to its budget, from the factor the cold
-      side measures over its window, so it moves at most once a window: `INITIAL_COLD_CAP`
-      at first (a probe); once the window has seen the sequences at the cap, set to what
-      the factor says the budget's first half has room for (sequences x growth allowed /
-      growth measured; lifted when they cost the cold next to nothing; doubled while the
-      cold is idle); held between half the budget's growth and the budget; cut past it.
-    A cap that falls to 0 steps weaving aside for the cool-down; then it resumes with one
-    remote sequence, once the cold model is within half its budget's growth. A resume that
-    steps aside again within `RESUME_TRIAL_S` doubles the next cool-down."""
+    How many sequences may be remote is a cap, additive increase and multiplicative
+    decrease (as TCP finds a link's rate): none at first (the remote pool fills as far as
+    demand goes); 3/4 of the remote sequences running once the woven steps' mean time runs
+    over the TPOT target, or once the cold model's TPOT runs over its budget (then not
+    again until the cold side has measured the smaller batch); one more each update the
+    woven steps stay under 90 % of the target and the cold model under half its budget's
+    growth (past that, the cap holds; with none yet, it is set to the sequences running
+    remote). A cap that falls to 0 steps weaving aside
+    for the cool-down; then it resumes with a cap of one, if the cold model is within its
+    budget. One noisy reading of the cold factor costs a quarter of the remote sequences,
+    not all of them."""
 
     def __init__(self, targets: AdaptiveTargets | None = None) -> None:
         self.targets = targets or AdaptiveTargets()
         self.is_open = True
         self.reason = "weaving: spill to the cold pool when the local KV is full"
         self.num_step_asides = 0
-        self.hot_cap: int | None = None  # most remote sequences the hot TPOT allows
-        self.cold_cap: int | None = INITIAL_COLD_CAP  # ... the cold budget allows
-        self._probing = True  # the cold cap is still INITIAL_COLD_CAP, not yet measured
-        self._cold_cap_changed_at: float | None = None  # the time of its last change
-        self._cold_cap_reached_at: float | None = None  # first reached after that
+        self.remote_cap: int | None = None  # most remote sequences at once; None: no cap
         self._closed_until = -math.inf
-        self.cooldown_s = self.targets.cooldown_s  # the next step-aside's cool-down
-        self._resumed_at: float | None = None
+        self._cold_cut_held_until = -math.inf
         self._local_step = Ewma(TPOT_ALPHA)  # step time of local-only steps (s)
         self._woven_step = Ewma(TPOT_ALPHA)  # step time of steps with remote sequences
         # The recent woven batch: its local and remote sequences.
@@ -290,12 +263,6 @@ class AdaptivePlacement:
         self.remote_first = False  # a remote sequence is cheaper for the hot step
         self.load = PairLoad()
         self.tail = TpotTail()  # finished sequences' TPOTs, from the steps' times
-
-    @property
-    def remote_cap(self) -> int | None:
-        """The most remote sequences at once; None: no cap."""
-        caps = [cap for cap in (self.hot_cap, self.cold_cap) if cap is not None]
-        return min(caps) if caps else None
 
     @property
     def hot_tpot_target_s(self) -> float | None:
@@ -364,31 +331,20 @@ class AdaptivePlacement:
                                         round(self._woven_remote.value), t.min_samples)
         self._choose_first_pool()
         if not self.is_open:
-            # Back once the cold model has room again, not merely once it is within its
-            # budget: resumed at the budget, two hots stepped aside and back in turn, and
-            # the sequences each resume admitted held the cold over it.
-            if now < self._closed_until or not self._cold_has_room():
+            if now < self._closed_until or self._cold_over_budget() is not None:
                 return False
-            self.is_open, self.hot_cap, self._resumed_at = True, 1, now
-            self._set_cold_cap(INITIAL_COLD_CAP, now)
-            self._probing = True
+            self.is_open, self.remote_cap = True, 1
             self.reason = "weaving resumed: the cool-down passed; one remote sequence at first"
             self._woven_step = Ewma(TPOT_ALPHA)  # its TPOT is measured afresh
             self.tail.restart()
             return True
-        reason = self._adjust_cold_cap(now)
-        if reason is None and not self._probe_is_full():
-            reason = self._judge_tail() or self._adjust_hot_cap()
+        reason = self._cut_for_cold(now) or self._judge_tail() or self._adjust_cap()
         if reason is None:
             return False
-        resumed_at = self._resumed_at
-        failed_trial = resumed_at is not None and now - resumed_at < RESUME_TRIAL_S
-        self.cooldown_s = min(2 * self.cooldown_s, MAX_COOLDOWN_S) if failed_trial \
-            else t.cooldown_s
-        self.is_open, self.reason = False, f"{reason}; tried again in {self.cooldown_s:.0f} s"
+        self.is_open, self.reason = False, reason
         self.tail.restart()
         self.num_step_asides += 1
-        self._closed_until = now + self.cooldown_s
+        self._closed_until = now + t.cooldown_s
         return True
 
     def _choose_first_pool(self) -> None:
@@ -414,92 +370,25 @@ class AdaptivePlacement:
                     f"x{budget:.3f}")
         return None
 
-    def _cold_has_room(self) -> bool:
-        """Whether the cold model's TPOT is within half its budget's growth (true while
-        unmeasured)."""
-        inflation, budget = self.load.cold_inflation, self.targets.cold_budget
+    def _cold_has_headroom(self) -> bool:
+        """Whether the cold model has spent at most COLD_BUDGET_HEADROOM of its budget's
+        growth (true while its factor is unknown)."""
+        inflation = self.load.cold_inflation
+        budget = self.targets.cold_budget
         return inflation is None or inflation <= 1 + COLD_BUDGET_HEADROOM * (budget - 1)
 
-    def _set_cold_cap(self, cap: int | None, now: float) -> None:
-        self.cold_cap = cap
-        self._cold_cap_changed_at, self._cold_cap_reached_at = now, None
-        if self._probing:
-            # The probe's woven steps ran a batch it held small, not the one weaving runs
-            # from now on: the hot side judges that one afresh.
-            self._probing = False
-            self._woven_step = Ewma(TPOT_ALPHA)
-            self._woven_local, self._woven_remote = Ewma(STEP_ALPHA), Ewma(STEP_ALPHA)
-            self.tail.restart()
-
-    def _probe_is_full(self) -> bool:
-        """Whether the probe's sequences all run while the cold side measures them. Its
-        steps then say how the hot model runs with the few remote sequences the probe
-        allows, not with those the cold has room for: the hot side does not judge them.
-        Judged, a hot model whose remote sequences save it step time (remote first)
-        stepped aside, in the simulator, from weaving that paid +50 % (Llama-2-13B on
-        H100s, conversation, the tight SLO) before the cold side had said anything."""
-        return self._probing and self._cold_cap_reached_at is not None
-
-    def _held_since(self, since: float | None, now: float) -> bool:
-        return since is not None and now >= since + COLD_CUT_HOLD_S
-
-    def _adjust_cold_cap(self, now: float) -> str | None:
-        """Move the cold cap by the cold model's factor, at most once per cold window: a cut
-        once the window has seen the last change, a rise once it has seen the sequences at
-        the cap. A reason to step aside when a cut leaves none."""
-        cap = self.cold_cap
-        if self._cold_cap_reached_at is None and cap is not None and self._num_remote >= cap:
-            self._cold_cap_reached_at = now
-        inflation, budget = self.load.cold_inflation, self.targets.cold_budget
-        changed_at = self._cold_cap_changed_at
-        if inflation is None or changed_at is not None and not self._held_since(changed_at,
-                                                                                  now):
-            return None
-        aim = COLD_BUDGET_HEADROOM * (budget - 1)  # the factor's growth aimed at
+    def _cut_for_cold(self, now: float) -> str | None:
+        """Cut the remote cap when the cold model is over its budget; a reason to step aside
+        when the cut leaves none."""
         over = self._cold_over_budget()
-        if over is not None:
-            if self._num_remote == 0:
-                return None  # a window that saw older tasks; nothing runs remote to cut
-            # The batch the cold side's window measured: the recent woven steps' remote
-            # sequences, not the last step's alone (a step that happened to run few of them
-            # cut the cap to one, measured: benchmarks/HISTORY.md, "Goodput: runs 4-6").
-            recent = max(self._num_remote, round(self._woven_remote.value or 0))
-            cap, reason = self._cut(recent, self.remote_cap, over)
-            self._set_cold_cap(cap, now)
-            return reason
-        if not self._cold_has_room():  # between the aim and the budget: hold
-            if cap is None and self._num_remote:  # no more than the cold has room for
-                # The window has seen these sequences: no wait before a cut.
-                self.cold_cap, self._cold_cap_reached_at = self._num_remote, now
-                self.reason = (f"weaving: at most {self.cold_cap} remote sequences (the "
-                               f"cold model's TPOT is x{inflation:.3f} its own, near its "
-                               f"budget x{budget:.3f})")
+        if over is None or now < self._cold_cut_held_until or self._num_remote == 0:
             return None
-        if cap is None or not self._held_since(self._cold_cap_reached_at, now):
-            return None  # no cap to raise, or the window has not seen its sequences yet
-        if inflation <= 1.0:
-            # An idle cold model (weaver/weaving/cold_load.py: a busy one serving tasks
-            # reads over 1): no TPOT to hurt now, and no cost per sequence measured for
-            # when its requests come. Lifted, the cap let the pool fill before the cold
-            # model's first request (x1.057 at 17 remote sequences 7 s later): it doubles.
-            self._set_cold_cap(2 * cap, now)
-            self.reason = (f"weaving: at most {2 * cap} remote sequences (the cold model "
-                           f"is idle)")
-            return None
-        if inflation - 1 <= COLD_NEGLIGIBLE_SHARE * (budget - 1):
-            self._set_cold_cap(None, now)
-            self.reason = (f"weaving: the cold model's TPOT is x{inflation:.3f} its own "
-                           f"with the remote sequences running; its cap is lifted")
-            return None
-        # The growth measured, per remote sequence the window saw, scaled to the aim.
-        running = max(self._num_remote, self._woven_remote.value or 0)
-        room = int(running * aim / (inflation - 1) + _EPSILON)
-        if room > cap:
-            self._set_cold_cap(room, now)
-            self.reason = (f"weaving: at most {room} remote sequences (the cold model's "
-                           f"TPOT is x{inflation:.3f} its own with {running:.0f}; aiming "
-                           f"at x{1 + aim:.3f})")
-        return None
+        self._cold_cut_held_until = now + COLD_CUT_HOLD_S
+        # The batch the cold side's window measured: the recent woven steps' remote
+        # sequences, not the last step's alone (a step that happened to run few of them cut
+        # the cap to one, measured: benchmarks/HISTORY.md, "Goodput: runs 4-6").
+        recent = round(self._woven_remote.value or 0)
+        return self._cut(max(self._num_remote, recent), over)
 
     def _judge_tail(self) -> str | None:
         """A reason to step aside when too many of the sequences that decoded beside remote
@@ -514,39 +403,44 @@ class AdaptivePlacement:
                 f"decoded beside remote ones ran over the SLO's TPOT {1000 * slo:.1f} ms "
                 f"(at most {TAIL_SHARE:.0%} may)")
 
-    def _cut(self, num_running_remote: int, cap: int | None, why: str
-             ) -> tuple[int, str | None]:
-        """A cap cut to 3/4 of the sequences running remote, or of the cap when more run
-        than it allows (admitted before it was set): a cut never raises a cap (one did,
-        12 -> 16, for the cold budget with 21 running). The new cap, and a reason to step
-        aside when that is none."""
-        base = num_running_remote if cap is None else min(num_running_remote, cap)
-        new_cap = int(REMOTE_CAP_DECREASE * base)
+    def _cut(self, num_running_remote: int, why: str) -> str | None:
+        """The remote cap to 3/4 of the sequences running remote, or of the cap when more
+        run than it allows (admitted before it was set): a cut never raises the cap (one
+        did, 12 -> 16, for the cold budget with 21 running). A reason to step aside when
+        that is none."""
+        base = num_running_remote if self.remote_cap is None \
+            else min(num_running_remote, self.remote_cap)
+        self.remote_cap = int(REMOTE_CAP_DECREASE * base)
         # Judge the smaller batch afresh: its step time, its make-up, its sequences.
         self._woven_step = Ewma(TPOT_ALPHA)
         self._woven_local, self._woven_remote = Ewma(STEP_ALPHA), Ewma(STEP_ALPHA)
         self.tail.restart()
-        if new_cap == 0:
-            return 0, f"stepped aside: {why}, with {num_running_remote} remote sequence(s)"
-        self.reason = f"weaving: at most {new_cap} remote sequences ({why})"
-        return new_cap, None
+        if self.remote_cap == 0:
+            return f"stepped aside: {why}, with {num_running_remote} remote sequence(s)"
+        self.reason = f"weaving: at most {self.remote_cap} remote sequences ({why})"
+        return None
 
-    def _adjust_hot_cap(self) -> str | None:
-        """Move the hot cap by the woven steps' mean time; a reason to step aside when it
-        reaches 0."""
+    def _adjust_cap(self) -> str | None:
+        """Move the remote cap by the woven steps' mean time; a reason to step aside when
+        it reaches 0."""
         target, woven = self.hot_tpot_target_s, self._woven_step
         if target is None or woven.num < self.targets.min_tpot_samples:
             return None
         if woven.value > target:
             # The recent woven batch's remote part.
-            self.hot_cap, reason = self._cut(
-                round(self._woven_remote.value), self.remote_cap,
-                f"woven hot steps take {1000 * woven.value:.1f} ms on average, over the "
-                f"TPOT target {1000 * target:.1f} ms")
-            return reason
-        if woven.value < REMOTE_CAP_HEADROOM * target and self.hot_cap is not None \
-                and self._num_remote >= self.hot_cap:
-            self.hot_cap += 1
+            return self._cut(round(self._woven_remote.value),
+                             f"woven hot steps take {1000 * woven.value:.1f} ms on average, "
+                             f"over the TPOT target {1000 * target:.1f} ms")
+        if not self._cold_has_headroom():
+            if self.remote_cap is None and self._num_remote:
+                self.remote_cap = self._num_remote  # no more growth than the cold has room for
+                self.reason = (f"weaving: at most {self.remote_cap} remote sequences (the "
+                               f"cold model's TPOT is x{self.load.cold_inflation:.3f} its "
+                               f"own, near its budget x{self.targets.cold_budget:.3f})")
+            return None
+        if woven.value < REMOTE_CAP_HEADROOM * target and self.remote_cap is not None \
+                and self._num_remote >= self.remote_cap:
+            self.remote_cap += 1
             self.reason = f"weaving: at most {self.remote_cap} remote sequences"
         return None
 
@@ -554,9 +448,7 @@ class AdaptivePlacement:
         """The policy's state, for /metrics and the log."""
         fit = self.model.coefficients(self.targets.min_samples)
         return {"policy": AUTO, "weaving_active": self.is_open, "reason": self.reason,
-                "step_asides": self.num_step_asides, "cooldown_s": self.cooldown_s,
-                "remote_cap": self.remote_cap,
-                "hot_cap": self.hot_cap, "cold_cap": self.cold_cap,
+                "step_asides": self.num_step_asides, "remote_cap": self.remote_cap,
                 "hot_tpot_target_s": self.hot_tpot_target_s,
                 "hot_local_step_s": self._local_step.value,
                 "hot_woven_step_s": self._woven_step.value,

@@ -43,19 +43,16 @@ class PlacementFeed:
         if now >= self._next_load:
             self._next_load = now + PAIR_LOAD_INTERVAL_S
             self._read_pair_load()
-            placement = self.placement
-            remote_first, cap, cold_cap = (placement.remote_first, placement.remote_cap,
-                                           placement.cold_cap)
-            if placement.update(now):  # stepped aside or resumed
+            remote_first, cap = self.placement.remote_first, self.placement.remote_cap
+            if self.placement.update(now):  # stepped aside or resumed
                 (logger.warning if self.verbose else logger.debug)(
-                    "weaving %s: %s", self.hot, placement.reason)
-            elif placement.remote_first != remote_first or _was_cut(
-                    cap, placement.remote_cap) or placement.cold_cap != cold_cap:
-                # The order's flips, the cap's cuts and the cold cap's moves (at most one
-                # per cold window), not the hot cap's one-by-one growth, which would log
-                # every update under load.
+                    "weaving %s: %s", self.hot, self.placement.reason)
+            elif self.placement.remote_first != remote_first or _was_cut(
+                    cap, self.placement.remote_cap):
+                # The order's flips and the cap's cuts (not its one-by-one growth, which
+                # would log every update under load).
                 (logger.info if self.verbose else logger.debug)(
-                    "weaving %s: %s", self.hot, placement.reason)
+                    "weaving %s: %s", self.hot, self.placement.reason)
         self._step_started = now
 
     def step_ended(self, num_local: int, num_remote: int, is_decode_only: bool,
