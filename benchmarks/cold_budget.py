@@ -1,12 +1,14 @@
 """Whether a cold model's TPOT stayed within its weaving budget, over seeds.
 
 Reads `weaver bench compare` results of a dedicated and a weaving deployment run on the same
-requests, and optionally the dedicated one again after them (one file per seed, e.g.
-benchmarks/deployments/two_hots/), and judges the cold
-model's mean TPOT (per request, then the mean) weaving over dedicated against the weaving
-deployment's `cold_tpot_budget`. A seed whose runs had an error (an engine restarted under
-them), or whose dedicated runs before and after drifted apart by more than the budget's
-growth, is reported, not judged: its dedicated baseline is not the cold's own TPOT.
+requests, and optionally the dedicated one again after them (`--target dedicated_after=...`;
+one file per seed, e.g. benchmarks/deployments/two_hots/), and judges the cold model's mean
+TPOT (per request, then the mean) weaving over dedicated against the weaving deployment's
+`cold_tpot_budget`. A seed whose runs had an error (an engine restarted under them), or whose
+dedicated runs before and after drifted apart by more than the budget's growth, is reported,
+not judged: its dedicated baseline is not the cold's own TPOT. Where the weaving run scraped
+`weaver_weaving_cold_tpot_factor` (the cold side's own reading, which `auto` holds to the
+budget), it reports that too; a file with the weaving run alone gives the reading only.
 
 Writes JSON that opens with the verdict, and a PNG: the factor per seed against the budget,
 and each hot model's lent KV over the weaving runs (from `--scrape-metric
