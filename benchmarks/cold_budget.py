@@ -27,8 +27,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-import yaml
-
+from weaver.config.deployment import load_deployment
 from weaver.results.records import ALL_MODELS, BenchResult, RunResult, load_result
 
 REMOTE_BLOCKS = "weaver_remote_kv_blocks_used"
@@ -37,9 +36,11 @@ COLD_FACTOR = "weaver_weaving_cold_tpot_factor"  # the cold side's own reading, 
 
 def budget_of(deployment: str, cold: str) -> float:
     """The cold model's budget: the smallest `cold_tpot_budget` of the pairs into it."""
-    spec = yaml.safe_load(Path(deployment).read_text(encoding="utf-8"))
-    budgets = [pair.get("cold_tpot_budget", 1.10) for pair in spec.get("weaving") or []
-               if cold in ([pair["cold"]] if isinstance(pair["cold"], str) else pair["cold"])]
+    try:
+        spec = load_deployment(deployment)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    budgets = [pair.cold_tpot_budget for pair in spec.weaving if cold in pair.cold]
     if not budgets:
         raise SystemExit(f"{deployment}: no weaving pair into {cold!r}; give --cold")
     return min(budgets)

@@ -18,9 +18,15 @@ from weaver.results.records import (
 )
 
 WEAVING = """
+models:
+  - {name: hot-a, role: hot, model: smollm2-135m-instruct}
+  - {name: hot-b, role: hot, model: smollm2-135m-instruct}
+  - {name: hot-c, role: hot, model: smollm2-135m-instruct}
+  - {name: cold, role: cold, model: smollm2-135m-instruct, lend_kv_gib: 0.1}
+  - {name: other, role: cold, model: smollm2-135m-instruct, lend_kv_gib: 0.1}
 weaving:
   - {hot: hot-a, cold: [cold], offload_ratio: auto, cold_tpot_budget: 1.20}
-  - {hot: hot-b, cold: cold, offload_ratio: auto, cold_tpot_budget: 1.10}
+  - {hot: hot-b, cold: [cold], offload_ratio: auto, cold_tpot_budget: 1.10}
   - {hot: hot-c, cold: [other], offload_ratio: auto, cold_tpot_budget: 1.01}
 """
 
