@@ -242,3 +242,29 @@ def test_a_request_that_cannot_grow_preempts_on_its_own_cold_only():
         running.append(request)
     assert _fcfs_grow(manager, running, running[0]) == ["a1"]  # not b1 of the other cold
     assert [r.request_id for r in running] == ["a0", "b0", "b1"]
+
+
+def test_a_cold_over_its_budget_gets_its_newest_remote_requests_preempted():
+    """The hot scheduler's part of shed_for_cold (weaver/weaving/placement.py): vLLM's own
+    preemption of the newest requests on that cold, no other cold's, no local one."""
+    from weaver.vllm_ext.scheduler import shed_remote
+
+    class StandInScheduler:  # the members of vLLM's Scheduler that shed_remote touches
+        def __init__(self, manager: RoutingKVCacheManager) -> None:
+            self.kv_cache_manager, self.running, self.preempted = manager, [], []
+
+        def _preempt_request(self, request, timestamp: float) -> None:
+            self.kv_cache_manager.free(request)
+            self.preempted.append(request.request_id)
+
+    manager = RoutingKVCacheManager(FreeingPool(8), [FreeingPool(8), FreeingPool(8)], 8,
+                                    RatioPlacement(1.0))
+    scheduler = StandInScheduler(manager)
+    for name, cold in (("a0", 0), ("l0", None), ("b0", 1), ("a1", 0), ("a2", 0), ("l1", None)):
+        request = FakeRequest(name)
+        place(manager, request, cold)
+        scheduler.running.append(request)
+    shed_remote(scheduler, [2, 0])
+    assert scheduler.preempted == ["a2", "a1"]
+    assert [r.request_id for r in scheduler.running] == ["a0", "l0", "b0", "l1"]
+    assert manager.num_running_on(0) == 1 and manager.remotes[0].num_free == 7

@@ -175,12 +175,66 @@ def test_a_spent_cold_budget_cuts_the_remote_sequences_once_per_cold_window():
     feed(placement, [(0.040, 4, 8, True)] * 5)
     placement.observe_pair(PairLoad(cold_inflation=1.12))
     assert not placement.update(1.0) and placement.is_open
-    assert placement.remote_cap == 6 and "budget" in placement.reason  # 3/4 of the 8
+    # The share that brings x1.12 to x1.05 if each costs the same: 5/12 of the 8.
+    assert placement.remote_cap == 3 and "budget" in placement.reason
     # Still over budget, but the cold side has not measured the smaller batch yet.
-    feed(placement, [(0.040, 4, 6, True)] * 5, start=1.0)
+    feed(placement, [(0.040, 4, 3, True)] * 5, start=1.0)
+    assert placement.remote_cap == 3
+    placement.observe_step(0.040, 4, 3)
+    assert not placement.update(1.0 + COLD_CUT_HOLD_S + 0.1) and placement.remote_cap == 1
+
+
+@pytest.mark.parametrize(("inflation", "kept"), [(1.101, 3), (1.12, 3), (1.5, 2), (3.0, 2)])
+def test_a_cold_cut_keeps_what_brings_the_cold_back_within_a_quarter_to_three_quarters(
+        inflation, kept):
+    """A reading just over the budget costs at most 3/4 of them (noise), one far over it at
+    least 1/4 (back in one or two windows, not six 3/4 cuts)."""
+    placement = AdaptivePlacement(AdaptiveTargets(cold_budget=1.10))
+    feed(placement, [(0.040, 4, 8, True)] * 30)
+    placement.observe_pair(PairLoad(cold_inflation=inflation))
+    placement.update(5.0)
+    assert placement.remote_cap == kept
+
+
+def test_a_cold_over_its_budget_for_a_window_gives_its_remote_sequences_back():
+    """A cut acts on new sequences only; those running remote would go on for a minute on
+    this CPU. A cold still over its budget a window after it went over (the cut was not
+    enough) sheds the ones over what a cut keeps, then not again for a window; a cold
+    within its budget, or with none running, sheds nothing; a reading within the budget
+    starts the wait again (a lone spike sheds nothing)."""
+    placement = AdaptivePlacement(AdaptiveTargets(cold_budget=1.10))
+    placement.observe_pair(PairLoad.of_colds([{"cold_inflation": 1.12}, {"cold_inflation": 1.04},
+                                              {"cold_inflation": 1.5}, None]))
+    assert placement.shed_for_cold([8, 8, 0, 3], now=0.0) == [0, 0, 0, 0]  # just went over
+    assert placement.shed_for_cold([8, 8, 0, 3], now=COLD_CUT_HOLD_S) == [5, 0, 0, 0]
+    assert placement.shed_for_cold([3, 8, 4, 3], now=COLD_CUT_HOLD_S + 1) == [0, 0, 3, 0]
+    assert placement.shed_for_cold([3, 8, 1, 3], now=COLD_CUT_HOLD_S + 2) == [0, 0, 0, 0]
+    assert placement.shed_for_cold([3, 8, 1, 3], now=2 * COLD_CUT_HOLD_S) == [2, 0, 0, 0]
+    assert placement.report()["cold_budget_preemptions"] == [7, 0, 3, 0]
+    spike = AdaptivePlacement(AdaptiveTargets(cold_budget=1.10))
+    spike.observe_pair(PairLoad(cold_inflation=1.3))  # one cold, read without its list
+    assert spike.shed_for_cold([1], now=0.0) == [0]
+    spike.observe_pair(PairLoad(cold_inflation=1.05))
+    assert spike.shed_for_cold([1], now=3.0) == [0]
+    spike.observe_pair(PairLoad(cold_inflation=1.3))
+    assert spike.shed_for_cold([1], now=4.0) == [0]
+    assert spike.shed_for_cold([1], now=4.0 + COLD_CUT_HOLD_S) == [1]  # one is all of them
+
+
+def test_while_the_cold_pays_measurably_the_cap_grows_once_per_cold_window():
+    """Grown once an update, the cap let a window's worth of sequences in before the cold
+    side had measured the first of them."""
+    placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=0.050, cold_budget=1.10))
+    feed(placement, steps(0.030, 0.002, 0.004, LOCAL_BATCHES))
+    feed(placement, [(0.070, 4, 8, True)] * 60, start=2.0)  # over the target: cut to 6
     assert placement.remote_cap == 6
-    placement.observe_step(0.040, 4, 6)
-    assert not placement.update(1.0 + COLD_CUT_HOLD_S + 0.1) and placement.remote_cap == 4
+    placement.observe_pair(PairLoad(cold_inflation=1.03))  # room, but it shows
+    feed(placement, [(0.030, 4, 6, True)] * 50, start=10.0)  # 5 s of updates
+    assert placement.remote_cap == 7
+    placement.observe_pair(PairLoad(cold_inflation=1.0))  # idle or paying nothing
+    # At the cap each update (new sequences fill it): one more an update again.
+    feed(placement, [(0.030, 4, 7 + i, True) for i in range(5)], start=30.0)
+    assert placement.remote_cap == 12
 
 
 def test_a_cut_never_raises_the_cap_when_more_run_remote_than_it_allows():
@@ -193,7 +247,7 @@ def test_a_cut_never_raises_the_cap_when_more_run_remote_than_it_allows():
     feed(placement, [(0.045, 4, 21, True)] * 5, start=10.0)  # 21 admitted before the cap
     placement.observe_pair(PairLoad(cold_inflation=1.12))
     placement.update(20.0)
-    assert placement.remote_cap == 9  # 3/4 of the cap
+    assert placement.remote_cap == 5  # 5/12 of the cap
 
 
 def test_a_cold_cut_takes_the_recent_batch_not_a_step_that_ran_few_remote():
@@ -202,7 +256,7 @@ def test_a_cold_cut_takes_the_recent_batch_not_a_step_that_ran_few_remote():
     placement.observe_step(0.040, 4, 1)  # a step that ran one remote sequence
     placement.observe_pair(PairLoad(cold_inflation=1.12))
     assert not placement.update(5.0) and placement.is_open
-    assert placement.remote_cap == 6  # 3/4 of the 8 the cold side's window measured
+    assert placement.remote_cap == 3  # 5/12 of the 8 the cold side's window measured
 
 
 def test_a_spent_cold_budget_with_one_remote_sequence_steps_aside_and_holds_while_spent():
@@ -212,6 +266,8 @@ def test_a_spent_cold_budget_with_one_remote_sequence_steps_aside_and_holds_whil
     assert placement.update(0.0) and not placement.is_open
     assert "budget" in placement.reason and placement.num_step_asides == 1
     assert not placement.update(10.0)  # cooled down, but the cold model is still slowed
+    placement.observe_pair(PairLoad(cold_inflation=1.08))  # within, but at the budget's edge
+    assert not placement.update(10.2)
     placement.observe_pair(PairLoad(cold_inflation=1.02))
     assert placement.update(10.5) and placement.is_open and placement.remote_cap == 1
 

@@ -38,9 +38,11 @@ def test_the_hot_side_exports_its_offload_counters_and_the_pair_state(files):
     files.publish("p1", "hot.stats", {
         "hot": "h", "cold": "c", "remote_sequences": 3, "offloaded_tasks": 10,
         "fallback_tasks": 1, "attaches": 2, "resumes": 1, "connected": True,
-        "remote_blocks_used": 5, "wait_counts": counts, "wait_sum_s": 7.5})
+        "remote_blocks_used": 5, "wait_counts": counts, "wait_sum_s": 7.5,
+        "cold_budget_preemptions": 4})
     text = scrape(files, "hot")
     for line in ('weaver_offload_sequences_total{model="h"} 3.0',
+                 'weaver_weaving_cold_budget_preemptions_total{cold="c",hot="h"} 4.0',
                  'weaver_offload_tasks_total{cold="c",hot="h"} 10.0',
                  'weaver_offload_fallbacks_total{model="h"} 1.0',
                  'weaver_pair_attaches_total{pair="p1"} 2.0',

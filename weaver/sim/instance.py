@@ -341,9 +341,12 @@ class ModelServer:
     def step_starts(self, now: float) -> None:
         """Before a step is planned, as the hot scheduler does before schedule(): under
         `auto`, every PAIR_LOAD_INTERVAL_S the colds' TPOT factors and the policy's
-        decision."""
+        decision, and the remote sequences a cold over its budget gives back."""
         if self.feed is not None and self.remotes:
-            self.feed.step_starts(now)
+            shed = self.feed.step_starts(now, [remote.seqs.num_seqs for remote in self.remotes])
+            for remote, num in zip(self.remotes, shed, strict=True):
+                for _ in range(num):  # a cold over its budget gives its newest ones back
+                    self._preempt(remote.seqs)
 
     def step_ended(self, plan: StepPlan, now: float) -> None:
         """A step ran (its sequences not yet finished): its time and batch, and whether it

@@ -446,7 +446,9 @@ class HotRouting:
         for link in self.links:
             link.tick()
         if self.feed is not None:
-            self.feed.step_starts()
+            manager = scheduler.kv_cache_manager
+            shed_remote(scheduler, self.feed.step_starts(num_running_on=[
+                manager.num_running_on(cold) for cold in range(len(self.plans))]))
         if self.lease is not None:
             if (self._lease_renewal_due and self.links[0].connected
                     and not self.lease.lease.num_held_blocks):
@@ -568,10 +570,7 @@ class LeaseKeeper:
             if self.is_local or manager.placed.get(request.request_id) is Placement.REMOTE:
                 victims.append(request)
                 freed += len(manager.get_block_ids(request.request_id)[0])
-        now = time.monotonic()
-        for request in victims:
-            scheduler.running.remove(request)
-            scheduler._preempt_request(request, now)
+        preempt(scheduler, victims)
         return freed, len(victims)
 
     def renew(self) -> None:
@@ -586,6 +585,25 @@ class LeaseKeeper:
     def close(self) -> None:
         with contextlib.suppress(OSError, EOFError):  # the owner may be gone already
             self.lease.client.close()
+
+
+def preempt(scheduler: Scheduler, victims: list[Request]) -> None:
+    """vLLM's own preemption of these running requests: their blocks freed, back to the
+    waiting queue, recomputed later (placed where the memory then is)."""
+    now = time.monotonic()
+    for request in victims:
+        scheduler.running.remove(request)
+        scheduler._preempt_request(request, now)
+
+
+def shed_remote(scheduler: Scheduler, shed: list[int]) -> None:
+    """Preempt the newest `shed[i]` running requests whose KV is on the i-th cold (its
+    TPOT is over its budget: weaver/weaving/placement.py shed_for_cold)."""
+    cold_of = scheduler.kv_cache_manager.cold_of
+    for cold, num in enumerate(shed):
+        if num:
+            preempt(scheduler, [request for request in reversed(scheduler.running)
+                                if cold_of.get(request.request_id) == cold][:num])
 
 
 def finished_lengths(outputs: dict[int, Any], ran: dict[str, Any]) -> list[int]:

@@ -100,6 +100,9 @@ class HotSide:
         hot = runtime.drain_stats()
         hot["remote_blocks_used"] = self._remote_blocks_in_use(index)
         hot["placement"] = self.placement_report
+        # The adaptive policy's preemptions for this cold's TPOT budget (a running total).
+        shed = (self.placement_report or {}).get("cold_budget_preemptions") or []
+        hot["cold_budget_preemptions"] = shed[index] if index < len(shed) else 0
         return {"hot": hot}
 
     def _remote_blocks_in_use(self, index: int) -> int:

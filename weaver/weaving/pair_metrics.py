@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 _registered: set[tuple[str, str, tuple[str, ...]]] = set()
 # The totals in a side's stats file that export as counters.
 HOT_TOTALS = ("remote_sequences", "offloaded_tasks", "fallback_tasks", "attaches",
-              "resumes", "step_asides", "wait_sum_s")
+              "resumes", "step_asides", "wait_sum_s", "cold_budget_preemptions")
 COLD_TOTALS = ("busy_at_poll_points_s", "busy_by_idle_poller_s")
 
 
@@ -115,6 +115,7 @@ class PairStatsCollector(Collector):
                 "sequences may go remote", labels=["pair"]),
             "active": _gauge(series.WEAVING_ACTIVE),
             "asides": _counter(series.STEP_ASIDES),
+            "shed": _counter(series.COLD_BUDGET_PREEMPTIONS),
             "factor": _gauge(series.COLD_TPOT_FACTOR),
         }
 
@@ -157,6 +158,7 @@ class PairStatsCollector(Collector):
         families["attaches"].add_metric([pair], totals["attaches"])
         families["resumes"].add_metric([pair], totals["resumes"])
         families["asides"].add_metric([model, cold], totals["step_asides"])
+        families["shed"].add_metric([model, cold], totals["cold_budget_preemptions"])
 
     def _add_cold(self, families: dict, pair: str, stats: dict | None) -> None:
         tracker = self._totals[pair]

@@ -31,6 +31,12 @@ its budget, most free lent blocks first. The policy's cap and step-aside then fo
 best cold's factor (with one cold, its own): a cold over its budget takes no new sequences
 while another can.
 
+A cold over its budget also gives sequences back at once (`shed_for_cold`): the hot
+scheduler preempts that many of its newest remote sequences there, and vLLM recomputes
+them later where the policy then places them. Without it a cut acted only as the remote
+sequences finished, 40-110 s later on this CPU, while the cold ran over its budget
+(benchmarks/HISTORY.md, "A cold model hosting two hot ones").
+
 Plain Python: the hot engine's scheduler (weaver/vllm_ext/scheduler.py), the simulator and
 the planner use these classes unchanged.
 """
@@ -178,8 +184,17 @@ REMOTE_CAP_HEADROOM = 0.9  # the cap grows while woven steps stay under this sha
 COLD_BUDGET_HEADROOM = 0.5
 # After a cut for the cold budget, the next one waits this long: the cold side measures its
 # factor over a window (weaver/weaving/cold_load.py WINDOW_S), which must see the smaller
-# batch before it can say whether the cut was enough.
+# batch before it can say whether the cut was enough. So does the cap's growth while the
+# cold model measurably pays for the remote sequences (its factor over
+# COLD_MEASURABLE_SHARE of the budget's growth): grown once an update, the cap let a window's
+# worth of sequences in before the cold side saw the first of them.
 COLD_CUT_HOLD_S = 6.0
+COLD_MEASURABLE_SHARE = 0.1
+# A cut for the cold budget keeps the share of the remote sequences that brings the cold's
+# factor back to the headroom's mark if each costs the same (its growth is about linear in
+# them), within these bounds: a lone noisy reading costs at most 3/4 of them, and a cold
+# far over its budget is brought back in one or two windows, not six 3/4 cuts.
+COLD_KEEP_SHARE_MIN = 0.25
 # Remote first once a remote sequence adds less than this share of a local one's cost to
 # the hot step; local first again once it adds more than a local one (the gap between
 # the two keeps fit noise from flipping the order every update).
@@ -235,14 +250,16 @@ class AdaptivePlacement:
     How many sequences may be remote is a cap, additive increase and multiplicative
     decrease (as TCP finds a link's rate): none at first (the remote pool fills as far as
     demand goes); 3/4 of the remote sequences running once the woven steps' mean time runs
-    over the TPOT target, or once the cold model's TPOT runs over its budget (then not
-    again until the cold side has measured the smaller batch); one more each update the
-    woven steps stay under 90 % of the target and the cold model under half its budget's
-    growth (past that, the cap holds; with none yet, it is set to the sequences running
-    remote). A cap that falls to 0 steps weaving aside
-    for the cool-down; then it resumes with a cap of one, if the cold model is within its
-    budget. One noisy reading of the cold factor costs a quarter of the remote sequences,
-    not all of them."""
+    over the TPOT target; once the cold model's TPOT runs over its budget, the share that
+    brings it back under half its budget's growth (1/4 to 3/4, `cold_keep_share`), the rest
+    given back at once (`shed_for_cold`), and then not again until the cold side has
+    measured the smaller batch. One more each update the woven steps stay under 90 % of the
+    target and the cold model under half its budget's growth (past that, the cap holds;
+    with none yet, it is set to the sequences running remote); while the cold measurably
+    pays for them, one more per cold window. A cap that falls to 0 steps weaving aside for
+    the cool-down; then it resumes with a cap of one, once the cold model is under half
+    its budget's growth. One noisy reading of the cold factor costs at most 3/4 of the
+    remote sequences, not all of them."""
 
     def __init__(self, targets: AdaptiveTargets | None = None) -> None:
         self.targets = targets or AdaptiveTargets()
@@ -252,6 +269,11 @@ class AdaptivePlacement:
         self.remote_cap: int | None = None  # most remote sequences at once; None: no cap
         self._closed_until = -math.inf
         self._cold_cut_held_until = -math.inf
+        self._cold_growth_held_until = -math.inf
+        self._shed_held_until: dict[int, float] = {}  # by cold (plan order)
+        self._over_budget_since: dict[int, float] = {}  # by cold: over since, unbroken
+        # Remote sequences each cold (plan order) gave back for its budget.
+        self.num_shed_on: list[int] = []
         self._local_step = Ewma(TPOT_ALPHA)  # step time of local-only steps (s)
         self._woven_step = Ewma(TPOT_ALPHA)  # step time of steps with remote sequences
         # The recent woven batch: its local and remote sequences.
@@ -277,11 +299,18 @@ class AdaptivePlacement:
         target = self.hot_tpot_target_s
         return None if target is None else target / SLO_TPOT_SHARE
 
+    def cold_factor(self, index: int) -> float | None:
+        """The `index`-th cold's TPOT factor (None: not measured; a load read without its
+        list of colds is the one cold's)."""
+        factors = self.load.cold_inflations
+        if not factors and index == 0:
+            return self.load.cold_inflation
+        return factors[index] if index < len(factors) else None
+
     def cold_is_open(self, index: int) -> bool:
         """Whether the `index`-th cold may take a new remote sequence: not while its TPOT
         is over its budget (the others may)."""
-        factors = self.load.cold_inflations
-        factor = factors[index] if index < len(factors) else None
+        factor = self.cold_factor(index)
         return factor is None or factor <= self.targets.cold_budget
 
     def order(self, num_running_local: int, num_running_remote: int) -> list[Placement]:
@@ -331,14 +360,15 @@ class AdaptivePlacement:
                                         round(self._woven_remote.value), t.min_samples)
         self._choose_first_pool()
         if not self.is_open:
-            if now < self._closed_until or self._cold_over_budget() is not None:
+            # Resumed at the budget itself, one sequence put the cold back over it.
+            if now < self._closed_until or not self._cold_has_headroom():
                 return False
             self.is_open, self.remote_cap = True, 1
             self.reason = "weaving resumed: the cool-down passed; one remote sequence at first"
             self._woven_step = Ewma(TPOT_ALPHA)  # its TPOT is measured afresh
             self.tail.restart()
             return True
-        reason = self._cut_for_cold(now) or self._judge_tail() or self._adjust_cap()
+        reason = self._cut_for_cold(now) or self._judge_tail() or self._adjust_cap(now)
         if reason is None:
             return False
         self.is_open, self.reason = False, reason
@@ -388,7 +418,47 @@ class AdaptivePlacement:
         # sequences, not the last step's alone (a step that happened to run few of them cut
         # the cap to one, measured: benchmarks/HISTORY.md, "Goodput: runs 4-6").
         recent = round(self._woven_remote.value or 0)
-        return self._cut(max(self._num_remote, recent), over)
+        return self._cut(max(self._num_remote, recent), over,
+                         self.cold_keep_share(self.load.cold_inflation))
+
+    def cold_keep_share(self, inflation: float) -> float:
+        """The share of its remote sequences a cold at `inflation` keeps in a cut: the one
+        that would bring it to the headroom's mark (COLD_KEEP_SHARE_MIN..3/4)."""
+        mark = 1 + COLD_BUDGET_HEADROOM * (self.targets.cold_budget - 1)
+        share = (mark - 1) / (inflation - 1) if inflation > 1 else REMOTE_CAP_DECREASE
+        return min(REMOTE_CAP_DECREASE, max(COLD_KEEP_SHARE_MIN, share))
+
+    def shed_for_cold(self, num_running_on: list[int], now: float) -> list[int]:
+        """How many of its remote sequences each cold (plan order; `num_running_on`: how
+        many run there) should give back now: of a cold over its budget for a whole
+        COLD_CUT_HOLD_S (the cap's cut was not enough), those over the share a cut keeps
+        (all of one), then not again for COLD_CUT_HOLD_S (its window must see the smaller
+        batch first). The hot scheduler preempts them (vLLM recomputes them later, placed
+        as the policy then says); the cap's cut keeps them from coming back.
+
+        Why wait a window: a preempted sequence waits at the head of the queue until the
+        local KV has room for it, which in a KV-bound hot model holds back every request
+        behind it. Shedding at the first reading over the budget lost the simulator's
+        Llama-2-13B A100-40GB conv cell its +50 % under the tight SLO (at 1.5 req/s the
+        hot attainment of seeds 1-2 fell from 1.00/0.78 to 0.95/0.77) for spikes the cut
+        alone ended; waiting a window kept it."""
+        budget = self.targets.cold_budget
+        shed = [0] * len(num_running_on)
+        for cold, num_running in enumerate(num_running_on):
+            factor = self.cold_factor(cold)
+            if factor is None or factor <= budget:
+                self._over_budget_since.pop(cold, None)
+                continue
+            since = self._over_budget_since.setdefault(cold, now)
+            if (num_running == 0 or now - since < COLD_CUT_HOLD_S
+                    or now < self._shed_held_until.get(cold, -math.inf)):
+                continue
+            self._shed_held_until[cold] = now + COLD_CUT_HOLD_S
+            shed[cold] = num_running - int(self.cold_keep_share(factor) * num_running)
+        self.num_shed_on += [0] * (len(shed) - len(self.num_shed_on))
+        for cold, num in enumerate(shed):
+            self.num_shed_on[cold] += num
+        return shed
 
     def _judge_tail(self) -> str | None:
         """A reason to step aside when too many of the sequences that decoded beside remote
@@ -403,14 +473,15 @@ class AdaptivePlacement:
                 f"decoded beside remote ones ran over the SLO's TPOT {1000 * slo:.1f} ms "
                 f"(at most {TAIL_SHARE:.0%} may)")
 
-    def _cut(self, num_running_remote: int, why: str) -> str | None:
-        """The remote cap to 3/4 of the sequences running remote, or of the cap when more
-        run than it allows (admitted before it was set): a cut never raises the cap (one
-        did, 12 -> 16, for the cold budget with 21 running). A reason to step aside when
-        that is none."""
+    def _cut(self, num_running_remote: int, why: str,
+             keep_share: float = REMOTE_CAP_DECREASE) -> str | None:
+        """The remote cap to `keep_share` (3/4 unless the cold budget says less) of the
+        sequences running remote, or of the cap when more run than it allows (admitted
+        before it was set): a cut never raises the cap (one did, 12 -> 16, for the cold
+        budget with 21 running). A reason to step aside when that is none."""
         base = num_running_remote if self.remote_cap is None \
             else min(num_running_remote, self.remote_cap)
-        self.remote_cap = int(REMOTE_CAP_DECREASE * base)
+        self.remote_cap = int(keep_share * base)
         # Judge the smaller batch afresh: its step time, its make-up, its sequences.
         self._woven_step = Ewma(TPOT_ALPHA)
         self._woven_local, self._woven_remote = Ewma(STEP_ALPHA), Ewma(STEP_ALPHA)
@@ -420,9 +491,14 @@ class AdaptivePlacement:
         self.reason = f"weaving: at most {self.remote_cap} remote sequences ({why})"
         return None
 
-    def _adjust_cap(self) -> str | None:
-        """Move the remote cap by the woven steps' mean time; a reason to step aside when
-        it reaches 0."""
+    def _adjust_cap(self, now: float) -> str | None:
+        """Move the remote cap by the woven steps' mean time, within the cold's room; a
+        reason to step aside when it reaches 0."""
+        if not self._cold_has_headroom() and self.remote_cap is None and self._num_remote:
+            self.remote_cap = self._num_remote  # no more growth than the cold has room for
+            self.reason = (f"weaving: at most {self.remote_cap} remote sequences (the "
+                           f"cold model's TPOT is x{self.load.cold_inflation:.3f} its "
+                           f"own, near its budget x{self.targets.cold_budget:.3f})")
         target, woven = self.hot_tpot_target_s, self._woven_step
         if target is None or woven.num < self.targets.min_tpot_samples:
             return None
@@ -431,24 +507,27 @@ class AdaptivePlacement:
             return self._cut(round(self._woven_remote.value),
                              f"woven hot steps take {1000 * woven.value:.1f} ms on average, "
                              f"over the TPOT target {1000 * target:.1f} ms")
-        if not self._cold_has_headroom():
-            if self.remote_cap is None and self._num_remote:
-                self.remote_cap = self._num_remote  # no more growth than the cold has room for
-                self.reason = (f"weaving: at most {self.remote_cap} remote sequences (the "
-                               f"cold model's TPOT is x{self.load.cold_inflation:.3f} its "
-                               f"own, near its budget x{self.targets.cold_budget:.3f})")
+        if not self._cold_has_headroom() or now < self._cold_growth_held_until:
             return None
         if woven.value < REMOTE_CAP_HEADROOM * target and self.remote_cap is not None \
                 and self._num_remote >= self.remote_cap:
             self.remote_cap += 1
             self.reason = f"weaving: at most {self.remote_cap} remote sequences"
+            if self._cold_pays_measurably():
+                self._cold_growth_held_until = now + COLD_CUT_HOLD_S
         return None
+
+    def _cold_pays_measurably(self) -> bool:
+        inflation = self.load.cold_inflation
+        return inflation is not None and \
+            inflation > 1 + COLD_MEASURABLE_SHARE * (self.targets.cold_budget - 1)
 
     def report(self) -> dict[str, float | int | str | bool | None]:
         """The policy's state, for /metrics and the log."""
         fit = self.model.coefficients(self.targets.min_samples)
         return {"policy": AUTO, "weaving_active": self.is_open, "reason": self.reason,
                 "step_asides": self.num_step_asides, "remote_cap": self.remote_cap,
+                "cold_budget_preemptions": list(self.num_shed_on),
                 "hot_tpot_target_s": self.hot_tpot_target_s,
                 "hot_local_step_s": self._local_step.value,
                 "hot_woven_step_s": self._woven_step.value,

@@ -5,7 +5,8 @@ remote sequences, and whether it ran decodes only (weaver/weaving/placement.py
 `AdaptivePlacement.observe_step`), then each request it finished and its output tokens
 (`sequence_finished`); every `PAIR_LOAD_INTERVAL_S`: its pairs' load (each cold
 model's TPOT factor, the offload wait) read from the hot worker, then the policy's
-decision. The scheduler (weaver/vllm_ext/scheduler.py) knows vLLM's objects; this knows
+decision, and how many remote sequences each cold over its budget gives back (the caller
+preempts them). The scheduler (weaver/vllm_ext/scheduler.py) knows vLLM's objects; this knows
 the timing and the policy, so the simulator's and the tests' steps could drive it too.
 """
 
@@ -38,8 +39,13 @@ class PlacementFeed:
         self._step_started: float | None = None
         self._next_load = 0.0
 
-    def step_starts(self, now: float | None = None) -> None:
+    def step_starts(self, now: float | None = None,
+                    num_running_on: list[int] | None = None) -> list[int]:
+        """Before a step: every PAIR_LOAD_INTERVAL_S, the pairs' load and the policy's
+        decision. Returns how many remote sequences to preempt on each cold (plan order;
+        `num_running_on`: how many run on each now; none given, nothing to shed)."""
         now = time.monotonic() if now is None else now
+        shed = [0] * len(num_running_on or ())
         if now >= self._next_load:
             self._next_load = now + PAIR_LOAD_INTERVAL_S
             self._read_pair_load()
@@ -53,7 +59,17 @@ class PlacementFeed:
                 # would log every update under load).
                 (logger.info if self.verbose else logger.debug)(
                     "weaving %s: %s", self.hot, self.placement.reason)
+            if num_running_on:
+                shed = self.placement.shed_for_cold(num_running_on, now)
+                for cold, num in enumerate(shed):
+                    if num:
+                        (logger.info if self.verbose else logger.debug)(
+                            "weaving %s: %d remote sequence(s) of cold %d preempted: its "
+                            "TPOT is x%.3f its own, over its budget x%.3f", self.hot, num,
+                            cold, self.placement.cold_factor(cold),
+                            self.placement.targets.cold_budget)
         self._step_started = now
+        return shed
 
     def step_ended(self, num_local: int, num_remote: int, is_decode_only: bool,
                    now: float | None = None) -> None:

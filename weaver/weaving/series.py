@@ -33,6 +33,10 @@ WEAVING_ACTIVE = (
     "while weaving has stepped aside because it does not pay", ("hot", "cold"))
 STEP_ASIDES = ("weaver_weaving_step_asides",
                "Times an adaptive hot model's weaving stepped aside", ("hot", "cold"))
+COLD_BUDGET_PREEMPTIONS = (
+    "weaver_weaving_cold_budget_preemptions",
+    "Remote sequences an adaptive hot model preempted (to recompute them later) because the "
+    "cold model's TPOT was over its budget", ("hot", "cold"))
 COLD_TPOT_FACTOR = (
     "weaver_weaving_cold_tpot_factor",
     "The cold model's TPOT over its TPOT without the offloaded tasks, as the cold side "
