@@ -31,11 +31,11 @@ its budget, most free lent blocks first. The policy's cap and step-aside then fo
 best cold's factor (with one cold, its own): a cold over its budget takes no new sequences
 while another can.
 
-A cold over its budget also gives sequences back at once (`shed_for_cold`): the hot
-scheduler preempts that many of its newest remote sequences there, and vLLM recomputes
-them later where the policy then places them. Without it a cut acted only as the remote
-sequences finished, 40-110 s later on this CPU, while the cold ran over its budget
-(benchmarks/HISTORY.md, "A cold model hosting two hot ones").
+A cold still over its budget a window after it went over also gives sequences back
+(`shed_for_cold`): the hot scheduler preempts that many of its newest remote sequences
+there, and vLLM recomputes them later where the policy then places them. Without it a cut
+acted only as the remote sequences finished, 40-110 s later on this CPU, while the cold ran
+over its budget (benchmarks/HISTORY.md, "A cold model hosting two hot ones").
 
 Plain Python: the hot engine's scheduler (weaver/vllm_ext/scheduler.py), the simulator and
 the planner use these classes unchanged.
@@ -251,15 +251,15 @@ class AdaptivePlacement:
     decrease (as TCP finds a link's rate): none at first (the remote pool fills as far as
     demand goes); 3/4 of the remote sequences running once the woven steps' mean time runs
     over the TPOT target; once the cold model's TPOT runs over its budget, the share that
-    brings it back under half its budget's growth (1/4 to 3/4, `cold_keep_share`), the rest
-    given back at once (`shed_for_cold`), and then not again until the cold side has
-    measured the smaller batch. One more each update the woven steps stay under 90 % of the
-    target and the cold model under half its budget's growth (past that, the cap holds;
-    with none yet, it is set to the sequences running remote); while the cold measurably
-    pays for them, one more per cold window. A cap that falls to 0 steps weaving aside for
-    the cool-down; then it resumes with a cap of one, once the cold model is under half
-    its budget's growth. One noisy reading of the cold factor costs at most 3/4 of the
-    remote sequences, not all of them."""
+    brings it back under half its budget's growth (1/4 to 3/4, `cold_keep_share`), the
+    rest given back if it is still over a window later (`shed_for_cold`); no cut again
+    until the cold side has measured the smaller batch. One more each update the woven
+    steps stay under 90 % of the target and the cold model under half its budget's growth
+    (past that, the cap holds; with none yet, it is set to the sequences running remote);
+    while the cold measurably pays for them, one more per cold window. A cap that falls to
+    0 steps weaving aside for the cool-down; then it resumes with a cap of one, once the
+    cold model is under half its budget's growth. One noisy reading of the cold factor
+    costs at most 3/4 of the remote sequences, not all of them."""
 
     def __init__(self, targets: AdaptiveTargets | None = None) -> None:
         self.targets = targets or AdaptiveTargets()
