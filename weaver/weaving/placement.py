@@ -270,8 +270,8 @@ class AdaptivePlacement:
         self._closed_until = -math.inf
         self._cold_cut_held_until = -math.inf
         self._cold_growth_held_until = -math.inf
-        self._shed_held_until: dict[int, float] = {}  # by cold (plan order)
-        self._over_budget_since: dict[int, float] = {}  # by cold: over since, unbroken
+        # By cold (plan order): over its budget, unbroken, since then or since its last shed.
+        self._over_budget_since: dict[int, float] = {}
         # Remote sequences each cold (plan order) gave back for its budget.
         self.num_shed_on: list[int] = []
         self._local_step = Ewma(TPOT_ALPHA)  # step time of local-only steps (s)
@@ -450,10 +450,9 @@ class AdaptivePlacement:
                 self._over_budget_since.pop(cold, None)
                 continue
             since = self._over_budget_since.setdefault(cold, now)
-            if (num_running == 0 or now - since < COLD_CUT_HOLD_S
-                    or now < self._shed_held_until.get(cold, -math.inf)):
+            if num_running == 0 or now - since < COLD_CUT_HOLD_S:
                 continue
-            self._shed_held_until[cold] = now + COLD_CUT_HOLD_S
+            self._over_budget_since[cold] = now  # the next shed: a window from this one
             shed[cold] = num_running - int(self.cold_keep_share(factor) * num_running)
         self.num_shed_on += [0] * (len(shed) - len(self.num_shed_on))
         for cold, num in enumerate(shed):
