@@ -3,7 +3,8 @@
 vLLM's ``Scheduler.__init__`` builds one ``KVCacheManager``; a weaving hot engine admits
 against its own blocks and the blocks a cold engine lends. Weaver's scheduler
 (weaver/vllm_ext/scheduler.py) replaces ``scheduler.kv_cache_manager`` after vLLM's own
-``__init__`` with a ``RoutingKVCacheManager`` that owns the original (kept as
+``__init__`` with a ``RoutingKVCacheManager`` (weaver/vllm_ext/routing_kv_cache_manager.py)
+that owns the original (kept as
 ``_weaver_original_kv_cache_manager``) and a second manager over the remote ids.
 """
 

@@ -20,7 +20,7 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed", allow_module_level=True)
 
-from weaver.vllm_ext.scheduler import RoutingKVCacheManager  # noqa: E402
+from weaver.vllm_ext.routing_kv_cache_manager import RoutingKVCacheManager  # noqa: E402
 from weaver.weaving.placement import Placement, RatioPlacement  # noqa: E402
 
 
