@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import mmap
 import os
 import warnings
 from collections.abc import Callable
@@ -33,6 +34,7 @@ import torch
 
 from weaver.kv.pool_plan import PoolPlan
 from weaver.kv.shared_table import SharedPageTable
+from weaver.offload.naming import DEFAULT_SHM_DIR
 from weaver.offload.protocol import OffloadTask
 from weaver.vllm_ext.attention.cpu_kernels import select_cpu_attn_isa, validate_cpu_attn_shape
 from weaver.vllm_ext.attention.headwise import (
@@ -171,16 +173,37 @@ def _resident_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def attach_pool(plan: PoolPlan) -> shared_memory.SharedMemory:
+class MappedPool:
+    """A pool segment another process created, mapped read-write from its /dev/shm file
+    (what shm_open opens on Linux) and never unlinked here. Not through SharedMemory: before
+    Python 3.13 attaching one registers it with the resource tracker, which every engine of
+    a `weaver serve` shares with the gateway; unregistering it again also dropped the
+    creator's registration, and the creator's unlink then failed in the tracker (KeyError)."""
+
+    def __init__(self, name: str) -> None:
+        fd = os.open(os.path.join(DEFAULT_SHM_DIR, name), os.O_RDWR)
+        try:
+            self.size = os.fstat(fd).st_size
+            self._mmap = mmap.mmap(fd, self.size)
+        finally:
+            os.close(fd)  # the mapping keeps the segment
+        self.buf = memoryview(self._mmap)
+
+    def close(self) -> None:
+        """Unmap; BufferError while a view of it is alive (as SharedMemory.close)."""
+        self.buf.release()
+        self._mmap.close()
+
+
+def attach_pool(plan: PoolPlan) -> MappedPool:
     """Map a pool another process created (its bytes), without ever unlinking it here."""
     try:
-        shm = shared_memory.SharedMemory(name=plan.pool_name)
+        shm = MappedPool(plan.pool_name)
     except FileNotFoundError:
         raise ValueError(
             f"unified KV pool {plan.pool_name!r} does not exist: the process that hosts it "
             "(the gateway, for a colocated group) creates it before the engines start; "
             "start the engines through weaver serve") from None
-    _unregister_from_resource_tracker(shm)
     if shm.size < plan.pool_bytes:
         raise ValueError(f"unified KV pool {plan.pool_name!r} has {shm.size} bytes, the plan "
                          f"{plan.pool_bytes}: it was created for another plan")
@@ -294,15 +317,6 @@ class PoolTaskExecutor:
                               isa=self.isa)
         batch.attention(self.pages, task.layer, task.q, task.out, scale=task.scale,
                         softcap=task.softcap)
-
-
-def _unregister_from_resource_tracker(shm: shared_memory.SharedMemory) -> None:
-    """An attached segment must not be unlinked by this process's resource tracker when it
-    exits (Python < 3.13 registers attachments too); the owner unlinks it."""
-    from multiprocessing import resource_tracker
-
-    with contextlib.suppress(Exception):
-        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
 
 
 def open_pool(runner: Any, plan: PoolPlan, tenant: str) -> PoolAttentionRuntime:
