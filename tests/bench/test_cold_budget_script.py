@@ -112,3 +112,76 @@ def test_a_deployment_without_a_pair_into_the_cold_is_refused(script, tmp_path):
     path = _seed(tmp_path, 0, 1.0)
     with pytest.raises(SystemExit, match="no weaving pair into 'nobody'"):
         script.main([path, "--cold", "nobody", "--out", str(tmp_path / "r.json")])
+
+
+CYCLE_S, ON_S = 20.0, 10.0  # the hots send for 10 s of every 20
+
+
+def _phased_run(label: str, interference: float, weaving_cost: float) -> RunResult:
+    """A phased run: the hots busy for the first 10 s of each 20-s cycle, the cold steady.
+    A cold token's gap is 0.1 s, times `interference` while the hots are busy, times
+    `weaving_cost` too while they hold lent KV (from 2 s into their phase: the gaps before
+    are neither loaded nor quiet), times a slow drift of the machine over the run."""
+    weaving = label == "weaving"
+
+    def gap_at(t: float) -> float:
+        into = t % CYCLE_S
+        scale = interference if into < ON_S else 1.0
+        if weaving and 2.0 <= into < ON_S:
+            scale *= weaving_cost
+        return 0.1 * scale * (1 + t / 2000)  # drifts 3 % a minute, steadily
+
+    records = []
+    for i in range(80):  # one cold request a second, 10 output tokens each
+        sent, gaps = float(i), []
+        t = sent + 0.05
+        for _ in range(9):
+            gaps.append(gap_at(t))
+            t += gaps[-1]
+        records.append(RequestRecord(
+            request_id=i, model="cold", input_tokens=4, output_tokens=10, scheduled_at_s=sent,
+            sent_at_s=sent, ttft_s=0.05, e2e_s=t - sent, itl_s=gaps, num_output_tokens=10,
+            status=RequestStatus.OK))
+    records += [RequestRecord(
+        request_id=100 + k, model="hot-a", input_tokens=4, output_tokens=10,
+        scheduled_at_s=k * CYCLE_S, sent_at_s=k * CYCLE_S, ttft_s=0.1, e2e_s=ON_S,
+        num_output_tokens=10, status=RequestStatus.OK) for k in range(4)]
+    lent = [(t / 2, 5.0 if 2.0 <= (t / 2) % CYCLE_S < ON_S else 0.0) for t in range(170)]
+    return RunResult(label=label, base_url="http://x", rate=1.0, started_at="", duration_s=85,
+                     workload={"seed": 0, "model_phases": {"hot-a": [ON_S, CYCLE_S - ON_S]}},
+                     loadgen={}, records=records, summary=summarize(records, 85.0),
+                     scraped={'weaver_remote_kv_blocks_used{cold="cold",hot="hot-a"}': lent}
+                     if weaving else {})
+
+
+def test_a_phased_seed_is_judged_within_each_run(script, tmp_path, capsys):
+    """Weaving's cost is the weaving run's loaded/quiet over the dedicated run's (what the
+    hots' load costs the cold without weaving), each compared within its own cycles, so
+    the machine's drift over the run does not enter (nor a steady one within a cycle: the
+    loaded gaps are held against the quiet ones before and after them)."""
+    (tmp_path / "weaving.yaml").write_text(WEAVING)
+    result = new_result(["weaver", "bench", "compare", "dedicated.yaml",
+                         str(tmp_path / "weaving.yaml")])
+    result.runs = [_phased_run("dedicated", 1.03, 1.0), _phased_run("weaving", 1.03, 1.06)]
+    path = str(save_result(result, tmp_path / "phased.json"))
+    out = tmp_path / "report.json"
+    script.main([path, "--out", str(out)])
+    report = json.loads(out.read_text())
+    row = report["seeds"][0]
+    assert row["cycle_s"] == CYCLE_S and row["judged"]
+    assert row["dedicated_within_run"][0]["loaded_over_quiet"] == pytest.approx(1.03, abs=0.01)
+    assert row["weaving_within_run"]["loaded_over_quiet"] == pytest.approx(1.03 * 1.06, abs=0.01)
+    assert row["factor"] == pytest.approx(1.06, abs=0.01)
+    assert len(row["weaving_within_run"]["per_cycle"]) == 4
+    low, high = row["factor_90pct"]  # the four cycles drawn again
+    assert low <= row["factor"] <= high and high - low < 0.03
+    assert report["verdict"].startswith("pass: the cold's time per token with the hots' load")
+    assert "weaving's cost x1.06" in capsys.readouterr().out
+
+    result.runs = [_phased_run("dedicated", 1.03, 1.0), _phased_run("weaving", 1.03, 1.15)]
+    script.main([str(save_result(result, tmp_path / "over.json")), "--out", str(out)])
+    assert json.loads(out.read_text())["verdict"].startswith("fail: ")
+
+    sequential = _seed(tmp_path, 1, 1.05)
+    with pytest.raises(SystemExit, match="phased seeds .* or sequential ones, not both"):
+        script.main([path, sequential, "--out", str(out)])

@@ -73,9 +73,27 @@ def test_rate_errors():
 def test_model_load_parse():
     assert ModelLoad.parse("llama=2.5") == ModelLoad("llama", 2.5)
     assert ModelLoad.parse("qwen") == ModelLoad("qwen")
-    for bad in ("=3", "a=x", "a=-1"):
+    assert ModelLoad.parse("hot=0.5@60/90") == ModelLoad("hot", 0.5, (60.0, 90.0))
+    for bad in ("=3", "a=x", "a=-1", "a=1@60", "a=1@60/0", "a=1@x/2"):
         with pytest.raises(ValueError, match="--model"):
             ModelLoad.parse(bad)
+
+
+def test_phased_model_sends_only_while_on():
+    # hot at 2 req/s in 10-s bursts with 30 s off; cold steady at 0.5 req/s. Both span the
+    # same time: hot's rate over a cycle is 0.5 req/s too, so they get the same count.
+    rows = [TraceRow(float(i), 50, 5) for i in range(500)]
+    models = [ModelLoad("hot", 2.0, (10.0, 30.0)), ModelLoad("cold", 0.5)]
+    requests = build_workload(_spec(models=models, rate=None, num_requests=400), rows)
+    hot = [r.arrival_s for r in requests if r.model == "hot"]
+    cold = [r.arrival_s for r in requests if r.model == "cold"]
+    assert len(hot) == len(cold) == 200
+    assert all(t % 40.0 < 10.0 for t in hot)  # never inside an off phase
+    assert any(t % 40.0 >= 10.0 for t in cold)
+    on_time = 10.0 * (max(hot) // 40.0) + max(hot) % 40.0
+    assert len(hot) / on_time == pytest.approx(2.0, rel=0.2)  # the rate while on
+    with pytest.raises(ValueError, match="poisson or gamma"):
+        _spec(models=models, rate=None, arrival="trace")
 
 
 def test_trace_replay_stretched_to_rate():

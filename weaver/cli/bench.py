@@ -55,9 +55,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _add_workload_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
     g.add_argument(
-        "--model", action="append", required=True, metavar="NAME[=RATE]",
+        "--model", action="append", required=True, metavar="NAME[=RATE[@ON/OFF]]",
         help="a served model name, optionally with its own rate in req/s; repeat for several "
-        "models (rates for all or for none; with none, --rate is split by --power-law-alpha)",
+        "models (rates for all or for none; with none, --rate is split by --power-law-alpha). "
+        "@ON/OFF sends at RATE for ON seconds, then nothing for OFF seconds, over and over "
+        "(e.g. hot=0.5@60/60): another model's latency with and without this one's load, "
+        "interleaved in one run",
     )
     g.add_argument(
         "--trace", default="azure-conv", metavar="azure-conv|azure-code|burstgpt:PATH",
@@ -453,6 +456,7 @@ class _WorkloadBuilder:
             "model_rates": (
                 {m.name: r for m, r in zip(models, per_model, strict=True)} if per_model else {}
             ),
+            "model_phases": {m.name: list(m.phases) for m in models if m.phases is not None},
             "requests": describe_workload(requests),
         }
         return total, requests, description

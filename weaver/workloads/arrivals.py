@@ -39,6 +39,18 @@ def gamma_arrivals(
     return np.cumsum(gaps).tolist()
 
 
+def phased(times_s: Sequence[float], on_s: float, off_s: float) -> list[float]:
+    """Arrivals drawn at a model's rate moved into on/off phases: each `on_s` of arrivals
+    keeps its times inside an on phase, then `off_s` passes with none (the first phase is
+    on). The rate while on stays the one drawn at; over a cycle it is on/(on+off) of it.
+    A benchmark interleaves a model's load with its absence this way, to compare another
+    model's latency with and without it in one sitting."""
+    if not on_s > 0 or not off_s >= 0 or not np.isfinite(on_s + off_s):
+        raise ValueError(f"phases need on > 0 s and off >= 0 s, got on={on_s} off={off_s}")
+    stamps = np.asarray(times_s, dtype=float)
+    return (np.floor(stamps / on_s) * (on_s + off_s) + np.mod(stamps, on_s)).tolist()
+
+
 def trace_arrivals(timestamps_s: Sequence[float], time_scale: float = 1.0) -> list[float]:
     """The trace's own timestamps, made relative to the first and multiplied by
     `time_scale` (0.5 replays twice as fast, 2.0 half as fast)."""

@@ -14,7 +14,13 @@ from enum import Enum
 
 import numpy as np
 
-from weaver.workloads.arrivals import gamma_arrivals, poisson_arrivals, trace_arrivals, trace_rate
+from weaver.workloads.arrivals import (
+    gamma_arrivals,
+    phased,
+    poisson_arrivals,
+    trace_arrivals,
+    trace_rate,
+)
 from weaver.workloads.filters import apply_filter, default_filter_name, get_filter
 from weaver.workloads.lengths import scale_lengths
 from weaver.workloads.popularity import power_law_rates, split_count
@@ -32,26 +38,46 @@ class ArrivalKind(str, Enum):
 
 @dataclass(frozen=True)
 class ModelLoad:
-    """One model of the workload; `rate` in req/s, or None to take a share of the total."""
+    """One model of the workload; `rate` in req/s, or None to take a share of the total.
+    With `phases` (on seconds, off seconds) the model sends at `rate` for `on` seconds, then
+    nothing for `off` seconds, over and over (arrivals.phased)."""
 
     name: str
     rate: float | None = None
+    phases: tuple[float, float] | None = None
 
     @classmethod
     def parse(cls, text: str) -> ModelLoad:
-        """`NAME` or `NAME=RATE` (the CLI's --model value)."""
+        """`NAME`, `NAME=RATE` or `NAME=RATE@ON/OFF` (the CLI's --model value)."""
         name, sep, rate_text = text.partition("=")
         if not name.strip():
             raise ValueError(f"--model {text!r}: empty model name; use NAME or NAME=RATE")
         if not sep:
             return cls(name.strip())
+        rate_text, at, phase_text = rate_text.partition("@")
         try:
             rate = float(rate_text)
         except ValueError:
             raise ValueError(f"--model {text!r}: rate {rate_text!r} is not a number") from None
         if not rate > 0:
             raise ValueError(f"--model {text!r}: the rate must be > 0 req/s")
-        return cls(name.strip(), rate)
+        if not at:
+            return cls(name.strip(), rate)
+        try:
+            on_s, off_s = (float(part) for part in phase_text.split("/"))
+        except ValueError:
+            raise ValueError(f"--model {text!r}: phases {phase_text!r} are not ON/OFF seconds, "
+                             f"e.g. {name.strip()}={rate_text}@60/60") from None
+        if not on_s > 0 or not off_s > 0:
+            raise ValueError(f"--model {text!r}: both phases must be > 0 s")
+        return cls(name.strip(), rate, (on_s, off_s))
+
+    def mean_rate(self, rate: float) -> float:
+        """The model's rate over whole on/off cycles, when it sends at `rate` while on."""
+        if self.phases is None:
+            return rate
+        on_s, off_s = self.phases
+        return rate * on_s / (on_s + off_s)
 
 
 @dataclass
@@ -85,6 +111,11 @@ class WorkloadSpec:
             raise ValueError(f"--num-requests must be >= 1, got {self.num_requests}")
         if self.rate is not None and not self.rate > 0:
             raise ValueError(f"--rate must be > 0 req/s, got {self.rate}")
+        phased_models = [m.name for m in self.models if m.phases is not None]
+        if phased_models and self.arrival is ArrivalKind.TRACE:
+            raise ValueError(f"on/off phases ({phased_models}) move drawn arrivals; with "
+                             f"--arrival trace the trace's own times are replayed: use poisson "
+                             f"or gamma arrivals")
 
 
 def model_rates(spec: WorkloadSpec) -> list[float] | None:
@@ -128,10 +159,13 @@ def build_workload(
     else:
         assert rates is not None  # model_rates raises for poisson/gamma without a rate
         drafts = []
-        counts = split_count(spec.num_requests, rates)
+        # Counts by the rate over whole cycles, so that every model's requests span the
+        # same time.
+        counts = split_count(spec.num_requests, [
+            model.mean_rate(rate) for model, rate in zip(spec.models, rates, strict=True)])
         for model, rate, count, seed in zip(spec.models, rates, counts, seeds, strict=False):
             rng = np.random.default_rng(seed)
-            drafts += _sample_model(spec, model.name, rate, count, rows, rng)
+            drafts += _sample_model(spec, model, rate, count, rows, rng)
     drafts.sort(key=lambda d: d[0])  # stable: ties keep model order
     requests = []
     for request_id, (arrival_s, row, model) in enumerate(drafts):
@@ -144,7 +178,7 @@ def build_workload(
 
 def _sample_model(
     spec: WorkloadSpec,
-    model: str,
+    model: ModelLoad,
     rate: float,
     count: int,
     rows: Sequence[TraceRow],
@@ -156,7 +190,9 @@ def _sample_model(
         times = gamma_arrivals(count, rate, spec.burstiness, rng)
     else:
         times = poisson_arrivals(count, rate, rng)
-    return [(t, rows[int(i)], model) for t, i in zip(times, index, strict=True)]
+    if model.phases is not None:
+        times = phased(times, *model.phases)
+    return [(t, rows[int(i)], model.name) for t, i in zip(times, index, strict=True)]
 
 
 def _replay_trace(
