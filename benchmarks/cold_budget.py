@@ -19,7 +19,9 @@ the machine does not drift much within a cycle. In the weaving run "loaded" mean
 hots held lent KV on the cold (their attention ran there); in the dedicated run, that the
 hots had requests in flight. The dedicated run's ratio is what the hots' load costs the
 cold without weaving (the machine's shared cache and memory, the gateway); the weaving
-ratio over it is what weaving costs, judged against the budget.
+ratio over it is what weaving costs, judged against the budget. (Holding lent KV is the
+hots' busier time, so the dedicated ratio, over all their time in flight, if anything
+understates what their load costs then: the error is on the side of a higher cost.)
 
 Writes JSON that opens with the verdict, and a PNG: the factor per seed against the budget,
 and each hot model's lent KV over the weaving runs (from `--scrape-metric

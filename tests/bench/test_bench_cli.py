@@ -67,6 +67,22 @@ def test_run_summary_plot(fake_server, tmp_path, capsys, monkeypatch):
     assert (tmp_path / "png" / "throughput.png").stat().st_size > 0
 
 
+def test_a_phased_model_is_offered_at_its_rate_over_its_cycles(fake_server, tmp_path):
+    """`NAME=RATE@ON/OFF`: the run records the phases, and its offered rate is what the
+    phased model sends over whole cycles (40 req/s half the time) plus the steady one's."""
+    server = fake_server(FakeBehavior(ttft_s=0.01, itl_s=0.002))
+    out = tmp_path / "r.json"
+    assert _main(["bench", "run", "--url", server.url, "--model", "hot=40@0.2/0.2",
+                  "--model", "cold=20", "--num-requests", "8", "--length-scale", "0.01",
+                  "--max-model-len", "16", "--no-progress", "--out", str(out)]) == 0
+    run = load_result(out).runs[0]
+    assert run.workload["model_phases"] == {"hot": [0.2, 0.2]}
+    assert run.workload["model_rates"] == {"hot": 40.0, "cold": 20.0}
+    assert run.rate == pytest.approx(40.0)
+    hot = [r.scheduled_at_s for r in run.records if r.model == "hot"]
+    assert len(hot) == 4 and all(t % 0.4 < 0.2 for t in hot)
+
+
 def test_compare_two_fake_deployments_reports_ratios(fake_server, tmp_path, capsys):
     fast = fake_server(FakeBehavior(ttft_s=0.02, itl_s=0.01))
     slow = fake_server(FakeBehavior(ttft_s=0.02, itl_s=0.03))

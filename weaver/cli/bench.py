@@ -443,7 +443,10 @@ class _WorkloadBuilder:
         if self._rows is None:
             self._rows = load_rows(spec)
         requests = build_workload(spec, self._rows)
-        total = rate if rate is not None else (sum(per_model) if per_model else None)
+        # Offered over the whole run: a phased model's rate over its on/off cycles.
+        total = rate if rate is not None else (
+            sum(m.mean_rate(r) for m, r in zip(models, per_model, strict=True))
+            if per_model else None)
         description = {
             "trace": args.trace, "trace_file": str(self.source),
             "trace_sha256": self.source_sha256,
