@@ -102,9 +102,7 @@ def seed_row(path: str, result: BenchResult, cold: str, budget: float) -> dict:
            "dedicated_drift": tpots[-1] / tpots[0] if len(tpots) > 1 else None,
            "cold_reading": cold_reading(weaving, cold, budget),
            "errors": {run.label: errors(run) for run in result.runs},
-           "peak_remote_blocks": {
-               key: max(value for _, value in points)
-               for key, points in weaving.scraped.items() if key.startswith(REMOTE_BLOCKS)}}
+           "peak_remote_blocks": peak_remote_blocks(weaving)}
     # A dedicated baseline that moved more than the budget's growth during the seed (this
     # project's CPU drifted up to x1.17 in 10 minutes) cannot tell the budget kept from not.
     drift = row["dedicated_drift"]
@@ -113,6 +111,12 @@ def seed_row(path: str, result: BenchResult, cold: str, budget: float) -> dict:
                         "drift" if drift is not None and abs(drift - 1) > budget - 1 else None)
     row["judged"] = row["disturbed"] is None
     return row
+
+
+def peak_remote_blocks(weaving: RunResult) -> dict[str, float]:
+    """Each hot model's most lent KV blocks held during the weaving run, by scraped series."""
+    return {key: max(value for _, value in points)
+            for key, points in weaving.scraped.items() if key.startswith(REMOTE_BLOCKS)}
 
 
 def phase_cycle_s(run: RunResult) -> float | None:
@@ -244,7 +248,8 @@ def resampled_factor(weaving: list[GapSums], dedicated: list[list[GapSums]],
     return [factors[int(0.05 * len(factors))], factors[int(0.95 * len(factors)) - 1]]
 
 
-def phased_row(path: str, result: BenchResult, cold: str, cycle_s: float) -> dict:
+def phased_row(path: str, result: BenchResult, cold: str, budget: float, cycle_s: float
+               ) -> dict:
     """One phased seed: the weaving run's loaded/quiet ratio over the dedicated run's (what
     the hots' load costs the cold without weaving)."""
     weaving = weaving_run(result)
@@ -261,10 +266,9 @@ def phased_row(path: str, result: BenchResult, cold: str, cycle_s: float) -> dic
            "factor": (own["loaded_over_quiet"] / baseline
                       if baseline and own["loaded_over_quiet"] else None),
            "factor_90pct": resampled_factor(own_cycles, list(without_cycles)),
+           "cold_reading": cold_reading(weaving, cold, budget),
            "errors": {run.label: errors(run) for run in result.runs},
-           "peak_remote_blocks": {
-               key: max(value for _, value in points)
-               for key, points in weaving.scraped.items() if key.startswith(REMOTE_BLOCKS)}}
+           "peak_remote_blocks": peak_remote_blocks(weaving)}
     row["disturbed"] = ("errors" if any(row["errors"].values()) else
                         "too few gaps loaded and quiet at one concurrency"
                         if row["factor"] is None else None)
@@ -419,8 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         if cycle_s is None:
             rows.append(seed_row(path, result, args.cold, budget))
         else:
-            rows.append(phased_row(path, result, args.cold, cycle_s))
-            rows[-1]["cold_reading"] = cold_reading(weaving_run(result), args.cold, budget)
+            rows.append(phased_row(path, result, args.cold, budget, cycle_s))
     report = judge(rows, budget)
     report["command"] = sys.argv
     args.out.parent.mkdir(parents=True, exist_ok=True)

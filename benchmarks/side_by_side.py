@@ -29,15 +29,17 @@ from weaver.results.records import RunResult, load_result
 
 
 def run_ratio(run: RunResult, model: str, over: str) -> dict:
-    """One run: each model's mean and median TPOT, and the ratio of the means."""
+    """One run: each model's mean and median TPOT (its run summary's), and the ratio of the
+    means."""
     row: dict = {"label": run.label}
     for name in (model, over):
-        tpots = [r.tpot_s for r in run.records if r.model == name and r.tpot_s is not None]
-        if not tpots:
+        summary = run.summary.get(name)
+        tpot = summary.tpot if summary is not None else None
+        if tpot is None:
             raise SystemExit(f"run {run.label!r} has no finished {name!r} request with a TPOT; "
                              f"its models: {sorted({r.model for r in run.records})}")
-        row[name] = {"mean_tpot_ms": 1000 * statistics.mean(tpots),
-                     "p50_tpot_ms": 1000 * statistics.median(tpots), "num_requests": len(tpots)}
+        row[name] = {"mean_tpot_ms": 1000 * tpot.mean, "p50_tpot_ms": 1000 * tpot.p(50),
+                     "num_requests": tpot.num}
     row["ratio"] = row[model]["mean_tpot_ms"] / row[over]["mean_tpot_ms"]
     return row
 
