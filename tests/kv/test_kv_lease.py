@@ -45,6 +45,19 @@ def test_lease_tops_up_within_the_quota(parts):
     assert locked.stats().tenants[1].num_blocks == 4
 
 
+def test_the_lease_knows_the_room_its_quota_still_grants(parts):
+    """Spares cover the next step only; the room beyond them is what a hot engine weighs
+    this pool by against its other colds' free blocks."""
+    _, lease = parts
+    lease.sync(1)
+    assert (lease.num_allocatable_blocks("hot"), lease.num_room_blocks) == (1, 3)
+    lease.sync(3)
+    assert (lease.num_allocatable_blocks("hot"), lease.num_room_blocks) == (3, 1)
+    lease.client = Gone()
+    lease.sync(4)  # the owner is gone: nothing more to count on
+    assert lease.num_room_blocks == 0
+
+
 def test_freed_blocks_are_spares_and_the_excess_goes_back(parts):
     locked, lease = parts
     lease.sync()

@@ -59,3 +59,18 @@ def test_pool_series_follow_the_owners_running_totals(tmp_path):
     metrics.refresh(pool, "cold")
     assert value("weaver_kv_pool_reclaims_total") == 4
     assert value("weaver_kv_pool_cache_evictions_total") == 11
+
+
+def test_a_loan_pools_series_come_from_the_gateways_own_allocator():
+    """A loan pool has no owner engine: the gateway hosts it and publishes its allocator's
+    stats directly; there are no reclaims or cached blocks to report."""
+    allocator = UnifiedKVAllocator(100, SHAPE.head_block_bytes)
+    allocator.add_tenant("hot-a", SHAPE, 50)
+    allocator.add_tenant("hot-b", SHAPE, 50)
+    registry = CollectorRegistry()
+    UnifiedPoolMetrics(registry).publish("loan", {"pool": "loan", "tenant_reports": {},
+                                                  **asdict(allocator.stats())}, "gateway")
+    assert registry.get_sample_value("weaver_kv_pool_size_pages", {"pool": "loan"}) == 100
+    assert registry.get_sample_value("weaver_kv_pool_quota_pages",
+                                     {"pool": "loan", "tenant": "hot-b"}) == 50
+    assert registry.get_sample_value("weaver_kv_pool_reclaims_total", {"pool": "loan"}) is None

@@ -346,3 +346,30 @@ def test_a_hot_model_over_two_colds_becomes_two_pairs_of_one_hot_gpu(cpu_profile
     hot = [r for r in result["requests"] if r["model"] == "hot"]
     assert all(r["e2e_s"] is not None for r in result["requests"])
     assert 0.5 <= sum(r["is_remote"] for r in hot) / len(hot) <= 0.8
+
+
+def test_two_hots_share_their_colds_loan_pool_by_demand(cpu_profile):
+    """`hot-a` busy, `hot-b` with one request: in the loan pool (no unified_kv) hot-a may
+    hold the whole loan but one sequence of hot-b's, where a fixed, equal region stops it
+    at half (as on CUDA, or with a hot model in two loan pools)."""
+    deployment = load_deployment(DEPLOYMENTS / "two_hots" / "weaving_loan_pool.yaml")
+    hot_a = [TraceRequest(0.05 * i, 200, 60, "hot-a", i) for i in range(40)]
+    requests = sorted([*hot_a, TraceRequest(0.5, 200, 60, "hot-b", 100),
+                       TraceRequest(1.0, 150, 40, "cold", 200)], key=lambda r: r.arrival_s)
+    config = sim_config_from_deployment(deployment, {m: cpu_profile
+                                                     for m in ("hot-a", "hot-b", "cold")},
+                                        requests)
+    # 96 SmolLM2 blocks lent; each hot model's bound keeps 16 (one 512-token sequence) for
+    # the other.
+    assert [(p.remote_blocks, p.loan_quota_blocks) for p in config.placement.pairs] == [
+        (96, 80), (96, 80)]
+    pairs = [p.model_copy(update={"offload_ratio": 1.0}) for p in config.placement.pairs]
+    shared = config.model_copy(update={"placement": config.placement.model_copy(
+        update={"pairs": pairs})})
+    regions = config.model_copy(update={"placement": config.placement.model_copy(update={
+        "pairs": [p.model_copy(update={"remote_blocks": 48, "loan_quota_blocks": None})
+                  for p in pairs]})})
+    peak = {label: simulate(cfg, requests=requests)["lent_kv"]["hot-a"][0]["peak_blocks"]
+            for label, cfg in (("shared", shared), ("regions", regions))}
+    print(f"hot-a peak remote blocks: {peak}")
+    assert peak["regions"] <= 48 < peak["shared"] <= 80

@@ -34,6 +34,7 @@ from weaver.vllm_ext.block_pool import (
     AllocatorBlockPool,  # noqa: E402
     open_pool_owner,  # noqa: E402
 )
+from weaver.vllm_ext.routing_kv_cache_manager import lendable_blocks  # noqa: E402
 from weaver.vllm_ext.scheduler import LeaseKeeper  # noqa: E402
 from weaver.weaving.placement import Placement  # noqa: E402
 
@@ -389,8 +390,8 @@ class StandInScheduler:
         self.hot_pool = hot_pool
         self.running: list[_Request] = []
         self.preempted: list[str] = []
-        self.kv_cache_manager = self  # placed and get_block_ids, as RoutingKVCacheManager's
-        self.placed: dict[str, Placement] = {}
+        self.kv_cache_manager = self  # cold_of and get_block_ids, as RoutingKVCacheManager's
+        self.cold_of: dict[str, int] = {}  # a remote request's cold, in plan order
 
     def get_block_ids(self, request_id: str) -> tuple[list[int]]:
         (request,) = [r for r in self.running if r.request_id == request_id]
@@ -424,14 +425,17 @@ def test_a_restarted_owner_gets_the_old_pools_requests_preempted_and_a_new_lease
                          hash_block_size=32)
     hot_pool.get_new_blocks(NUM_LOCAL - 1)
     hot_pool = AllocatorBlockPool.adopt(hot_pool, lease, "hot", NUM_LOCAL)
-    keeper = LeaseKeeper(lease, is_local=False)
+    # The hot engine weaves into two colds; the pool is the second's (plan order 1), the
+    # first keeps its remote blocks in a region.
+    keeper = LeaseKeeper(lease, is_local=False, cold=1)
     scheduler = StandInScheduler(hot_pool)
     lease.sync(4)
-    for request_id, placement in (("a", Placement.REMOTE), ("b", Placement.LOCAL),
-                                  ("c", Placement.REMOTE)):
-        blocks = hot_pool.get_new_blocks(2) if placement is Placement.REMOTE else []
+    for request_id, placement, cold in (("a", Placement.REMOTE, 1), ("b", Placement.LOCAL, -1),
+                                        ("c", Placement.REMOTE, 1), ("d", Placement.REMOTE, 0)):
+        blocks = hot_pool.get_new_blocks(2) if cold == 1 else []
         scheduler.running.append(_Request(request_id, blocks))
-        scheduler.placed[request_id] = placement
+        if placement is Placement.REMOTE:
+            scheduler.cold_of[request_id] = cold
     keeper.num_reclaim_preemptions = 2  # told to the old owner
     os.kill(first.pid, signal.SIGKILL)
     first.join(10)
@@ -443,8 +447,9 @@ def test_a_restarted_owner_gets_the_old_pools_requests_preempted_and_a_new_lease
         assert lease.broken_reason is not None and lease.num_allocatable_blocks("hot") == 0
         lease.void("the unified pool's owner restarted")  # what cold_restarted does
         assert keeper.preempt_leased(scheduler) == (4, 2)
-        assert scheduler.preempted == ["c", "a"]  # newest first; the local one runs on
-        assert [r.request_id for r in scheduler.running] == ["b"]
+        # Newest first; the local one and the one on the other cold run on.
+        assert scheduler.preempted == ["c", "a"]
+        assert [r.request_id for r in scheduler.running] == ["b", "d"]
         assert lease.num_held_blocks == 0
         keeper.renew()
         lease.sync(3)  # a new connection, to the new owner
@@ -477,3 +482,32 @@ def test_an_owner_tearing_down_is_gone_to_its_leases_not_an_error():
         assert lease.broken_reason == "ConnectionResetError: the pool's owner is closing"
     finally:
         lease.client.close()
+
+
+def test_a_loan_pool_lease_counts_its_quota_room_for_placement():
+    """Two hot tenants share a loan pool (no owner: the gateway hosts it). A hot engine's
+    leased remote pool holds only the next step's spares, so placement weighs it against
+    its other colds by those and the room its quota still grants, not by the spares."""
+    name = f"wtest{uuid.uuid4().hex[:8]}"
+    per_block = OTHER.pages_per_block(PAGE)
+    plan = PoolPlan(pool_name=f"{name}_pool", table_name=f"{name}_table", page_bytes=PAGE,
+                    num_pages=8 * per_block,
+                    tenants=(PoolTenantPlan("hot", OTHER, 4 * per_block, first_block_id=0),
+                             PoolTenantPlan("hot2", OTHER, 4 * per_block, first_block_id=0)),
+                    rebalance_interval_s=0.0, service_address=f"\0{name}",
+                    authkey_hex=uuid.uuid4().hex)
+    hosted = HostedPool(plan)
+    lease = LeasedTenantAllocator(PoolClient(plan), "hot", plan.max_blocks("hot"), 1)
+    try:
+        hot_pool = BlockPool(NUM_LOCAL + plan.max_blocks("hot"), enable_caching=False,
+                             hash_block_size=32)
+        hot_pool.get_new_blocks(NUM_LOCAL - 1)
+        hot_pool = AllocatorBlockPool.adopt(hot_pool, lease, "hot", NUM_LOCAL)
+        lease.sync(1)
+        assert hot_pool.get_num_free_blocks() == 1  # what vLLM may take in this step
+        assert lendable_blocks(hot_pool) == 4  # the spare and the quota's 3 more
+        region = BlockPool(10, enable_caching=False, hash_block_size=32)
+        assert lendable_blocks(region) == region.get_num_free_blocks() == 9
+    finally:
+        lease.client.close()
+        hosted.close()

@@ -179,16 +179,70 @@ def test_unified_kv_is_for_cold_models_only():
         parse_deployment({"models": [{"name": "a", "model": "x", "unified_kv": True}]})
 
 
-def test_two_hot_models_share_what_their_cold_model_lends(tmp_path):
-    dirs = {"h": write_model(tmp_path, "h", 30, 9, 3, 576), "c": tmp_path}
+def two_hots_deployment(both_into_d: bool = False, hot_device: str = "cpu"):
+    hot = {"model": "x", "role": "hot", "block_size": 32, "max_model_len": 512,
+           "device": hot_device}
+    cold = {"model": "y", "role": "cold", "lend_kv_gib": 0.25, "device": hot_device}
+    return parse_deployment({
+        "models": [{"name": "h", **hot}, {"name": "h2", **hot}, {"name": "c", **cold},
+                   {"name": "d", **cold}],
+        "weaving": [{"hot": "h", "cold": ["c", "d"] if both_into_d else ["c"]},
+                    {"hot": "h2", "cold": ["c", "d"] if both_into_d else ["c"]}]})
+
+
+def smollm2_dirs(tmp_path):
+    dirs = {"h": write_model(tmp_path, "h", 30, 9, 3, 576), "c": tmp_path, "d": tmp_path}
     dirs["h2"] = dirs["h"]
-    hot = {"model": "x", "role": "hot", "block_size": 32, "max_model_len": 512}
-    shared = parse_deployment({
-        "models": [{"name": "h", **hot}, {"name": "h2", **hot},
-                   {"name": "c", "model": "y", "role": "cold", "lend_kv_gib": 0.25}],
-        "weaving": [{"hot": "h", "cold": ["c"]}, {"hot": "h2", "cold": ["c"]}]})
-    plans = plan_pairs(shared, dirs, "pfx")
-    # Half of 0.25 GiB each, in SmolLM2's blocks (30 x 3 x 32 x 2 x 64 x 4 bytes).
-    assert [p.num_remote_blocks for p in plans] == [(1 << 27) // (30 * 3 * 32 * 2 * 64 * 4)] * 2
-    total = sum(region_bytes_of(p.shape, p.num_remote_blocks) for p in plans)
+    return dirs
+
+
+SMOLLM2_BLOCK = 30 * 3 * 32 * 2 * 64 * 4  # 30 layers x 3 kv heads x 32 tokens x K, V x 64 x fp32
+
+
+def test_two_hot_models_share_their_cold_models_loan_in_one_pool(tmp_path):
+    from weaver.server.weaving import Weaving, loan_pools, remote_kv_home
+
+    deployment = two_hots_deployment()
+    plans = plan_pairs(deployment, smollm2_dirs(tmp_path), "pfx")
+    pool = plans[0].pool
+    assert pool is not None and plans[1].pool == pool and pool.owner is None
+    # Exactly the loan, in pages of one head-block (32 tokens x K, V x 64 x 4 bytes).
+    assert pool.page_bytes == 32 * 2 * 64 * 4
+    assert pool.num_pages == (1 << 28) // pool.page_bytes
+    # Equal quotas to start with, never below one 512-token sequence (16 blocks of 90 pages).
+    assert [(t.name, t.quota_pages, t.min_quota_pages) for t in pool.tenants] == [
+        ("h", pool.num_pages // 2, 16 * 90), ("h2", pool.num_pages // 2, 16 * 90)]
+    # Each hot model's ids span the whole loan: its quota, not its range, bounds it.
+    assert [p.num_remote_blocks for p in plans] == [(1 << 28) // SMOLLM2_BLOCK] * 2
+    assert plans[0].layout().kv_in_pool
+    assert PairPlan.from_dict(json.loads(json.dumps(plans[0].to_dict()))) == plans[0]
+    assert loan_pools(plans) == [pool] and remote_kv_home(plans[0]) == "loan pool"
+    # The cold model's own KV stays in vLLM's cache: no pool in its engine's section.
+    weaving = Weaving(deployment, plans, tmp_path / "pairs")
+    assert "pool" not in weaving.engine_section("c")
+    assert weaving.engine_section("h")["hot"][0]["pool"]["pool_name"] == pool.pool_name
+
+
+@pytest.mark.parametrize(("both_into_d", "hot_device"), [(True, "cpu"), (False, "cuda:0")])
+def test_hot_models_that_cannot_share_a_pool_get_fixed_equal_regions(
+        tmp_path, both_into_d, hot_device, caplog):
+    """On CUDA (no pool of pages there yet), and on a second cold model whose hot models
+    already lease from the first one's loan pool (a hot engine leases from one pool)."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="weaver.weaving.plan"):
+        plans = plan_pairs(two_hots_deployment(both_into_d, hot_device),
+                           smollm2_dirs(tmp_path), "pfx")
+    fixed_on = "d" if both_into_d else "c"
+    in_regions = [p for p in plans if p.cold == fixed_on]
+    assert [p.pool for p in in_regions] == [None, None]
+    # Half of 0.25 GiB each, in SmolLM2's blocks.
+    assert [p.num_remote_blocks for p in in_regions] == [(1 << 27) // SMOLLM2_BLOCK] * 2
+    total = sum(region_bytes_of(p.shape, p.num_remote_blocks) for p in in_regions)
     assert total <= 0.25 * 2**30  # within the loan, as the cold side's ColdLink checks
+    if both_into_d:  # c's loan is shared: each hot model's plans hold one pool at most
+        assert [p.pool is not None for p in plans if p.cold == "c"] == [True, True]
+    why = ("'h' already shares cold model 'c''s loan pool" if both_into_d
+           else "shared memory on the CPU only")
+    assert f"cold model '{fixed_on}' lends ['h', 'h2'] fixed, equal regions" in caplog.text
+    assert why in caplog.text

@@ -26,15 +26,21 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import signal
-import threading
 import time
 from pathlib import Path
 
-import httpx
 import openai
 import psutil
 import pytest
-from weaving_client import complete_all, make_prompts, metric, openai_client, own_and_other_core
+from weaving_client import (
+    PoolWatcher,
+    complete_all,
+    make_prompts,
+    metric,
+    openai_client,
+    own_and_other_core,
+    pool_gauges,
+)
 
 from weaver.bench.server_process import weaver_server
 
@@ -106,58 +112,10 @@ def client(server) -> openai.OpenAI:
 
 
 
-def pool_gauges(server) -> tuple[dict[str, float], dict[str, float], float]:
-    """(pages, quota pages) per tenant and the pool's size, from one scrape (empty and 0
-    before the owner's first stats)."""
-    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
-    pages: dict[str, float] = {}
-    quotas: dict[str, float] = {}
-    size = 0.0
-    for line in text.splitlines():
-        if line.startswith(("weaver_kv_pool_pages{", "weaver_kv_pool_quota_pages{")):
-            tenant = line.split('tenant="', 1)[1].split('"', 1)[0]
-            into = pages if line.startswith("weaver_kv_pool_pages{") else quotas
-            into[tenant] = float(line.split()[-1])
-        elif line.startswith("weaver_kv_pool_size_pages{"):
-            size += float(line.split()[-1])
-    return pages, quotas, size
-
-
 def pool_share_of_hot(server) -> float:
     """The hot tenants' pages over the pool's, from one scrape (0 before the first stats)."""
     pages, _, size = pool_gauges(server)
     return sum(pages.get(hot, 0.0) for hot in HOTS) / size if size else 0.0
-
-
-class PoolWatcher:
-    """Polls the pool gauges while requests run: the hot tenants' peak share of the pool,
-    and each tenant's peak pages and quota."""
-
-    def __init__(self, server) -> None:
-        self.server = server
-        self.peak_hot_share = 0.0
-        self.peak_pages: dict[str, float] = {}
-        self.peak_quota: dict[str, float] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> PoolWatcher:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.5):
-            pages, quotas, size = pool_gauges(self.server)
-            if size:
-                self.peak_hot_share = max(self.peak_hot_share,
-                                          sum(pages.get(hot, 0.0) for hot in HOTS) / size)
-            for peaks, values in ((self.peak_pages, pages), (self.peak_quota, quotas)):
-                for tenant, value in values.items():
-                    peaks[tenant] = max(peaks.get(tenant, 0.0), value)
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +124,7 @@ def hot_reference(client) -> list[str]:
 
 
 def test_hot_fills_the_idle_cold_pool_and_is_token_exact(server, client, hot_reference):
-    with PoolWatcher(server) as watcher:
+    with PoolWatcher(server, HOTS) as watcher:
         assert complete_all(client, "hot", make_prompts(NUM_PROMPTS)) == hot_reference
     print(f"hot tenant's peak share of the pool: {watcher.peak_hot_share:.2f}")
     # Acceptance: with the cold model idle, hot tenants use >= 80 % of the pool (its
@@ -208,7 +166,7 @@ def test_the_busier_of_two_hots_gets_more_of_the_loan(server, client, hot_refere
     tasks_before = {hot: metric(server, f'weaver_offload_tasks_total{{cold="cold",hot="{hot}"}}')
                     for hot in HOTS}
     prompts = make_prompts(NUM_PROMPTS)
-    with PoolWatcher(server) as watcher, cf.ThreadPoolExecutor(2) as pool:
+    with PoolWatcher(server, HOTS) as watcher, cf.ThreadPoolExecutor(2) as pool:
         busy = pool.submit(complete_all, client, "hot", prompts)
         light = pool.submit(complete_all, client, "hot-b", prompts[:NUM_LIGHT_PROMPTS])
         assert busy.result(timeout=600) == hot_reference

@@ -5,8 +5,11 @@ model weaving into `cold` with `offload_ratio: auto`: local first, and remote on
 local KV is full, while weaving pays: weaver/weaving/placement.py), `hot-all` (every
 sequence remote, each on one of two colds, `cold` or `cold2`, whichever has more free lent
 blocks), `cold` (a random-weight Llama of another shape: 3 layers, 6 q / 1 kv heads, head
-64, against SmolLM2's 30 layers, 9 q / 3 kv heads), `cold2` (another shape again: 2 layers,
-4 q / 2 kv heads, head 32), and `mux-a`, `mux-b`
+64, against SmolLM2's 30 layers, 9 q / 3 kv heads; `hot` and `hot-all` share what it lends
+in one loan pool the gateway hosts, quotas moved by ADBS: weaver/weaving/plan.py
+plan_loan_pools), `cold2` (another shape again: 2 layers, 4 q / 2 kv heads, head 32; a
+region of 45 blocks for `hot-all` alone, so that `hot-all`'s sequences still go to
+`cold` once `hot` holds most of its loan), and `mux-a`, `mux-b`
 (SmolLM2 twice, colocated in a spatial-temporal mux group, taking turns step by step:
 weaver/mux/, their KV in one pool the gateway hosts, quotas moved by ADBS:
 weaver/server/mux_pool.py). The SmolLM2 engines have the same capped local KV (16 usable
@@ -27,7 +30,14 @@ from pathlib import Path
 import openai
 import psutil
 import pytest
-from weaving_client import complete_all, make_prompts, metric, openai_client
+from weaving_client import (
+    PoolWatcher,
+    complete_all,
+    make_prompts,
+    metric,
+    openai_client,
+    pool_gauges,
+)
 
 from weaver.bench.server_process import weaver_server
 from weaver.mux.table import table_path
@@ -66,13 +76,13 @@ models:
     role: cold
     kv_cache_gib: 0.1
     max_model_len: 512
-    lend_kv_gib: 0.25
+    lend_kv_gib: 0.125
   - name: cold2
     model: {tiny2}
     role: cold
     kv_cache_gib: 0.1
     max_model_len: 512
-    lend_kv_gib: 0.125
+    lend_kv_gib: 0.0625
 serving:
   restart: {{enabled: false}}
 mux:
@@ -116,6 +126,21 @@ def reference(server, client) -> dict:
     return {"prompts": prompts, "outputs": outputs, "peak_running": peak}
 
 
+def tasks_of(server, hot: str, cold: str) -> float:
+    return metric(server, f'weaver_offload_tasks_total{{cold="{cold}",hot="{hot}"}}')
+
+
+def test_all_remote_over_two_colds_is_token_exact(server, client, reference):
+    # First of the module's weaving tests: `hot-all` starts from half of `cold`'s loan
+    # pool (later tests move quota to `hot`), so its sequences go to both colds, each to
+    # whichever can lend more blocks.
+    outputs = complete_all(client, "hot-all", reference["prompts"])
+    assert outputs == reference["outputs"]
+    assert metric(server, 'weaver_offload_sequences_total{model="hot-all"}') >= NUM_PROMPTS
+    assert tasks_of(server, "hot-all", "cold") > 0 and tasks_of(server, "hot-all", "cold2") > 0
+    assert metric(server, 'weaver_offload_fallbacks_total{model="hot-all"}') == 0
+
+
 def test_auto_is_token_exact_and_fills_the_remote_pool_when_kv_bound(
         server, client, reference):
     outputs = complete_all(client, "hot", reference["prompts"])
@@ -136,16 +161,26 @@ def test_auto_is_token_exact_and_fills_the_remote_pool_when_kv_bound(
     assert peak >= 1.8 * reference["peak_running"]
 
 
-def tasks_of(server, hot: str, cold: str) -> float:
-    return metric(server, f'weaver_offload_tasks_total{{cold="{cold}",hot="{hot}"}}')
-
-
-def test_all_remote_over_two_colds_is_token_exact(server, client, reference):
-    outputs = complete_all(client, "hot-all", reference["prompts"])
-    assert outputs == reference["outputs"]
-    assert metric(server, 'weaver_offload_sequences_total{model="hot-all"}') >= NUM_PROMPTS
-    assert tasks_of(server, "hot-all", "cold") > 0 and tasks_of(server, "hot-all", "cold2") > 0
-    assert metric(server, 'weaver_offload_fallbacks_total{model="hot-all"}') == 0
+def test_the_busier_of_two_hots_gets_more_of_colds_loan(server, client, reference):
+    """`hot` (16 requests, KV-bound: its remote blocks all on `cold`) and `hot-all` (2
+    requests, each on whichever of `cold` and `cold2` can lend more) at once. They share
+    `cold`'s 0.125 GiB (91 SmolLM2 blocks) in one loan pool, each starting from half of it;
+    ADBS moves quota to the one short of blocks, so the busier one holds more than an
+    equal, fixed region would give it. Both stay token-exact."""
+    tasks_before = tasks_of(server, "hot", "cold")
+    with PoolWatcher(server, ("hot", "hot-all")) as watcher, cf.ThreadPoolExecutor(2) as pool:
+        busy = pool.submit(complete_all, client, "hot", reference["prompts"])
+        light = pool.submit(complete_all, client, "hot-all", reference["prompts"][:2])
+        assert busy.result(timeout=600) == reference["outputs"]
+        assert light.result(timeout=600) == reference["outputs"][:2]
+    _, _, size = pool_gauges(server)
+    print(f"loan pool of {size:.0f} pages: peak pages {watcher.peak_pages}, "
+          f"peak quota {watcher.peak_quota}")
+    assert watcher.peak_pages["hot"] > size / 2 > watcher.peak_pages["hot-all"]
+    assert watcher.peak_quota["hot"] > size / 2
+    assert tasks_of(server, "hot", "cold") > tasks_before  # its decode attention ran there
+    pair = next(p for p in server.health().json()["weaving"] if p["hot"] == "hot")
+    assert pair["remote_kv_in"] == "loan pool"
 
 
 def test_an_idle_colocated_model_lends_its_pool_quota(server, client, reference):

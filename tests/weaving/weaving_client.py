@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import threading
 
 import httpx
 import openai
@@ -58,3 +59,52 @@ def metric(server, name: str) -> float:
         if line.startswith(name):
             total += float(line.split()[-1])
     return total
+
+
+def pool_gauges(server) -> tuple[dict[str, float], dict[str, float], float]:
+    """(pages, quota pages) per tenant and the pool's size, from one scrape (empty and 0
+    before the owner's first stats)."""
+    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    pages: dict[str, float] = {}
+    quotas: dict[str, float] = {}
+    size = 0.0
+    for line in text.splitlines():
+        if line.startswith(("weaver_kv_pool_pages{", "weaver_kv_pool_quota_pages{")):
+            tenant = line.split('tenant="', 1)[1].split('"', 1)[0]
+            into = pages if line.startswith("weaver_kv_pool_pages{") else quotas
+            into[tenant] = float(line.split()[-1])
+        elif line.startswith("weaver_kv_pool_size_pages{"):
+            size += float(line.split()[-1])
+    return pages, quotas, size
+
+
+class PoolWatcher:
+    """Polls the pool gauges while requests run: the hot tenants' peak share of the pool,
+    and each tenant's peak pages and quota."""
+
+    def __init__(self, server, hots: tuple[str, ...]) -> None:
+        self.server = server
+        self.hots = hots
+        self.peak_hot_share = 0.0
+        self.peak_pages: dict[str, float] = {}
+        self.peak_quota: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> PoolWatcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            pages, quotas, size = pool_gauges(self.server)
+            if size:
+                self.peak_hot_share = max(self.peak_hot_share,
+                                          sum(pages.get(hot, 0.0) for hot in self.hots) / size)
+            for peaks, values in ((self.peak_pages, pages), (self.peak_quota, quotas)):
+                for tenant, value in values.items():
+                    peaks[tenant] = max(peaks.get(tenant, 0.0), value)

@@ -64,7 +64,7 @@ class ModelSpec(BaseModel):
     block_size: int | None = Field(None, ge=1, description="KV block size; engine default if unset")
     max_num_seqs: int = Field(64, ge=1, description="most sequences in one batch")
     lend_kv_gib: float = Field(0.0, ge=0, description="cold role: memory lent to hot models, "
-                               "GiB, split evenly among them")
+                               "GiB; several hot models share it by demand (docs/weaving.md)")
     num_gpu_blocks_override: int | None = Field(
         None, ge=1, description="cap the engine's own KV blocks (benchmarks of KV-bound load)"
     )

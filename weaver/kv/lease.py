@@ -60,6 +60,9 @@ class LeasedTenantAllocator:
         self.report: dict[str, Any] = {}  # sent with every sync: the tenant's own counters
         self._starved_since: float | None = None  # last sync that got fewer blocks than asked
         self.num_skipped_syncs = 0
+        # Blocks the owner would still grant beyond the spares, as of the last sync (the
+        # tenant's quota room): with the spares, what this pool can lend a new sequence.
+        self.num_room_blocks = 0
 
     # --- what AllocatorBlockPool calls ------------------------------------------------
     def max_blocks(self, tenant: str) -> int:
@@ -135,6 +138,7 @@ class LeasedTenantAllocator:
         for block in self._spare:
             self._pages.pop(block.block_id, None)
         self._spare.clear()
+        self.num_room_blocks = 0
         logger.error("KV pool lease of %r broken (%s): no new remote blocks",
                      self.tenant, self.broken_reason)
 
@@ -149,6 +153,7 @@ class LeasedTenantAllocator:
         self.broken_reason = None
         self.num_to_release = 0
         self._starved_since = None
+        self.num_room_blocks = 0
         self.report = {}
         logger.info("KV pool lease of %r renewed with the pool's new owner", self.tenant)
 
@@ -168,6 +173,7 @@ class LeasedTenantAllocator:
             block = LeasedBlock(block_id, tuple(pages))
             self._pages[block_id] = block.page_ids
             self._spare.append(block)
+        self.num_room_blocks = answer.get("room", 0)
         return answer["to_release"], len(answer["blocks"])
 
     def _check(self, tenant: str) -> None:

@@ -222,7 +222,10 @@ class KVAllocatorService:
             self.allocator.allocate_blocks(tenant, want)
         blocks = self.allocator.allocate_blocks(tenant, num_new) if num_new > 0 else []
         return {"blocks": [[b.block_id, list(b.page_ids)] for b in blocks or []],
-                "to_release": self.allocator.num_blocks_to_release(tenant)}
+                "to_release": self.allocator.num_blocks_to_release(tenant),
+                # What the quota would still grant after this: a hot engine weighs a pool
+                # of pages against its other colds' free blocks by it.
+                "room": self.allocator.num_allocatable_blocks(tenant)}
 
 
 class ConnectionLedger:

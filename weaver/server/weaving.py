@@ -27,6 +27,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from weaver.config.deployment import Deployment, Role
+from weaver.kv.owner import HostedPool
+from weaver.kv.pool_plan import PoolPlan
 from weaver.server.features import ServeFeature
 from weaver.vllm_ext.additional_config import (
     LinkSection,
@@ -103,20 +105,27 @@ class UnifiedPoolMetrics:
         except (OSError, ValueError) as exc:
             logger.debug("unified KV pool stats %s unavailable: %r", pool.stats_path, exc)
             return
-        name = pool.pool_name
+        self.publish(pool.pool_name, stats, owner)
+
+    def publish(self, name: str, stats: dict, source: str) -> None:
+        """Set the series of pool `name` from its allocator's stats, as reported by
+        `source` (a cold engine's published file, or the gateway's own loan pool, which
+        has no owner: no reclaims, no prefix cache)."""
         self.pool_size.labels(pool=name).set(stats["num_pages"])
         for tenant in stats["tenants"]:
             self.pool_pages.labels(pool=name, tenant=tenant["name"]).set(
                 tenant["num_used_pages"])
             self.pool_quota.labels(pool=name, tenant=tenant["name"]).set(tenant["quota_pages"])
-        self.add_total(self.pool_rebalances, {"pool": name}, stats["num_rebalances"], owner)
-        self.add_total(self.pool_reclaims, {"pool": name}, stats["num_reclaims"], owner)
+        self.add_total(self.pool_rebalances, {"pool": name}, stats["num_rebalances"], source)
+        if "owner" not in stats:
+            return
+        self.add_total(self.pool_reclaims, {"pool": name}, stats["num_reclaims"], source)
         self.pool_cached_blocks.labels(pool=name).set(stats["num_cached_blocks"])
         self.add_total(self.pool_cache_evictions, {"pool": name}, stats["num_cache_evictions"],
-                       owner)
+                       source)
         for tenant, report in stats.get("tenant_reports", {}).items():
             self.add_total(self.pool_reclaim_preemptions, {"model": tenant},
-                           report.get("reclaim_preemptions", 0), owner)
+                           report.get("reclaim_preemptions", 0), source)
 
 
 def pair_name(index: int, plan: PairPlan) -> str:
@@ -143,6 +152,9 @@ class Weaving(ServeFeature):
                            if spec.role is Role.COLD}
         self.engines: Mapping[str, Any] = {}
         self.pool_metrics: UnifiedPoolMetrics | None = None
+        # The loan pools hosted here (pool name -> its allocator service), set up before
+        # any engine starts: they outlive a restart of the cold engine or of a hot one.
+        self.loan_pools: dict[str, HostedPool] = {}
         # pair name -> why it is degraded although both engines run (a failed link)
         self._link_failures: dict[str, str] = {}
 
@@ -165,8 +177,10 @@ class Weaving(ServeFeature):
         if mine:
             section.update(link_section_for(LinkSection(
                 "cold", tuple(mine), str(self.files.root), self.lend_bytes[model], model)))
-            pool = next((p.pool for p in self.plans if p.cold == model and p.pool is not None),
-                        None)
+            # The cold model's own KV goes to its unified pool (it owns it); a loan pool
+            # (no owner) holds the hot models' KV only and stays out of its section.
+            pool = next((p.pool for p in self.plans if p.cold == model and p.pool is not None
+                         and p.pool.owner is not None), None)
             if pool is not None:
                 section.update(pool_section_for(pool, model))
         return section
@@ -179,8 +193,11 @@ class Weaving(ServeFeature):
         registry.register(PairStatsCollector(self.files, "cold", names))
         if any(plan.pool is not None for plan in self.plans):
             self.pool_metrics = UnifiedPoolMetrics(registry)
-        # Runs once every engine has stopped.
+        # Runs once every engine has stopped (the loan pools close after it).
         stack.callback(self.remove_leftovers)
+        for pool in loan_pools(self.plans):
+            self.loan_pools[pool.pool_name] = HostedPool(pool)
+            stack.callback(self.loan_pools[pool.pool_name].close)
 
     def before_engine_start(self, model: str) -> None:
         # A cold engine that died left its pool behind; its successor makes a new one (its
@@ -258,7 +275,8 @@ class Weaving(ServeFeature):
     def _pair_health(self, name: str, plan: PairPlan) -> dict[str, Any]:
         state: dict[str, Any] = {"hot": plan.hot, "cold": plan.cold, "pair": name,
                                  "offload_ratio": plan.offload_ratio,
-                                 "remote_blocks": plan.num_remote_blocks}
+                                 "remote_blocks": plan.num_remote_blocks,
+                                 "remote_kv_in": remote_kv_home(plan)}
         if not self.engines:
             return {**state, "status": "starting", "reason": None}
         hot = self.files.read(name, "hot.stats") or {}
@@ -280,7 +298,11 @@ class Weaving(ServeFeature):
             return
         for pool, owner in {p.pool.pool_name: (p.pool, p.cold) for p in self.plans
                             if p.pool}.values():
-            self.pool_metrics.refresh(pool, owner)
+            hosted = self.loan_pools.get(pool.pool_name)
+            if hosted is not None:
+                self.pool_metrics.publish(pool.pool_name, hosted.stats(), "gateway")
+            else:
+                self.pool_metrics.refresh(pool, owner)
 
     def remove_leftovers(self) -> None:
         """Once every engine has stopped: the regions of cold engines that were killed, the
@@ -301,11 +323,25 @@ def not_linked_because(cold: dict[str, Any] | None, hot: dict[str, Any]) -> str 
     return None
 
 
+def remote_kv_home(plan: PairPlan) -> str:
+    """Where the pair's remote KV lives, as /health says it."""
+    if plan.pool is None:
+        return "region"  # a fixed share of the cold model's loan
+    return "unified pool" if plan.pool.owner is not None else "loan pool"
+
+
+def loan_pools(plans: list[PairPlan]) -> list[PoolPlan]:
+    """The pools without an owner among the plans (weaver/weaving/plan.py plan_loan_pools),
+    once each: the gateway hosts them."""
+    return list({p.pool.pool_name: p.pool for p in plans
+                 if p.pool is not None and p.pool.owner is None}.values())
+
+
 def remove_pool_files(plans: list[PairPlan]) -> None:
     """Unlink the unified pools whose owner could not (it died); ours by name, from the
-    plans."""
+    plans. A loan pool is the gateway's own and closes with it."""
     for plan in plans:
-        if plan.pool is None:
+        if plan.pool is None or plan.pool.owner is None:
             continue
         for path in (os.path.join("/dev/shm", plan.pool.pool_name),
                      os.path.join("/dev/shm", plan.pool.table_name), plan.pool.stats_path):

@@ -214,6 +214,12 @@ class PairSpec(_Strict):
                                       "relative to its local-only steps")
     cold_tpot_budget: float = Field(1.10, ge=1, description="offload_ratio auto: how much "
                                     "the cold model's TPOT may grow")
+    loan_quota_blocks: int | None = Field(
+        None, gt=0, description="a loan pool (weaver/weaving/plan.py plan_loan_pools): the "
+        "cold GPU's pairs that set this share one pool of remote_blocks (the whole loan), "
+        "each hot model holding at most this many blocks of it (the loan less one "
+        "max_model_len sequence of each other hot model, the floor ADBS keeps them); "
+        "default: a region of remote_blocks of its own")
 
 
 class PlacementSpec(_Strict):

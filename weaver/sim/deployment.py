@@ -15,12 +15,13 @@ on as many cores as the model's engine runs on.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 from weaver.config.deployment import Deployment, ModelSpec, Role
 from weaver.sim.config import SimConfig
 from weaver.sim.profile import CPU_DEVICE, Profile
-from weaver.weaving.plan import GiB, block_size_of, num_lent_blocks
+from weaver.weaving.plan import GiB, block_size_of, loan_pool_hosts, num_lent_blocks
 from weaver.workloads.types import TraceRequest
 
 # vLLM's default token budget per step for an API server on CPU
@@ -142,8 +143,20 @@ def _pairs(deployment: Deployment, entry, index: Mapping[str, int],
         raise ValueError(f"weaving names {hot.name!r} as hot but its role is {hot.role.value}")
     # Whole hot blocks in the lent bytes, counted as `plan_pairs` counts them.
     block_bytes = block_size_of(hot) * shapes[hot.name].kv_bytes_per_token
-    return [{"hot_gpu": index[hot.name], "cold_gpu": index[name],
-             "offload_ratio": entry.offload_ratio,
-             "remote_blocks": num_lent_blocks(deployment, deployment.model(name), block_bytes),
-             "hot_tpot_ms": entry.hot_tpot_ms, "cold_tpot_budget": entry.cold_tpot_budget}
-            for name in entry.cold]
+    loans = loan_pool_hosts(deployment)
+    pairs = []
+    for name in entry.cold:
+        pair = {"hot_gpu": index[hot.name], "cold_gpu": index[name],
+                "offload_ratio": entry.offload_ratio,
+                "remote_blocks": num_lent_blocks(deployment, deployment.model(name),
+                                                 block_bytes),
+                "hot_tpot_ms": entry.hot_tpot_ms, "cold_tpot_budget": entry.cold_tpot_budget}
+        if name in loans:  # the whole loan, shared with the cold model's other hot models
+            loan_blocks = int(deployment.model(name).lend_kv_gib * GiB) // block_bytes
+            floors = sum(math.ceil(other.max_model_len / block_size_of(other))
+                         * block_size_of(other) * shapes[other.name].kv_bytes_per_token
+                         for other in loans[name] if other.name != hot.name)
+            pair.update(remote_blocks=loan_blocks,
+                        loan_quota_blocks=loan_blocks - math.ceil(floors / block_bytes))
+        pairs.append(pair)
+    return pairs

@@ -38,6 +38,9 @@ class WeavePair:
     # offload_ratio "auto": the targets it holds weaving to (a deployment's weaving entry).
     hot_tpot_ms: float | None = None
     cold_tpot_budget: float = 1.10
+    # A loan pool shared with the cold GPU's other hot models (config.PairSpec): this hot
+    # model's bound in it; None: remote_blocks are a region of its own.
+    loan_quota_blocks: int | None = None
 
     def adaptive_targets(self) -> AdaptiveTargets:
         return AdaptiveTargets.of_pair(self.hot_tpot_ms, self.cold_tpot_budget)
@@ -67,7 +70,8 @@ def plan_from_spec(spec: PlacementSpec, default_ratio: float) -> Plan:
             for g in spec.gpus]
     pairs = [WeavePair(p.hot_gpu, p.cold_gpu,
                        default_ratio if p.offload_ratio is None else p.offload_ratio,
-                       p.remote_blocks, p.hot_tpot_ms, p.cold_tpot_budget)
+                       p.remote_blocks, p.hot_tpot_ms, p.cold_tpot_budget,
+                       p.loan_quota_blocks)
              for p in spec.pairs]
     return Plan(gpus, pairs)
 

@@ -76,6 +76,12 @@ class AllocatorBlockPool(BlockPool):
                    self.weaver_allocator.num_allocatable_blocks(self.weaver_tenant)
                    + len(self.weaver_cached))
 
+    def num_lendable_blocks(self) -> int:
+        """The free blocks a new sequence could get here: a lease's spares cover only the
+        next step, so the blocks its quota would still grant (as of the last sync) count
+        too. What a hot engine weighs its colds by (routing_kv_cache_manager.py)."""
+        return self.get_num_free_blocks() + getattr(self.weaver_allocator, "num_room_blocks", 0)
+
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         # New pages first (vLLM too hands out uncached blocks before evicting cached
         # ones); then the least recently freed cached blocks, which keep their pages.

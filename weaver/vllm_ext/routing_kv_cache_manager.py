@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 
+from weaver.vllm_ext.block_pool import AllocatorBlockPool
 from weaver.weaving.placement import AdaptivePlacement, Placement, RatioPlacement, cold_order
 
 if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
@@ -127,7 +129,7 @@ class RoutingKVCacheManager:
         can give blocks now (_remote_is_available)."""
         is_open = [is_available and self.placement.cold_is_open(cold)
                    for cold, is_available in enumerate(available)]
-        free = [remote.block_pool.get_num_free_blocks() for remote in self.remotes]
+        free = [lendable_blocks(remote.block_pool) for remote in self.remotes]
         return cold_order(free, is_open)
 
     def _line_up_victim(self, request: Request, pool: int) -> None:
@@ -243,3 +245,11 @@ for _name in LOCAL_ATTRIBUTES:
     setattr(RoutingKVCacheManager, _name, _local_attribute(_name))
 for _name in LOCAL_METHODS:
     setattr(RoutingKVCacheManager, _name, _local_method(_name))
+
+
+def lendable_blocks(block_pool: BlockPool) -> int:
+    """What a cold's remote pool can lend a new sequence: its free blocks, or for blocks
+    leased from a pool of pages, its spares and the room its quota still grants."""
+    if isinstance(block_pool, AllocatorBlockPool):
+        return block_pool.num_lendable_blocks()
+    return block_pool.get_num_free_blocks()

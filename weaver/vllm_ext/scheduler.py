@@ -41,7 +41,7 @@ from weaver.patches import routing_kv_cache_manager
 from weaver.vllm_ext.additional_config import hot_plans, pool_section
 from weaver.vllm_ext.block_pool import AllocatorBlockPool, open_pool_owner
 from weaver.vllm_ext.routing_kv_cache_manager import RoutingKVCacheManager
-from weaver.weaving.placement import AdaptivePlacement, Placement, placement_for
+from weaver.weaving.placement import AdaptivePlacement, placement_for
 from weaver.weaving.placement_feed import PlacementFeed
 from weaver.weaving.plan import remote_block_offsets
 
@@ -150,20 +150,26 @@ class HotRouting:
         # Set when the pool's owner restarted: the lease is renewed with the new owner once
         # its region is attached (weaver/vllm_ext/pair_links.py calls cold_restarted).
         self._lease_renewal_due = False
-        pooled = [plan for plan in plans if plan.pool is not None]
+        pooled = [index for index, plan in enumerate(plans) if plan.pool is not None]
+        # Which cold's remote blocks are leased (at most one: weaver/weaving/plan.py plans
+        # no more); -1: none.
+        self.pooled_cold = pooled[0] if pooled else -1
+        if len(pooled) > 1:  # weaver/weaving/plan.py plan_pairs refuses it first
+            raise ValueError(f"weaving {plans[0].hot}: remote KV leased from more than one "
+                             "pool of pages")
         if pooled:
-            plan = pooled[0]
-            if len(plans) > 1:  # weaver/weaving/plan.py plan_pairs refuses it first
-                raise ValueError(f"weaving {plan.hot}: remote KV leased from a unified pool "
-                                 "is for a hot engine with one cold engine")
-            # The remote blocks are the hot tenant's blocks of the cold device's unified
-            # pool: leased from its allocator (in the cold engine), synced every step.
+            plan = plans[self.pooled_cold]
+            # The remote blocks are the hot tenant's blocks of a pool of pages on the cold
+            # side (the cold device's unified pool, or the loan pool the gateway hosts):
+            # leased from its allocator, synced every step.
             lease = LeasedTenantAllocator(
                 PoolClient(plan.pool), plan.hot, plan.pool.max_blocks(plan.hot),
                 # before_schedule sets the target every step; this is the first one's.
                 lease_blocks=plan.max_blocks_per_seq)
-            AllocatorBlockPool.adopt(remotes[0].block_pool, lease, plan.hot, num_local)
-            self.lease = LeaseKeeper(lease, is_local=False)
+            first_id = num_local + remote_block_offsets(plans)[self.pooled_cold]
+            AllocatorBlockPool.adopt(remotes[self.pooled_cold].block_pool, lease, plan.hot,
+                                     first_id)
+            self.lease = LeaseKeeper(lease, is_local=False, cold=self.pooled_cold)
         # Each pair's HotLink (weaver/weaving/pair_link.py), in plan order, set once the
         # EngineCore is up (weaver/vllm_ext/pair_links.py).
         self.links: list[Any] = []
@@ -209,7 +215,8 @@ class HotRouting:
         HotLink) and, leased from a unified pool, while its owner is there."""
         if cold >= len(self.links) or not self.links[cold].connected:
             return False
-        return self.lease is None or self.lease.lease.broken_reason is None
+        return (self.lease is None or cold != self.pooled_cold
+                or self.lease.lease.broken_reason is None)
 
     def before_schedule(self, scheduler: WeaverScheduler) -> None:
         for link in self.links:
@@ -219,7 +226,7 @@ class HotRouting:
             shed_remote(scheduler, self.feed.step_starts(num_running_on=[
                 manager.num_running_on(cold) for cold in range(len(self.plans))]))
         if self.lease is not None:
-            if (self._lease_renewal_due and self.links[0].connected
+            if (self._lease_renewal_due and self.links[self.pooled_cold].connected
                     and not self.lease.lease.num_held_blocks):
                 self.lease.renew()
                 self._lease_renewal_due = False
@@ -231,15 +238,17 @@ class HotRouting:
         holds of the old pool goes first: the lease stops, and the requests whose blocks
         are there are preempted (vLLM recomputes them later, placed where memory then is),
         since the new owner hands out the same block ids. The lease is renewed once the new
-        region is attached (before_schedule)."""
-        if self.lease is None:
+        region is attached (before_schedule). A loan pool (no owner) is the gateway's and
+        outlives the cold engine: the lease and the blocks in it stay."""
+        if self.lease is None or self.plans[self.pooled_cold].pool.owner is None:
             return
         self.lease.lease.void("the unified pool's owner restarted")
         freed, num_preempted = self.lease.preempt_leased(scheduler)
         self._lease_renewal_due = True
         logger.warning("the unified pool's owner %r restarted: %d remote requests preempted "
                        "(%d blocks of the old pool); the lease is renewed once its new region "
-                       "is attached", self.plans[0].cold, num_preempted, freed)
+                       "is attached", self.plans[self.pooled_cold].cold, num_preempted,
+                       freed)
 
     def batch_of(self, scheduler: WeaverScheduler, scheduler_output: Any
                  ) -> tuple[int, int, bool] | None:
@@ -273,9 +282,11 @@ class LeaseKeeper:
     keeps its KV in one pool. When the pool's owner asks memory back, requests whose blocks
     are leased are preempted (and recomputed later, by vLLM's own preemption)."""
 
-    def __init__(self, lease: LeasedTenantAllocator, is_local: bool) -> None:
+    def __init__(self, lease: LeasedTenantAllocator, is_local: bool, cold: int = -1) -> None:
         self.lease = lease
         self.is_local = is_local
+        # A hot engine's: the index (plan order) of the cold whose remote blocks are leased.
+        self.cold = cold
         self.num_reclaim_preemptions = 0  # requests preempted to give memory back
         # What the current owner has been told of them: a restarted owner counts from 0
         # (the gateway forgets the old one's totals).
@@ -305,7 +316,7 @@ class LeaseKeeper:
     def before_schedule(self, scheduler: WeaverScheduler) -> None:
         # Spares for what the next step may take (+ slack), no more: idle spares are pages
         # the pool's other tenants and ADBS cannot use.
-        target = blocks_for_next_step(scheduler, remote_only=not self.is_local) \
+        target = blocks_for_next_step(scheduler, None if self.is_local else self.cold) \
             + LEASE_SLACK_BLOCKS
         if self.lease.sync(target):
             self._give_back(scheduler, self.lease.num_to_release)
@@ -336,7 +347,7 @@ class LeaseKeeper:
         for request in reversed(scheduler.running):
             if num_blocks is not None and freed >= num_blocks:
                 break
-            if self.is_local or manager.placed.get(request.request_id) is Placement.REMOTE:
+            if self.is_local or manager.cold_of.get(request.request_id) == self.cold:
                 victims.append(request)
                 freed += len(manager.get_block_ids(request.request_id)[0])
         preempt(scheduler, victims)
@@ -383,14 +394,14 @@ def finished_lengths(outputs: dict[int, Any], ran: dict[str, Any]) -> list[int]:
             if out.finish_reason is not None and out.request_id in ran]
 
 
-def blocks_for_next_step(scheduler: Scheduler, remote_only: bool = False) -> int:
+def blocks_for_next_step(scheduler: Scheduler, on_cold: int | None = None) -> int:
     """New blocks the next step needs at most: one per running request that fills its last
-    block, plus the whole prompt of the first waiting request (`remote_only`: counting only
-    the running requests whose KV is remote)."""
+    block, plus the whole prompt of the first waiting request (`on_cold`: counting only the
+    running requests whose KV is remote on that cold, by plan order)."""
     manager, block_size = scheduler.kv_cache_manager, scheduler.block_size
     need = 0
     for request in scheduler.running:
-        if remote_only and manager.placed.get(request.request_id) is not Placement.REMOTE:
+        if on_cold is not None and manager.cold_of.get(request.request_id) != on_cold:
             continue
         held = len(manager.get_block_ids(request.request_id)[0])
         need += max(0, -(-(request.num_computed_tokens + 1) // block_size) - held)

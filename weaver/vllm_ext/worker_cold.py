@@ -63,8 +63,9 @@ class ColdSide:
 
     def executor_for(self, plan: PairPlan) -> Any:
         """What serves a hot model's tasks: the polling kernel on this GPU (a CUDA region),
-        vLLM's CPU kernels over the region's KV, or over this engine's unified pool when the
-        hot model's remote blocks live there."""
+        vLLM's CPU kernels over the region's KV, or over the pool of pages the hot model's
+        remote blocks live in (this engine's unified pool, or the loan pool its hot models
+        share)."""
         if plan.transport == "cuda":
             from weaver.offload.cuda.transport import CudaPollingExecutor
 
@@ -75,6 +76,8 @@ class ColdSide:
             return CpuPagedAttentionExecutor(plan.shape)
         from weaver.vllm_ext.attention.pool import PoolTaskExecutor
 
+        if plan.pool.owner is None:  # a loan pool the gateway hosts: mapped for the tasks
+            return PoolTaskExecutor(plan)
         pool = getattr(self.worker.model_runner, "weaver_pool", None)
         if pool is None:
             raise RuntimeError(

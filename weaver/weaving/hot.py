@@ -200,7 +200,8 @@ class HotWeaving:
         pool: nothing to carry, the pool died with that engine and its successor made a new
         one; the hot scheduler preempted every request holding the old pool's blocks before
         this attach (weaver/vllm_ext/scheduler.py HotRouting.cold_restarted), and the old
-        pool's mapping is let go."""
+        pool's mapping is let go. Remote K/V in a loan pool: nothing to carry either, the
+        gateway's pool outlived the cold engine and the new mapping is of the same pages."""
         if self.plan.pool is None:
             if previous.sender.layout != self.sender.layout:
                 raise ValueError(f"the restarted cold side's region {self.plan.region_name} "
@@ -213,7 +214,8 @@ class HotWeaving:
         logger.info("weaving %s -> %s resumed on the restarted cold side's region (%s)",
                     self.plan.hot, self.plan.cold,
                     "remote K/V carried over" if self.plan.pool is None
-                    else "a new unified pool")
+                    else "a new unified pool" if self.plan.pool.owner is not None
+                    else "remote K/V kept in the loan pool")
 
     # --- a step's rows on this cold side (weaving/hot_pairs.py drives them) -------------
     def submit(self, layer_index: int, query: torch.Tensor, rows: RemoteRows, *, scale: float,

@@ -119,8 +119,9 @@ class ColdLink:
             del self.served[pair]
             logger.info("weaving pair %s: the hot engine's plan changed; region %s closed",
                         pair, served.region_name)
-        # Remote KV in this engine's unified pool is bounded by the pool's quotas; in a
-        # region, by what this engine lends.
+        # Remote KV in a pool of pages (this engine's unified pool, or the loan pool of
+        # its hot models, which holds exactly what it lends) is bounded by the pool's
+        # quotas; in a region, by what this engine lends.
         wanted = region_bytes_of(plan.shape, plan.num_remote_blocks) if plan.pool is None else 0
         in_use = sum(region_bytes_of(p.shape, p.num_remote_blocks)
                      for p in self.served.values() if p.pool is None)

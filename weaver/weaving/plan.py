@@ -12,6 +12,7 @@ and the cold worker's region are sized by one formula. Pure Python: reads the ho
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import secrets
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     # Annotations only: the weaving runtime (hot.py, cold.py) imports this module, and a
     # GPU machine running it without vLLM has no pydantic or yaml for the deployment file.
     from weaver.config.deployment import Deployment, ModelSpec
+
+logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 CPU_DEFAULT_BLOCK_SIZE = 128  # vLLM's default on CPU (platforms/cpu.py)
@@ -131,11 +134,17 @@ def remote_block_offsets(plans: Sequence[PairPlan]) -> list[int]:
 
 
 def num_lent_blocks(deployment: Deployment, cold: ModelSpec, block_bytes: int) -> int:
-    """Whole hot-model blocks of `block_bytes` in one hot model's share of the memory the
+    """Whole hot-model blocks of `block_bytes` in one hot model's region of the memory the
     cold model lends: `lend_kv_gib` split evenly among the hot models weaving into it (its
-    ColdLink refuses plans that together ask for more), floored to whole blocks."""
-    num_hots = max(1, sum(1 for pair in deployment.weaving if cold.name in pair.cold))
-    return int(cold.lend_kv_gib * GiB) // num_hots // block_bytes
+    ColdLink refuses plans that together ask for more), floored to whole blocks. (Hot
+    models that share a loan pool instead lease from all of it: `plan_loan_pools`.)"""
+    return int(cold.lend_kv_gib * GiB) // max(1, len(hots_of(deployment, cold))) // block_bytes
+
+
+def hots_of(deployment: Deployment, cold: ModelSpec) -> list[ModelSpec]:
+    """The hot models weaving into `cold`, in the order of their weaving entries."""
+    return [deployment.model(pair.hot) for pair in deployment.weaving
+            if cold.name in pair.cold]
 
 
 def lend_kv_gib_for(num_blocks: int, block_bytes: int) -> str:
@@ -155,7 +164,7 @@ def plan_pairs(
     deployment: Deployment, model_dirs: dict[str, Path], shm_prefix: str
 ) -> list[PairPlan]:
     plans = []
-    pools: dict[str, PoolPlan] = {}
+    pools: dict[str, PoolPlan] = plan_loan_pools(deployment, model_dirs, shm_prefix)
     for pair in deployment.weaving:
         hot = deployment.model(pair.hot)
         shape = read_attention_shape(model_dirs[hot.name], hot.dtype, block_size_of(hot),
@@ -168,11 +177,10 @@ def plan_pairs(
                     "its KV in a unified pool, which a hot model weaving into several colds "
                     "cannot lease from yet; set unified_kv: false on it or weave into it alone")
             num_remote_blocks = num_lent_blocks(deployment, cold, region_bytes_of(shape, 1))
-            pool = None
-            if cold.unified_kv:
-                if cold.name not in pools:
-                    pools[cold.name] = plan_pool(deployment, cold, model_dirs, shm_prefix)
-                pool = pools[cold.name]
+            if cold.unified_kv and cold.name not in pools:
+                pools[cold.name] = plan_pool(deployment, cold, model_dirs, shm_prefix)
+            pool = pools.get(cold.name)
+            if pool is not None:
                 num_remote_blocks = pool.max_blocks(hot.name)  # the id space; quota bounds use
             plans.append(pair_plan(
                 hot.name, cold.name, shape, num_remote_blocks, hot.max_model_len,
@@ -240,6 +248,95 @@ def check_fills_pages(pool: str, page_model: str, page_shape: TenantShape, model
             f"fill them (it has {shape.block_size})")
 
 
+def loan_pool_refusal(deployment: Deployment, cold: ModelSpec,
+                      pooled: dict[str, str]) -> str | None:
+    """Why the hot models weaving into `cold` keep fixed, equal regions of its loan instead
+    of sharing it as a loan pool; None when they share it (`plan_loan_pools`). `pooled`:
+    hot model -> the cold model whose loan pool it already leases from."""
+    hots = hots_of(deployment, cold)
+    if len(hots) < 2:
+        return "it hosts one hot model"
+    if cold.unified_kv:
+        return "it keeps a unified KV pool, whose quotas share the loan"
+    if any(hot.device != "cpu" for hot in hots):
+        return "a pool of pages is shared memory on the CPU only so far"
+    leasing = [hot.name for hot in hots if hot.name in pooled]
+    if leasing:
+        # A hot engine leases from one pool at most (weaver/vllm_ext/scheduler.py).
+        return (f"{leasing[0]!r} already shares cold model {pooled[leasing[0]]!r}'s loan "
+                "pool, and a hot model leases from one pool")
+    if len({hot.dtype for hot in hots}) > 1:
+        return "its hot models use different dtypes"
+    return None
+
+
+def loan_pool_hosts(deployment: Deployment) -> dict[str, list[ModelSpec]]:
+    """Cold model -> the hot models that share its loan in a loan pool (`plan_loan_pools`;
+    the simulator models the same sharing), in the deployment's order of models. The
+    other cold models with several hot models lend them fixed, equal regions; why is
+    logged."""
+    hosts: dict[str, list[ModelSpec]] = {}
+    pooled: dict[str, str] = {}  # hot model -> the cold whose loan pool it shares
+    for cold in deployment.models:
+        hots = hots_of(deployment, cold)
+        if not hots:
+            continue
+        refusal = loan_pool_refusal(deployment, cold, pooled)
+        if refusal is not None:
+            if len(hots) > 1:
+                logger.info("cold model %r lends %s fixed, equal regions: %s", cold.name,
+                            [hot.name for hot in hots], refusal)
+            continue
+        pooled.update((hot.name, cold.name) for hot in hots)
+        hosts[cold.name] = hots
+    return hosts
+
+
+def plan_loan_pools(deployment: Deployment, model_dirs: dict[str, Path],
+                    shm_prefix: str) -> dict[str, PoolPlan]:
+    """Cold model -> the pool of pages its hot models share its loan in, for every cold
+    model without unified_kv that hosts several hot models, on the CPU, where none of them
+    leases from another loan pool already (`loan_pool_hosts`).
+
+    The pool holds exactly `lend_kv_gib`; the cold model's own KV stays in vLLM's cache.
+    The hot models are its tenants (no owner: the gateway hosts it, weaver/server/
+    weaving.py), starting from equal quotas; ADBS (weaver/kv/adbs.py) moves quota to the
+    one short of blocks, never below one max_model_len sequence, so the lent memory
+    follows demand, each hot model bounded by its quota. Elsewhere each hot model gets a
+    fixed, equal region (`num_lent_blocks`); why is logged."""
+    pools: dict[str, PoolPlan] = {}
+    for cold_name, hots in loan_pool_hosts(deployment).items():
+        cold = deployment.model(cold_name)
+        shapes = {hot.name: tenant_shape(model_dirs[hot.name], hot) for hot in hots}
+        first = hots[0]
+        page_bytes = shapes[first.name].head_block_bytes
+        tenants = []
+        for hot in hots:
+            shape = shapes[hot.name]
+            check_fills_pages(f"cold model {cold.name!r} lends one pool to {len(hots)} hot "
+                              "models", first.name, shapes[first.name], hot.name, shape)
+            pages_per_block = shape.pages_per_block(page_bytes)
+            sequence_pages = math.ceil(hot.max_model_len / shape.block_size) * pages_per_block
+            tenants.append((hot.name, shape, sequence_pages))
+        num_pages = int(cold.lend_kv_gib * GiB) // page_bytes
+        quota = num_pages // len(tenants)
+        short = [name for name, _, sequence_pages in tenants if sequence_pages > quota]
+        if short:
+            raise ValueError(
+                f"cold model {cold.name!r} lends {cold.lend_kv_gib} GiB to {len(tenants)} hot "
+                f"models; an equal share is less than one max_model_len sequence of "
+                f"{short[0]!r}: raise lend_kv_gib")
+        name = region_name(shm_prefix, cold.name, "loanpool")
+        pools[cold.name] = PoolPlan(
+            pool_name=name, table_name=f"{name}.table", page_bytes=page_bytes,
+            num_pages=num_pages,
+            tenants=tuple(PoolTenantPlan(tenant, shape, quota, first_block_id=0,
+                                         min_quota_pages=sequence_pages)
+                          for tenant, shape, sequence_pages in tenants),
+            service_address=f"\0{name}.alloc", authkey_hex=secrets.token_hex(16))
+    return pools
+
+
 def plan_pool(deployment: Deployment, cold: ModelSpec, model_dirs: dict[str, Path],
               shm_prefix: str) -> PoolPlan:
     """The unified KV pool of a cold model with `unified_kv` (weaver/kv/pool_plan.py): its
@@ -249,7 +346,7 @@ def plan_pool(deployment: Deployment, cold: ModelSpec, model_dirs: dict[str, Pat
     cold_shape = tenant_shape(model_dirs[cold.name], cold)
     page_bytes = cold_shape.head_block_bytes
     num_pages = int((cold.kv_cache_gib + cold.lend_kv_gib) * GiB) // page_bytes
-    hots = [deployment.model(w.hot) for w in deployment.weaving if cold.name in w.cold]
+    hots = hots_of(deployment, cold)
     tenants = [PoolTenantPlan(cold.name, cold_shape, int(cold.kv_cache_gib * GiB) // page_bytes,
                               is_owner=True)]
     hot_quota = (num_pages - tenants[0].quota_pages) // max(1, len(hots))

@@ -39,6 +39,7 @@ class WeaverPolicy(MuxServePolicy):
 
     def build(self) -> None:
         super().build()
+        self._loan_pools: dict[int, BlockPool] = {}  # cold GPU -> the loan its hots share
         for pair in self.plan.pairs:
             self._weave(pair)
 
@@ -49,7 +50,15 @@ class WeaverPolicy(MuxServePolicy):
         hot, cold = self.instances[hot_gpu], self.instances[cold_gpu]
         if ratio != AUTO and ratio <= 0:
             return
-        if remote_blocks is not None:
+        if pair.loan_quota_blocks is not None and remote_blocks is not None:
+            # A loan pool: one pool of the whole loan for the cold GPU's hot models, each
+            # bounded by its quota (ADBS's floor for the others; its rebalancing delay, a
+            # second, is not modelled).
+            block_bytes = next(iter(hot.servers.values())).local.block_bytes
+            loan = self._loan_pools.setdefault(cold_gpu,
+                                               BlockPool(remote_blocks * block_bytes))
+            regions = [loan] * len(hot.servers)
+        elif remote_blocks is not None:
             # A deployment's lent region (lend_kv_gib) is memory of its own, apart from the
             # cold engine's KV cache, sized in the hot model's blocks (weaving/plan.py).
             per_server = [remote_blocks * s.local.block_bytes for s in hot.servers.values()]
@@ -72,7 +81,8 @@ class WeaverPolicy(MuxServePolicy):
             # Same device type everywhere, so the hot model's attention costs the same on
             # the cold GPU; a heterogeneous cluster would pass the cold device's profile.
             server.remotes.append(RemotePool(
-                SeqSet(region, server.cfg.block_size, server.local.block_bytes), cold,
+                SeqSet(region, server.cfg.block_size, server.local.block_bytes,
+                       quota_blocks=pair.loan_quota_blocks), cold,
                 OffloadCostModel(server.perf, server.perf, self.cluster.link(server.name),
                                  self.poll_wait_fn)))
         cold.idle_poll_interval_s = spec.idle_poll_interval_us * 1e-6

@@ -288,14 +288,21 @@ class RemotePoolKV:
 
 class PoolTaskExecutor:
     """The cold side's executor of a hot model's offloaded decode attention when the hot
-    model's remote blocks live in the unified pool (the cold worker's own pool)."""
+    model's remote blocks live in a pool of pages: the unified pool the cold worker keeps
+    its own KV in (`runtime`), or the loan pool the gateway hosts for the cold model's hot
+    models (mapped here)."""
 
-    def __init__(self, plan: Any, runtime: PoolAttentionRuntime) -> None:
+    def __init__(self, plan: Any, runtime: PoolAttentionRuntime | None = None) -> None:
         validate_cpu_attn_shape(plan.shape)
         self.tenant = plan.hot
         self.geometry = hot_geometry(plan.shape)
         self.num_layers = plan.shape.num_layers
-        self.pages = runtime.pages_for(self.geometry)
+        # The mapping stays open as long as the executor (its pages are views of it); the
+        # worker's exit unmaps it, and the gateway removes the pool.
+        self._mapping = attach_pool(plan.pool) if runtime is None else None
+        self.pages = (runtime.pages_for(self.geometry) if runtime is not None else
+                      page_view(torch.frombuffer(self._mapping.buf, dtype=torch.uint8),
+                                self.geometry))
         self._table, self.page_table = attach_page_table(plan.pool, plan.hot)
         self.isa = select_cpu_attn_isa(self.geometry.dtype, self.geometry.block_size,
                                        self.geometry.head_size)
