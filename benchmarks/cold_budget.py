@@ -51,6 +51,9 @@ COLD_FACTOR = "weaver_weaving_cold_tpot_factor"  # the cold side's own reading, 
 # ..., or this many or more.
 MAX_CONCURRENCY_BUCKET = 12
 MIN_TOKENS_PER_BUCKET = 5  # fewer tokens in a state at some concurrency: that one is left out
+# Fewer cycles in a run that hold loaded gaps against quiet ones: the hots' queue did not drain
+# between their phases, so that run has no baseline of its own to judge by.
+MIN_COMPARED_CYCLES = 3
 BOOTSTRAP_DRAWS = 1000  # resamples of a phased run's cycles, for weaving's cost's spread
 
 
@@ -269,9 +272,15 @@ def phased_row(path: str, result: BenchResult, cold: str, budget: float, cycle_s
            "cold_reading": cold_reading(weaving, cold, budget),
            "errors": {run.label: errors(run) for run in result.runs},
            "peak_remote_blocks": peak_remote_blocks(weaving)}
+    few_cycles = [f"{entry_label}: {len(entry['per_cycle'])} cycle(s)"
+                  for entry_label, entry in (("weaving", own), *(("dedicated", e) for e in without))
+                  if len(entry["per_cycle"]) < MIN_COMPARED_CYCLES]
     row["disturbed"] = ("errors" if any(row["errors"].values()) else
                         "too few gaps loaded and quiet at one concurrency"
-                        if row["factor"] is None else None)
+                        if row["factor"] is None else
+                        f"the hots were hardly ever quiet, so fewer than {MIN_COMPARED_CYCLES} "
+                        f"cycles compare loaded gaps with quiet ones ({', '.join(few_cycles)}): "
+                        "their queue did not drain between phases" if few_cycles else None)
     row["judged"] = row["disturbed"] is None
     return row
 

@@ -117,11 +117,14 @@ def test_a_deployment_without_a_pair_into_the_cold_is_refused(script, tmp_path):
 CYCLE_S, ON_S = 20.0, 10.0  # the hots send for 10 s of every 20
 
 
-def _phased_run(label: str, interference: float, weaving_cost: float) -> RunResult:
+def _phased_run(label: str, interference: float, weaving_cost: float,
+                quiet_cycles: int = 4) -> RunResult:
     """A phased run: the hots busy for the first 10 s of each 20-s cycle, the cold steady.
     A cold token's gap is 0.1 s, times `interference` while the hots are busy, times
     `weaving_cost` too while they hold lent KV (from 2 s into their phase: the gaps before
-    are neither loaded nor quiet), times a slow drift of the machine over the run."""
+    are neither loaded nor quiet), times a slow drift of the machine over the run. After
+    `quiet_cycles` cycles the hots of the weaving run hold lent KV through their off phases
+    too (their queue no longer drains)."""
     weaving = label == "weaving"
 
     def gap_at(t: float) -> float:
@@ -146,7 +149,8 @@ def _phased_run(label: str, interference: float, weaving_cost: float) -> RunResu
         request_id=100 + k, model="hot-a", input_tokens=4, output_tokens=10,
         scheduled_at_s=k * CYCLE_S, sent_at_s=k * CYCLE_S, ttft_s=0.1, e2e_s=ON_S,
         num_output_tokens=10, status=RequestStatus.OK) for k in range(4)]
-    lent = [(t / 2, 5.0 if 2.0 <= (t / 2) % CYCLE_S < ON_S else 0.0) for t in range(170)]
+    lent = [(t / 2, 5.0 if 2.0 <= (t / 2) % CYCLE_S < ON_S or t / 2 >= quiet_cycles * CYCLE_S
+             else 0.0) for t in range(170)]
     return RunResult(label=label, base_url="http://x", rate=1.0, started_at="", duration_s=85,
                      workload={"seed": 0, "model_phases": {"hot-a": [ON_S, CYCLE_S - ON_S]}},
                      loadgen={}, records=records, summary=summarize(records, 85.0),
@@ -185,3 +189,22 @@ def test_a_phased_seed_is_judged_within_each_run(script, tmp_path, capsys):
     sequential = _seed(tmp_path, 1, 1.05)
     with pytest.raises(SystemExit, match="phased seeds .* or sequential ones, not both"):
         script.main([path, sequential, "--out", str(out)])
+
+
+def test_a_phased_seed_whose_hots_never_go_quiet_is_not_judged(script, tmp_path):
+    """Weaving slowed the hots so much that their queue no longer drained between phases:
+    the weaving run holds loaded gaps against quiet ones in one cycle or two only, which is
+    no baseline of its own; the seed is reported, not judged."""
+    (tmp_path / "weaving.yaml").write_text(WEAVING)
+    result = new_result(["weaver", "bench", "compare", "dedicated.yaml",
+                         str(tmp_path / "weaving.yaml")])
+    result.runs = [_phased_run("dedicated", 1.03, 1.0),
+                   _phased_run("weaving", 1.03, 0.8, quiet_cycles=1)]
+    out = tmp_path / "report.json"
+    script.main([str(save_result(result, tmp_path / "never_quiet.json")), "--out", str(out)])
+    report = json.loads(out.read_text())
+    (row,) = report["seeds"]
+    assert not row["judged"] and len(row["weaving_within_run"]["per_cycle"]) == 2
+    assert "hots were hardly ever quiet" in row["disturbed"] and "weaving: 2 cycle(s)" in \
+        row["disturbed"]
+    assert report["verdict"].startswith("no verdict")
