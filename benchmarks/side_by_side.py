@@ -6,7 +6,10 @@ setup is compared with another while both serve the same load at the same time, 
 core; a second run with the cores swapped (another deployment file) cancels a difference
 between the cores. Reads `weaver bench compare` (or `weaver bench`) results whose runs each
 served both models, and reports the mean TPOT (per request, then the mean) of `--model` over
-`--over` in each run and their geometric mean; the JSON opens with it.
+`--over` in each run and their geometric mean; the JSON opens with it. The comparison holds
+only if both models were sent the same requests (swapping the cores does not cancel a
+difference between two streams), so the verdict opens with "not comparable" when they were
+not; `weaver bench` draws each model's requests of its own, so far always.
 
     weaver bench compare benchmarks/deployments/two_hots/cold_twins.yaml \\
         benchmarks/deployments/two_hots/cold_twins_swapped.yaml --model plain=0.3 \\
@@ -44,6 +47,12 @@ def run_ratio(run: RunResult, model: str, over: str) -> dict:
     return row
 
 
+def stream(run: RunResult, model: str) -> list[tuple[float, int, int]]:
+    """What the model was sent in the run: (arrival, prompt, output tokens), by arrival."""
+    return sorted((round(r.scheduled_at_s, 3), r.input_tokens, r.output_tokens)
+                  for r in run.records if r.model == model)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", nargs="+", help="bench JSON whose runs served both models")
@@ -58,7 +67,15 @@ def main(argv: list[str] | None = None) -> int:
     verdict = (f"{args.model} over {args.over}, mean TPOT side by side: x{geomean:.3f} "
                f"(geometric mean of {len(rows)} runs: "
                + ", ".join(f"{row['label']} x{row['ratio']:.3f}" for row in rows) + ")")
-    report = {"verdict": verdict, "ratio": geomean, "runs": rows, "command": sys.argv}
+    # Swapping the cores cancels a difference between them, not one between the requests:
+    # near capacity a burstier stream alone moves the mean TPOT by more than a setup does.
+    apart = [run.label for run in runs if stream(run, args.model) != stream(run, args.over)]
+    if apart:
+        verdict = (f"not comparable: the two models were sent different requests (arrival "
+                   f"times or lengths) in {', '.join(apart)}, so the ratio mixes their setups "
+                   f"with their streams; {verdict}")
+    report = {"verdict": verdict, "ratio": geomean, "same_requests": not apart, "runs": rows,
+              "command": sys.argv}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1), encoding="utf-8")
     for row in rows:
