@@ -68,8 +68,9 @@ def sim_config_from_deployment(
               for name, spec in served.items()]
     gpus = _instances(deployment)
     index = {model: i for i, gpu in enumerate(gpus) for model in gpu["models"]}
+    loans = loan_pool_hosts(deployment)  # once: it logs each cold lent in fixed regions
     pairs = [pair for entry in deployment.weaving
-             for pair in _pairs(deployment, entry, index, shapes)]
+             for pair in _pairs(deployment, entry, index, shapes, loans)]
     policy = _policy(deployment)
     return SimConfig.model_validate({
         "name": name, "duration_s": max(span, 1e-3), "drain_s": REPLAY_DRAIN_S,
@@ -135,15 +136,14 @@ def _model(name: str, spec: ModelSpec, profile: str, kv_bytes_per_token: int,
             "block_size": block_size_of(spec), "max_num_seqs": spec.max_num_seqs}
 
 
-def _pairs(deployment: Deployment, entry, index: Mapping[str, int],
-           shapes: Mapping) -> list[dict]:
+def _pairs(deployment: Deployment, entry, index: Mapping[str, int], shapes: Mapping,
+           loans: Mapping[str, list[ModelSpec]]) -> list[dict]:
     """One pair per cold model of a weaving entry, as `plan_pairs` plans them."""
     hot = deployment.model(entry.hot)
     if hot.role is not Role.HOT:
         raise ValueError(f"weaving names {hot.name!r} as hot but its role is {hot.role.value}")
     # Whole hot blocks in the lent bytes, counted as `plan_pairs` counts them.
     block_bytes = block_size_of(hot) * shapes[hot.name].kv_bytes_per_token
-    loans = loan_pool_hosts(deployment)
     pairs = []
     for name in entry.cold:
         pair = {"hot_gpu": index[hot.name], "cold_gpu": index[name],

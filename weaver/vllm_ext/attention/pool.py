@@ -297,12 +297,15 @@ class PoolTaskExecutor:
         self.tenant = plan.hot
         self.geometry = hot_geometry(plan.shape)
         self.num_layers = plan.shape.num_layers
-        # The mapping stays open as long as the executor (its pages are views of it); the
-        # worker's exit unmaps it, and the gateway removes the pool.
-        self._mapping = attach_pool(plan.pool) if runtime is None else None
-        self.pages = (runtime.pages_for(self.geometry) if runtime is not None else
-                      page_view(torch.frombuffer(self._mapping.buf, dtype=torch.uint8),
-                                self.geometry))
+        self._mapping: MappedPool | None = None
+        if runtime is not None:
+            self.pages = runtime.pages_for(self.geometry)
+        else:
+            # The mapping stays open as long as the executor (its pages are views of it);
+            # the worker's exit unmaps it, and the gateway removes the pool.
+            self._mapping = attach_pool(plan.pool)
+            self.pages = page_view(torch.frombuffer(self._mapping.buf, dtype=torch.uint8),
+                                   self.geometry)
         self._table, self.page_table = attach_page_table(plan.pool, plan.hot)
         self.isa = select_cpu_attn_isa(self.geometry.dtype, self.geometry.block_size,
                                        self.geometry.head_size)
