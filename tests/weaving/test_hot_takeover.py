@@ -1,8 +1,8 @@
 """A hot runtime carries on after its cold engine restarted (weaving/hot.py,
 take_over_from): the new region gets the K/V of the remote sequences still running and the
-counters go on; a pair whose remote KV lived in the dead engine's unified pool lets the old
-pool go and carries its counters on. A
-pair degraded by one late task resumes once its cold side answers again (settle_step).
+counters go on; a pair whose remote KV lives in a pool (the dead engine's unified pool, or
+the gateway's loan pool) lets the old mapping go and carries its counters on. A pair
+degraded by one late task resumes once its cold side answers again (settle_step).
 
 Real shared-memory regions; `_Plan` stands in for the PairPlan fields the runtime reads."""
 
@@ -86,10 +86,17 @@ class _PoolKV:
         self.closed = True
 
 
-def test_a_pair_in_a_unified_pool_takes_over_with_the_new_pool_and_lets_the_old_one_go(name):
-    """Nothing is copied (the scheduler preempted every request on the old pool before
-    this attach); the old pool's mapping is closed, the counters go on."""
-    plan = _Plan(region_name=name, pool=object())
+@dataclass
+class _PoolPlan:
+    owner: str | None  # the cold engine's tenant for a unified pool; None for a loan pool
+
+
+@pytest.mark.parametrize("owner", ["c", None], ids=["unified_pool", "loan_pool"])
+def test_a_pair_in_a_pool_takes_over_with_the_new_mapping_and_lets_the_old_one_go(name, owner):
+    """Nothing is copied: a unified pool died with the cold engine (the scheduler preempted
+    every request on it before this attach), a loan pool outlived it (the new mapping is of
+    the same pages). The old mapping is closed, the counters go on."""
+    plan = _Plan(region_name=name, pool=_PoolPlan(owner))
     first_owner = ShmRegion.create(LAYOUT, name)
     old_pool, new_pool = _PoolKV(), _PoolKV()
     before = HotWeaving(plan, OffloadSender(ShmRegion.attach(LAYOUT, name)), old_pool)

@@ -76,7 +76,7 @@ class AllocatorBlockPool(BlockPool):
                    self.weaver_allocator.num_allocatable_blocks(self.weaver_tenant)
                    + len(self.weaver_cached))
 
-    def num_lendable_blocks(self) -> int:
+    def weaver_lendable_blocks(self) -> int:
         """The free blocks a new sequence could get here: a lease's spares cover only the
         next step, so the blocks its quota would still grant (as of the last sync) count
         too. What a hot engine weighs its colds by (routing_kv_cache_manager.py)."""

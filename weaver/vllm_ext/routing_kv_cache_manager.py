@@ -251,5 +251,5 @@ def lendable_blocks(block_pool: BlockPool) -> int:
     """What a cold's remote pool can lend a new sequence: its free blocks, or for blocks
     leased from a pool of pages, its spares and the room its quota still grants."""
     if isinstance(block_pool, AllocatorBlockPool):
-        return block_pool.num_lendable_blocks()
+        return block_pool.weaver_lendable_blocks()
     return block_pool.get_num_free_blocks()
