@@ -9,12 +9,13 @@ served both models, and reports the mean TPOT (per request, then the mean) of `-
 `--over` in each run and their geometric mean; the JSON opens with it. The comparison holds
 only if both models were sent the same requests (swapping the cores does not cancel a
 difference between two streams), so the verdict opens with "not comparable" when they were
-not; `weaver bench` draws each model's requests of its own, so far always.
+not: `weaver bench` draws each model's requests of its own unless one is a copy of the
+other's (`--model lending=same:plain`).
 
     weaver bench compare benchmarks/deployments/two_hots/cold_twins.yaml \\
         benchmarks/deployments/two_hots/cold_twins_swapped.yaml --model plain=0.3 \\
-        --model lending=0.3 --trace uniform:16-48:64-160 --max-model-len 512 \\
-        --num-requests 180 --duration-s 330 --out twins.json
+        --model lending=same:plain --trace uniform:16-48:64-160 --max-model-len 512 \\
+        --num-requests 90 --duration-s 330 --out twins.json
     python benchmarks/side_by_side.py twins.json --model lending --over plain \\
         --out benchmarks/results/two_hots/cold_twins.json
 """

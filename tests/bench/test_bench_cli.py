@@ -83,6 +83,26 @@ def test_a_phased_model_is_offered_at_its_rate_over_its_cycles(fake_server, tmp_
     assert len(hot) == 4 and all(t % 0.4 < 0.2 for t in hot)
 
 
+def test_a_copy_is_sent_the_same_requests_and_offered_at_its_models_rate(fake_server, tmp_path):
+    """`NAME=same:OTHER`: NAME gets OTHER's arrivals and lengths (what side_by_side.py needs
+    to compare two setups), on top of --num-requests, and the phases and rate of OTHER."""
+    server = fake_server(FakeBehavior(ttft_s=0.01, itl_s=0.002))
+    out = tmp_path / "r.json"
+    assert _main(["bench", "run", "--url", server.url, "--model", "plain=40@0.2/0.2",
+                  "--model", "lending=same:plain", "--num-requests", "6", "--length-scale",
+                  "0.01", "--max-model-len", "16", "--no-progress", "--out", str(out)]) == 0
+    run = load_result(out).runs[0]
+    assert run.workload["model_rates"] == {"plain": 40.0, "lending": 40.0}
+    assert run.workload["model_phases"] == {"plain": [0.2, 0.2], "lending": [0.2, 0.2]}
+    assert run.rate == pytest.approx(40.0)
+
+    def stream(model):
+        return sorted((round(r.scheduled_at_s, 3), r.input_tokens, r.output_tokens)
+                      for r in run.records if r.model == model)
+
+    assert len(stream("plain")) == 6 and stream("lending") == stream("plain")
+
+
 def test_compare_two_fake_deployments_reports_ratios(fake_server, tmp_path, capsys):
     fast = fake_server(FakeBehavior(ttft_s=0.02, itl_s=0.01))
     slow = fake_server(FakeBehavior(ttft_s=0.02, itl_s=0.03))

@@ -96,6 +96,45 @@ def test_phased_model_sends_only_while_on():
         _spec(models=models, rate=None, arrival="trace")
 
 
+@pytest.mark.parametrize("arrival", ["poisson", "trace"])
+def test_a_copy_is_sent_its_models_requests_and_draws_nothing(arrival):
+    # plain and lending served side by side must see one stream, not two draws of it; the
+    # other models' requests are those of the same seed without the copy.
+    rows = [TraceRow(float(i), 50 + i % 40, 5 + i % 9) for i in range(600)]
+    models = [ModelLoad("hot", 1.0, None if arrival == "trace" else (20.0, 20.0)),
+              ModelLoad("plain", 1.0), ModelLoad("lending", same_as="plain")]
+    spec = _spec(models=models, rate=None, arrival=arrival, num_requests=300)
+    requests = build_workload(spec, rows)
+
+    def stream(name):
+        return [(r.arrival_s, r.input_tokens, r.output_tokens) for r in requests
+                if r.model == name]
+
+    assert stream("lending") == stream("plain") and stream("plain")
+    assert len(requests) == 300 + len(stream("plain"))  # the copy is on top of --num-requests
+    without = build_workload(_spec(models=models[:2], rate=None, arrival=arrival,
+                                   num_requests=300), rows)
+    assert ([(r.arrival_s, r.model, r.input_tokens) for r in requests if r.model != "lending"]
+            == [(r.arrival_s, r.model, r.input_tokens) for r in without])
+    assert model_rates(spec) == [1.0, 1.0, 1.0]
+
+
+def test_a_copy_takes_its_models_phases_and_must_name_another_drawn_model():
+    spec = _spec(models=[ModelLoad("hot", 2.0, (10.0, 30.0)), ModelLoad("twin", same_as="hot")],
+                 rate=None)
+    assert spec.models[1].phases == (10.0, 30.0)
+    assert spec.models[1].mean_rate(2.0) == pytest.approx(0.5)
+    assert ModelLoad.parse("lending=same:plain") == ModelLoad("lending", same_as="plain")
+    with pytest.raises(ValueError, match="name the model"):
+        ModelLoad.parse("lending=same:")
+    with pytest.raises(ValueError, match="must be another of the models"):
+        _spec(models=[ModelLoad("a"), ModelLoad("b", same_as="c")])
+    with pytest.raises(ValueError, match="must be another of the models"):
+        _spec(models=[ModelLoad("a", same_as="a")])
+    with pytest.raises(ValueError, match="copies 'b' itself; name 'b' instead"):
+        _spec(models=[ModelLoad("b"), ModelLoad("c", same_as="b"), ModelLoad("d", same_as="c")])
+
+
 def test_trace_replay_stretched_to_rate():
     rows = [TraceRow(t, 50, 5) for t in (0.0, 1.0, 1.5, 4.0, 10.0)]
     spec = _spec(arrival=ArrivalKind.TRACE, rate=1.0, num_requests=5)

@@ -55,12 +55,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _add_workload_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("workload")
     g.add_argument(
-        "--model", action="append", required=True, metavar="NAME[=RATE[@ON/OFF]]",
+        "--model", action="append", required=True,
+        metavar="NAME[=RATE[@ON/OFF]] | NAME=same:OTHER",
         help="a served model name, optionally with its own rate in req/s; repeat for several "
         "models (rates for all or for none; with none, --rate is split by --power-law-alpha). "
         "@ON/OFF sends at RATE for ON seconds, then nothing for OFF seconds, over and over "
         "(e.g. hot=0.5@60/60): another model's latency with and without this one's load, "
-        "interleaved in one run",
+        "interleaved in one run. NAME=same:OTHER sends NAME a copy of OTHER's requests (same "
+        "arrival times and lengths, on top of --num-requests): two setups served side by side "
+        "see the same load (benchmarks/side_by_side.py)",
     )
     g.add_argument(
         "--trace", default="azure-conv", metavar="azure-conv|azure-code|burstgpt:PATH",
@@ -430,15 +433,16 @@ class _WorkloadBuilder:
         )
         from weaver.workloads.filters import default_filter_name
 
-        args, models = self.args, self.models
+        args = self.args
         num_requests = args.num_requests if num_requests is None else num_requests
         spec = WorkloadSpec(
-            models=models, trace=args.trace, rate=rate, arrival=args.arrival,
+            models=list(self.models), trace=args.trace, rate=rate, arrival=args.arrival,
             burstiness=args.burstiness, num_requests=num_requests,
             length_scale=args.length_scale, max_model_len=_fit_len(args.max_model_len),
             power_law_alpha=args.power_law_alpha, time_scale=args.time_scale,
             filter_name=args.filter_name, seed=seed, traces_dir=args.traces_dir,
         )
+        models = spec.models  # copies (NAME=same:OTHER) carry their model's phases there
         per_model = model_rates(spec)  # checks the rates before the trace is read
         if self._rows is None:
             self._rows = load_rows(spec)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 import numpy as np
@@ -29,6 +29,8 @@ from weaver.workloads.types import TraceRequest
 
 logger = logging.getLogger(__name__)
 
+TWIN_PREFIX = "same:"  # --model NAME=same:OTHER: NAME is sent a copy of OTHER's requests
+
 
 class ArrivalKind(str, Enum):
     POISSON = "poisson"
@@ -40,25 +42,36 @@ class ArrivalKind(str, Enum):
 class ModelLoad:
     """One model of the workload; `rate` in req/s, or None to take a share of the total.
     With `phases` (on seconds, off seconds) the model sends at `rate` for `on` seconds, then
-    nothing for `off` seconds, over and over (arrivals.phased)."""
+    nothing for `off` seconds, over and over (arrivals.phased). With `same_as` the model is
+    sent a copy of that model's requests (the same arrival times and lengths): two setups
+    served side by side then see the same load, not two draws of it."""
 
     name: str
     rate: float | None = None
     phases: tuple[float, float] | None = None
+    same_as: str | None = None
 
     @classmethod
     def parse(cls, text: str) -> ModelLoad:
-        """`NAME`, `NAME=RATE` or `NAME=RATE@ON/OFF` (the CLI's --model value)."""
+        """`NAME`, `NAME=RATE`, `NAME=RATE@ON/OFF` or `NAME=same:OTHER` (the CLI's --model
+        value)."""
         name, sep, rate_text = text.partition("=")
         if not name.strip():
             raise ValueError(f"--model {text!r}: empty model name; use NAME or NAME=RATE")
         if not sep:
             return cls(name.strip())
+        if rate_text.startswith(TWIN_PREFIX):
+            source = rate_text[len(TWIN_PREFIX):].strip()
+            if not source:
+                raise ValueError(f"--model {text!r}: name the model whose requests to copy, "
+                                 f"e.g. {name.strip()}={TWIN_PREFIX}plain")
+            return cls(name.strip(), same_as=source)
         rate_text, at, phase_text = rate_text.partition("@")
         try:
             rate = float(rate_text)
         except ValueError:
-            raise ValueError(f"--model {text!r}: rate {rate_text!r} is not a number") from None
+            raise ValueError(f"--model {text!r}: rate {rate_text!r} is not a number (or "
+                             f"{TWIN_PREFIX}MODEL to copy MODEL's requests)") from None
         if not rate > 0:
             raise ValueError(f"--model {text!r}: the rate must be > 0 req/s")
         if not at:
@@ -111,6 +124,21 @@ class WorkloadSpec:
             raise ValueError(f"--num-requests must be >= 1, got {self.num_requests}")
         if self.rate is not None and not self.rate > 0:
             raise ValueError(f"--rate must be > 0 req/s, got {self.rate}")
+        for twin in self.models:
+            if twin.same_as is None:
+                continue
+            source = next((m for m in self.models if m.name == twin.same_as), None)
+            if source is None or source is twin:
+                raise ValueError(f"--model {twin.name}={TWIN_PREFIX}{twin.same_as}: "
+                                 f"{twin.same_as!r} must be another of the models {names}")
+            if source.same_as is not None:
+                raise ValueError(f"--model {twin.name}={TWIN_PREFIX}{twin.same_as}: "
+                                 f"{twin.same_as!r} copies {source.same_as!r} itself; name "
+                                 f"{source.same_as!r} instead")
+        # A copy sends in its model's phases too (for its offered rate and the results).
+        self.models = [replace(m, phases=next(s.phases for s in self.models
+                                              if s.name == m.same_as))
+                       if m.same_as is not None else m for m in self.models]
         phased_models = [m.name for m in self.models if m.phases is not None]
         if phased_models and self.arrival is ArrivalKind.TRACE:
             raise ValueError(f"on/off phases ({phased_models}) move drawn arrivals; with "
@@ -118,21 +146,31 @@ class WorkloadSpec:
                              f"or gamma arrivals")
 
 
+def drawn_models(spec: WorkloadSpec) -> list[ModelLoad]:
+    """The models whose requests are drawn (all but the copies of another's)."""
+    return [m for m in spec.models if m.same_as is None]
+
+
 def model_rates(spec: WorkloadSpec) -> list[float] | None:
-    """Per-model rates: given per model, or `rate` split by the power law. None only for
-    trace arrivals with no rate anywhere (replay at the trace's speed, even model split)."""
-    given = [m.rate for m in spec.models if m.rate is not None]
-    if len(given) == len(spec.models):
+    """Per-model rates, in the order of `spec.models`: given per model, or `rate` split by the
+    power law over the drawn models; a copy has its model's rate. None only for trace
+    arrivals with no rate anywhere (replay at the trace's speed, even model split)."""
+    drawn = drawn_models(spec)
+    given = [m.rate for m in drawn if m.rate is not None]
+    if len(given) == len(drawn):
         if spec.rate is not None:
             raise ValueError("give either per-model rates (--model NAME=RATE) or --rate, not both")
-        return given
-    if given:
+        rates = given
+    elif given:
         raise ValueError("give a rate for every model (NAME=RATE) or for none of them (--rate)")
-    if spec.rate is None:
+    elif spec.rate is None:
         if spec.arrival is ArrivalKind.TRACE:
             return None
         raise ValueError("--rate is required with poisson or gamma arrivals")
-    return power_law_rates(len(spec.models), spec.rate, spec.power_law_alpha)
+    else:
+        rates = power_law_rates(len(drawn), spec.rate, spec.power_law_alpha)
+    by_name = {m.name: rate for m, rate in zip(drawn, rates, strict=True)}
+    return [by_name[m.same_as or m.name] for m in spec.models]
 
 
 def load_rows(spec: WorkloadSpec) -> list[TraceRow]:
@@ -152,21 +190,27 @@ def build_workload(
     rows = list(rows) if rows is not None else load_rows(spec)
     if not rows:
         raise ValueError("the trace has no rows to sample from")
-    rates = model_rates(spec)
-    seeds = np.random.SeedSequence(spec.seed).spawn(len(spec.models) + 1)
+    all_rates = model_rates(spec)
+    drawn = drawn_models(spec)
+    # One generator per drawn model, the same ones as without copies (a copy draws nothing).
+    seeds = np.random.SeedSequence(spec.seed).spawn(len(drawn) + 1)
+    rates = None if all_rates is None else [
+        rate for model, rate in zip(spec.models, all_rates, strict=True) if model.same_as is None]
     if spec.arrival is ArrivalKind.TRACE:
-        drafts = _replay_trace(spec, rows, rates, np.random.default_rng(seeds[-1]))
+        drafts = _replay_trace(spec, drawn, rows, rates, np.random.default_rng(seeds[-1]))
     else:
         assert rates is not None  # model_rates raises for poisson/gamma without a rate
         drafts = []
         # Counts by the rate over whole cycles, so that every model's requests span the
         # same time.
         counts = split_count(spec.num_requests, [
-            model.mean_rate(rate) for model, rate in zip(spec.models, rates, strict=True)])
-        for model, rate, count, seed in zip(spec.models, rates, counts, seeds, strict=False):
+            model.mean_rate(rate) for model, rate in zip(drawn, rates, strict=True)])
+        for model, rate, count, seed in zip(drawn, rates, counts, seeds, strict=False):
             rng = np.random.default_rng(seed)
             drafts += _sample_model(spec, model, rate, count, rows, rng)
-    drafts.sort(key=lambda d: d[0])  # stable: ties keep model order
+    drafts += [(arrival_s, row, twin.name) for twin in spec.models if twin.same_as is not None
+               for arrival_s, row, model in drafts if model == twin.same_as]
+    drafts.sort(key=lambda d: d[0])  # stable: ties keep model order, copies after
     requests = []
     for request_id, (arrival_s, row, model) in enumerate(drafts):
         num_in, num_out = scale_lengths(
@@ -197,6 +241,7 @@ def _sample_model(
 
 def _replay_trace(
     spec: WorkloadSpec,
+    models: Sequence[ModelLoad],
     rows: Sequence[TraceRow],
     rates: list[float] | None,
     rng: np.random.Generator,
@@ -216,12 +261,10 @@ def _replay_trace(
         scale = trace_rate(stamps) / sum(rates)  # stretch the trace to the requested rate
     else:
         scale = 1.0
-    weights = np.asarray(rates if rates is not None else [1.0] * len(spec.models), dtype=float)
-    picks = rng.choice(len(spec.models), size=len(window), p=weights / weights.sum())
+    weights = np.asarray(rates if rates is not None else [1.0] * len(models), dtype=float)
+    picks = rng.choice(len(models), size=len(window), p=weights / weights.sum())
     times = trace_arrivals(stamps, scale)
-    return [
-        (t, row, spec.models[int(m)].name) for t, row, m in zip(times, window, picks, strict=True)
-    ]
+    return [(t, row, models[int(m)].name) for t, row, m in zip(times, window, picks, strict=True)]
 
 
 def describe_workload(requests: Sequence[TraceRequest]) -> dict[str, dict[str, float]]:
