@@ -220,9 +220,11 @@ class HostedPool(PoolService):
     """A colocated group's pool, hosted by the gateway process: it creates the pool's bytes
     (the engines' workers map them) before any engine starts, and every engine of the group
     leases its blocks (weaver.kv.lease), so an engine that dies and restarts finds the pool
-    as it was, less the blocks its dead process held (freed when its connection closed)."""
+    as it was, less the blocks its dead process held (freed when its connection closed).
+    A cold model's loan pool (weaver/weaving/plan.py plan_loan_pools) is hosted the same
+    way; `kind` names which the pool is in the log."""
 
-    def __init__(self, plan: PoolPlan) -> None:
+    def __init__(self, plan: PoolPlan, kind: str = "unified KV pool") -> None:
         if plan.owner is not None:
             raise ValueError(f"pool {plan.pool_name!r} has an owner tenant "
                              f"({plan.owner.name!r}), whose engine hosts it; a hosted pool "
@@ -239,7 +241,7 @@ class HostedPool(PoolService):
         except Exception:
             self.close()
             raise
-        logger.info("unified KV pool %s hosted: %d pages of %d bytes for %s", plan.pool_name,
+        logger.info("%s %s hosted: %d pages of %d bytes for %s", kind, plan.pool_name,
                     plan.num_pages, plan.page_bytes, [t.name for t in plan.tenants])
 
     def close(self) -> None:

@@ -196,7 +196,7 @@ class Weaving(ServeFeature):
         # Runs once every engine has stopped (the loan pools close after it).
         stack.callback(self.remove_leftovers)
         for pool in loan_pools(self.plans):
-            self.loan_pools[pool.pool_name] = HostedPool(pool)
+            self.loan_pools[pool.pool_name] = HostedPool(pool, kind="loan pool")
             stack.callback(self.loan_pools[pool.pool_name].close)
 
     def before_engine_start(self, model: str) -> None:
