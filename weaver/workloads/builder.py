@@ -124,10 +124,11 @@ class WorkloadSpec:
             raise ValueError(f"--num-requests must be >= 1, got {self.num_requests}")
         if self.rate is not None and not self.rate > 0:
             raise ValueError(f"--rate must be > 0 req/s, got {self.rate}")
+        by_name = {m.name: m for m in self.models}
         for twin in self.models:
             if twin.same_as is None:
                 continue
-            source = next((m for m in self.models if m.name == twin.same_as), None)
+            source = by_name.get(twin.same_as)
             if source is None or source is twin:
                 raise ValueError(f"--model {twin.name}={TWIN_PREFIX}{twin.same_as}: "
                                  f"{twin.same_as!r} must be another of the models {names}")
@@ -136,9 +137,8 @@ class WorkloadSpec:
                                  f"{twin.same_as!r} copies {source.same_as!r} itself; name "
                                  f"{source.same_as!r} instead")
         # A copy sends in its model's phases too (for its offered rate and the results).
-        self.models = [replace(m, phases=next(s.phases for s in self.models
-                                              if s.name == m.same_as))
-                       if m.same_as is not None else m for m in self.models]
+        self.models = [replace(m, phases=by_name[m.same_as].phases) if m.same_as is not None
+                       else m for m in self.models]
         phased_models = [m.name for m in self.models if m.phases is not None]
         if phased_models and self.arrival is ArrivalKind.TRACE:
             raise ValueError(f"on/off phases ({phased_models}) move drawn arrivals; with "
@@ -156,21 +156,27 @@ def model_rates(spec: WorkloadSpec) -> list[float] | None:
     power law over the drawn models; a copy has its model's rate. None only for trace
     arrivals with no rate anywhere (replay at the trace's speed, even model split)."""
     drawn = drawn_models(spec)
+    rates = _drawn_rates(spec, drawn)
+    if rates is None:
+        return None
+    by_name = {m.name: rate for m, rate in zip(drawn, rates, strict=True)}
+    return [by_name[m.same_as or m.name] for m in spec.models]
+
+
+def _drawn_rates(spec: WorkloadSpec, drawn: Sequence[ModelLoad]) -> list[float] | None:
+    """model_rates for the drawn models alone, in their order."""
     given = [m.rate for m in drawn if m.rate is not None]
     if len(given) == len(drawn):
         if spec.rate is not None:
             raise ValueError("give either per-model rates (--model NAME=RATE) or --rate, not both")
-        rates = given
-    elif given:
+        return given
+    if given:
         raise ValueError("give a rate for every model (NAME=RATE) or for none of them (--rate)")
-    elif spec.rate is None:
+    if spec.rate is None:
         if spec.arrival is ArrivalKind.TRACE:
             return None
         raise ValueError("--rate is required with poisson or gamma arrivals")
-    else:
-        rates = power_law_rates(len(drawn), spec.rate, spec.power_law_alpha)
-    by_name = {m.name: rate for m, rate in zip(drawn, rates, strict=True)}
-    return [by_name[m.same_as or m.name] for m in spec.models]
+    return power_law_rates(len(drawn), spec.rate, spec.power_law_alpha)
 
 
 def load_rows(spec: WorkloadSpec) -> list[TraceRow]:
@@ -190,12 +196,10 @@ def build_workload(
     rows = list(rows) if rows is not None else load_rows(spec)
     if not rows:
         raise ValueError("the trace has no rows to sample from")
-    all_rates = model_rates(spec)
     drawn = drawn_models(spec)
+    rates = _drawn_rates(spec, drawn)
     # One generator per drawn model, the same ones as without copies (a copy draws nothing).
     seeds = np.random.SeedSequence(spec.seed).spawn(len(drawn) + 1)
-    rates = None if all_rates is None else [
-        rate for model, rate in zip(spec.models, all_rates, strict=True) if model.same_as is None]
     if spec.arrival is ArrivalKind.TRACE:
         drafts = _replay_trace(spec, drawn, rows, rates, np.random.default_rng(seeds[-1]))
     else:
