@@ -50,7 +50,7 @@ from weaver.bench.loadgen import LoadGenConfig, run_load_sync
 from weaver.bench.prom_histogram import read_counter, read_gauge, read_histogram
 from weaver.bench.server_process import vllm_cli_env, vllm_server, weaver_server
 from weaver.cli.pairs import parse_pairs
-from weaver.config.cpu_cores import pin_process_threads, usable_cpu_cores
+from weaver.config.cpu_cores import pin_frontend, pin_process_threads
 from weaver.models.registry import prepare_model
 from weaver.results.records import RequestStatus
 from weaver.splitting.deploy import validate_split_chunks
@@ -362,11 +362,10 @@ def main() -> int:
         parser.error(str(exc))
 
     try:
-        frontend_cores = usable_cpu_cores("--frontend-cores", args.frontend_cores)
+        frontend_cores = pin_frontend("--frontend-cores", args.frontend_cores)
     except ValueError as exc:
         parser.error(str(exc))
-    if frontend_cores is not None:  # `weaver serve` inherits it; engines pin their own
-        os.sched_setaffinity(0, frontend_cores)
+    if frontend_cores is not None:
         print(f"gateway and load generator on cores {sorted(frontend_cores)}", flush=True)
 
     model_dir = prepare_model("smollm2-135m-instruct")

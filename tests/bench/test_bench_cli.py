@@ -187,6 +187,14 @@ def test_registers_through_weaver_main(monkeypatch, capsys):
     assert "tpot_vs_rate.png" in capsys.readouterr().out
 
 
+def test_frontend_cores_the_machine_lacks_stop_the_run_before_it_sends(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert _main(["bench", "run", "--url", "http://127.0.0.1:9", *WORKLOAD,
+                  "--frontend-cores", "4096", "--out", str(out)]) == 2
+    assert "--frontend-cores: cpu_cores '4096' names cores [4096]" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_bench_with_options_and_no_action_means_run(fake_server, tmp_path, monkeypatch):
     # `weaver bench --config D ...` (the short spelling) is `weaver bench run ...`.
     from weaver.cli import main

@@ -1,5 +1,6 @@
-"""cpu_cores: vLLM's bind syntax parsed with clear errors, and an engine's scheduler
-process pinned thread by thread (weaver/config/cpu_cores.py)."""
+"""cpu_cores: vLLM's bind syntax parsed with clear errors, an engine's scheduler process
+pinned thread by thread, and the front end pinned with what it starts
+(weaver/config/cpu_cores.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from weaver.config.cpu_cores import (
     parse_cpu_cores,
     pin_engine_processes,
+    pin_frontend,
     pin_process_threads,
     usable_cpu_cores,
 )
@@ -84,3 +86,30 @@ def test_every_thread_of_the_process_is_pinned():
     finally:
         child.kill()
         child.wait(timeout=10)
+
+
+FRONTEND = """
+import os, subprocess, sys, threading, time
+from weaver.config.cpu_cores import pin_frontend
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()  # before the pin
+assert pin_frontend("--frontend-cores", sys.argv[1]) == {int(sys.argv[1])}
+CHILD = "import os; print(sorted(os.sched_getaffinity(0)))"
+started = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True,
+                         check=True).stdout.strip()
+own = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
+print(sorted(own), started)
+"""
+
+
+def test_the_frontend_and_what_it_starts_run_on_the_frontend_cores():
+    # In a child: pinning the test process itself would pin the rest of the suite.
+    core = max(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-c", FRONTEND, str(core)], capture_output=True,
+                         text=True, check=True, timeout=60).stdout.split()
+    assert " ".join(out) == f"[({core},)] [{core}]"
+
+
+def test_frontend_cores_left_to_the_os_or_wrong_say_so():
+    assert pin_frontend("--frontend-cores", "auto") is None  # pins nothing
+    with pytest.raises(ValueError, match="--frontend-cores: cpu_cores 'x'"):
+        pin_frontend("--frontend-cores", "x")

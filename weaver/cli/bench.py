@@ -128,6 +128,12 @@ def _add_client_args(parser: argparse.ArgumentParser) -> None:
                    "of each is printed")
     g.add_argument("--scrape-interval-s", type=float, default=1.0,
                    help="seconds between two scrapes of /metrics (default: %(default)s)")
+    g.add_argument("--frontend-cores", default=None, metavar="CORES",
+                   help="pin this load generator and the `weaver serve` it starts to these "
+                   "cores (VLLM_CPU_OMP_THREADS_BIND syntax: '0', '0-3'); the engines then "
+                   "pin themselves to their own cpu_cores. On a CPU testbed give the hot "
+                   "engines' cores, so that the cold engine's core, which stands for its GPU, "
+                   "runs nothing but the cold engine (default: left to the OS)")
     g = parser.add_argument_group("SLOs")
     g.add_argument("--ttft-slo-ms", type=float, default=None,
                    help="TTFT target of the SLO, in ms (a request meets the SLO when it "
@@ -495,6 +501,18 @@ def _client_config(args: argparse.Namespace, url: str):
     )
 
 
+def _pin_frontend(args: argparse.Namespace) -> None:
+    """--frontend-cores, before any server starts (it inherits them); ValueError says what
+    is wrong with the cores."""
+    from weaver.config.cpu_cores import pin_frontend
+
+    if args.frontend_cores is not None:
+        cores = pin_frontend("--frontend-cores", args.frontend_cores)
+        if cores is not None:
+            print(f"load generator and the servers it starts on cores {sorted(cores)}",
+                  flush=True)
+
+
 def _run_targets(args: argparse.Namespace, targets: list[tuple[str, str]]) -> list:
     from weaver.bench.compare import compare_deployments
     from weaver.bench.report import scraped_table, slo_table, summary_table
@@ -503,6 +521,7 @@ def _run_targets(args: argparse.Namespace, targets: list[tuple[str, str]]) -> li
     isolated = _isolated(args)
     roles = _roles(args)
     slo = slo_of(args)
+    _pin_frontend(args)
     result = new_result(["weaver", *sys.argv[1:]])
     workloads = _workloads(args)
     runs_by_target = []
@@ -603,6 +622,7 @@ def _goodput_handler(args: argparse.Namespace) -> int:
     out = Path(args.out)
     plot = args.plot if args.plot is not None else out.with_suffix(".png")
     command = ["weaver", *sys.argv[1:]]
+    _pin_frontend(args)
 
     def save(outcome) -> None:
         report = outcome.to_json(command)

@@ -1,5 +1,6 @@
 """A model's `cpu_cores`: vLLM's VLLM_CPU_OMP_THREADS_BIND syntax, parsed, and the
-engine's scheduler process pinned to those cores.
+engine's scheduler process pinned to those cores; and the front end (a gateway and its load
+generator) pinned to cores of its own.
 
 Why pin the scheduler too: vLLM binds only its worker's compute threads to the cores.
 The EngineCore process (the scheduler) is left to the OS, and while its worker computes
@@ -90,3 +91,22 @@ def pin_engine_processes(engine_name: str, pids: list[int], cores: frozenset[int
         num_threads = pin_process_threads(pid, cores)
         logger.info("engine %s: scheduler process %d (%d threads) pinned to cores %s",
                     engine_name, pid, num_threads, sorted(cores))
+
+
+def pin_frontend(owner: str, cpu_cores: str) -> frozenset[int] | None:
+    """Pin this process, every thread of it, to `cpu_cores` (for `owner`, named in the
+    error; None for 'auto'/'nobind': left to the OS). A `weaver serve` it starts afterwards
+    inherits the cores, and its engines then pin themselves to their own `cpu_cores`.
+
+    Why: on a CPU testbed each engine's cores stand for its GPU, and nothing but that
+    engine (and the tasks it serves) runs on a GPU. Left to the OS, the gateway, which
+    streams and detokenizes every token, and the load generator run on whichever core is
+    free for a moment, the cold engine's too; under weaving, where the hot models send
+    more tokens, more so, and inside the cold model's steps, where neither its TPOT
+    budget's reading (weaver/weaving/cold_load.py) nor any GPU would see them."""
+    cores = usable_cpu_cores(owner, cpu_cores)
+    if cores is not None:
+        num_threads = pin_process_threads(os.getpid(), cores)
+        logger.info("%s: this process (%d threads) and what it starts pinned to cores %s",
+                    owner, num_threads, sorted(cores))
+    return cores
