@@ -113,3 +113,22 @@ def test_frontend_cores_left_to_the_os_or_wrong_say_so():
     assert pin_frontend("--frontend-cores", "auto") is None  # pins nothing
     with pytest.raises(ValueError, match="--frontend-cores: cpu_cores 'x'"):
         pin_frontend("--frontend-cores", "x")
+
+
+CONFINED = """
+import os, sys
+from weaver.config.cpu_cores import pin_frontend
+os.sched_setaffinity(0, {int(sys.argv[1])})
+try:
+    pin_frontend("--frontend-cores", sys.argv[2])
+except ValueError as exc:
+    print(exc)
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable cores")
+def test_frontend_cores_this_process_may_not_use_are_refused():
+    allowed = sorted(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-c", CONFINED, str(allowed[0]), str(allowed[1])],
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    assert f"names cores this process may not use (it may use [{allowed[0]}])" in out

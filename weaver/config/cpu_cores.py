@@ -101,10 +101,14 @@ def pin_frontend(owner: str, cpu_cores: str) -> frozenset[int] | None:
     Why: on a CPU testbed each engine's cores stand for its GPU, and nothing but that
     engine (and the tasks it serves) runs on a GPU. Left to the OS, the gateway, which
     streams and detokenizes every token, and the load generator run on whichever core is
-    free for a moment, the cold engine's too; under weaving, where the hot models send
-    more tokens, more so, and inside the cold model's steps, where neither its TPOT
-    budget's reading (weaver/weaving/cold_load.py) nor any GPU would see them."""
+    free for a moment, the cold engine's too (measured: more so under weaving), inside
+    the cold model's steps, where neither its TPOT budget's reading
+    (weaver/weaving/cold_load.py) nor any GPU would see them."""
     cores = usable_cpu_cores(owner, cpu_cores)
+    allowed = os.sched_getaffinity(0)
+    if cores is not None and not cores <= allowed:
+        raise ValueError(f"{owner}: cpu_cores {cpu_cores!r} names cores this process may not "
+                         f"use (it may use {sorted(allowed)})")
     if cores is not None:
         num_threads = pin_process_threads(os.getpid(), cores)
         logger.info("%s: this process (%d threads) and what it starts pinned to cores %s",
