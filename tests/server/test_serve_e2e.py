@@ -340,6 +340,38 @@ def test_a_body_over_the_bound_is_413(server):
     assert response.status_code == 413 and response.json()["error"]["code"] == 413
 
 
+def test_an_idle_connection_outlives_the_openai_clients_keep_alive(server):
+    """The openai client drops an idle connection after 5 s (its DEFAULT_CONNECTION_LIMITS);
+    the gateway must keep it longer, or a request sent as the gateway closes it fails
+    before it arrives (weaver/server/app.py IDLE_CONNECTION_S)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from openai._base_client import DEFAULT_CONNECTION_LIMITS
+
+    address = urlsplit(server.base_url)
+    request = f"GET /health HTTP/1.1\r\nHost: {address.hostname}\r\n\r\n".encode()
+
+    def status_line(sock: socket.socket) -> bytes:
+        sock.sendall(request)
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            chunk = sock.recv(65536)
+            assert chunk, "the gateway closed the connection"
+            reply += chunk
+        head, _, body = reply.partition(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        while len(body) < length:  # the whole reply, so that the next one starts clean
+            body += sock.recv(65536)
+        return head.split(b"\r\n")[0]
+
+    with socket.create_connection((address.hostname, address.port), timeout=30) as sock:
+        assert status_line(sock) == b"HTTP/1.1 200 OK"
+        time.sleep(DEFAULT_CONNECTION_LIMITS.keepalive_expiry + 1)
+        assert status_line(sock) == b"HTTP/1.1 200 OK"
+
+
 def stream_tokens(client: openai.OpenAI, model: str, index: int, max_tokens: int) -> str:
     """One streaming completion: 'ok', or the status of the clean error it got."""
     try:

@@ -45,6 +45,12 @@ logger = logging.getLogger(__name__)
 
 CHILD_EXIT_GRACE_S = 10.0
 STATS_LOG_INTERVAL_S = 10.0
+# How long an idle client connection stays open. Longer than the official openai client's
+# and httpx's own keep-alive (5 s, openai._base_client.DEFAULT_CONNECTION_LIMITS), so that the
+# client, not the gateway, closes an idle connection: at uvicorn's default, also 5 s, a request
+# sent on a connection the gateway closes that moment fails with "Server disconnected without
+# sending a response" before it reaches the gateway (seen in the weaving e2e suite).
+IDLE_CONNECTION_S = 75
 
 
 @dataclass
@@ -227,6 +233,7 @@ async def run_server(settings: ServeSettings, checked: CheckedEngines,
             log_level=settings.log_level,
             access_log=False,
             lifespan="on",
+            timeout_keep_alive=IDLE_CONNECTION_S,
         )
         server = DrainingServer(config, gateway, settings.deployment.serving.drain_grace_s,
                                 stop_restarts=lambda: _stop_watching(backends))
