@@ -344,32 +344,27 @@ def test_an_idle_connection_outlives_the_openai_clients_keep_alive(server):
     """The openai client drops an idle connection after 5 s (its DEFAULT_CONNECTION_LIMITS);
     the gateway must keep it longer, or a request sent as the gateway closes it fails
     before it arrives (weaver/server/app.py IDLE_CONNECTION_S)."""
-    import socket
+    import http.client
     from urllib.parse import urlsplit
 
     from openai._base_client import DEFAULT_CONNECTION_LIMITS
 
     address = urlsplit(server.base_url)
-    request = f"GET /health HTTP/1.1\r\nHost: {address.hostname}\r\n\r\n".encode()
-
-    def status_line(sock: socket.socket) -> bytes:
-        sock.sendall(request)
-        reply = b""
-        while b"\r\n\r\n" not in reply:
-            chunk = sock.recv(65536)
-            assert chunk, "the gateway closed the connection"
-            reply += chunk
-        head, _, body = reply.partition(b"\r\n\r\n")
-        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                      if line.lower().startswith(b"content-length:"))
-        while len(body) < length:  # the whole reply, so that the next one starts clean
-            body += sock.recv(65536)
-        return head.split(b"\r\n")[0]
-
-    with socket.create_connection((address.hostname, address.port), timeout=30) as sock:
-        assert status_line(sock) == b"HTTP/1.1 200 OK"
-        time.sleep(DEFAULT_CONNECTION_LIMITS.keepalive_expiry + 1)
-        assert status_line(sock) == b"HTTP/1.1 200 OK"
+    # One connection, kept: a request on it after the gateway closed it raises
+    # RemoteDisconnected instead of reconnecting.
+    connection = http.client.HTTPConnection(address.hostname, address.port, timeout=30)
+    opened = []
+    try:
+        for wait_s in (0.0, DEFAULT_CONNECTION_LIMITS.keepalive_expiry + 1):
+            time.sleep(wait_s)
+            connection.request("GET", "/health")
+            opened.append(connection.sock)
+            response = connection.getresponse()
+            response.read()  # the whole reply, so that the next one starts clean
+            assert response.status == 200
+        assert opened[0] is opened[1]  # one connection, not a second one opened
+    finally:
+        connection.close()
 
 
 def stream_tokens(client: openai.OpenAI, model: str, index: int, max_tokens: int) -> str:

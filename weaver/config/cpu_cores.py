@@ -105,12 +105,13 @@ def pin_frontend(owner: str, cpu_cores: str) -> frozenset[int] | None:
     the cold model's steps, where neither its TPOT budget's reading
     (weaver/weaving/cold_load.py) nor any GPU would see them."""
     cores = usable_cpu_cores(owner, cpu_cores)
+    if cores is None:
+        return None
     allowed = os.sched_getaffinity(0)
-    if cores is not None and not cores <= allowed:
+    if not cores <= allowed:
         raise ValueError(f"{owner}: cpu_cores {cpu_cores!r} names cores this process may not "
                          f"use (it may use {sorted(allowed)})")
-    if cores is not None:
-        num_threads = pin_process_threads(os.getpid(), cores)
-        logger.info("%s: this process (%d threads) and what it starts pinned to cores %s",
-                    owner, num_threads, sorted(cores))
+    num_threads = pin_process_threads(os.getpid(), cores)
+    logger.info("%s: this process (%d threads) and what it starts pinned to cores %s",
+                owner, num_threads, sorted(cores))
     return cores
