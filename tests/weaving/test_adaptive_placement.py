@@ -6,6 +6,7 @@ fixed cost plus a cost per sequence, the shape of a decode step)."""
 from __future__ import annotations
 
 import itertools
+import random
 from collections import deque
 
 import pytest
@@ -95,6 +96,61 @@ def test_remote_goes_first_while_a_remote_sequence_costs_the_hot_step_less():
     placement.model = StepTimeModel()
     feed(placement, steps(0.030, 0.002, 0.0019, LOCAL_BATCHES + WOVEN_BATCHES))
     assert placement.remote_first is False
+
+
+def test_a_fit_that_cannot_tell_the_costs_apart_keeps_local_first():
+    """Remote first rests on the step-time fit: not on one whose saving is within its
+    noise, nor on one that says a sequence makes the step shorter (seen on this CPU:
+    -3.7 ms a remote sequence), which placed sequences on a cold that could not take one."""
+    rng = random.Random(0)
+    noisy = [(step_s + rng.gauss(0, 0.010), nl, nr, only)
+             for step_s, nl, nr, only in steps(0.030, 0.002, 0.0015,
+                                               LOCAL_BATCHES + WOVEN_BATCHES)]
+    placement = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=1.0))
+    feed(placement, noisy)
+    _, per_local, per_remote = placement.model.coefficients(8)
+    assert per_remote < 0.9 * per_local  # the point fit alone would say remote first
+    assert abs(placement.model.contrast_z((0, 0.9, -1), 8)) < 2
+    assert placement.remote_first is False and placement.order(4, 2) == BOTH
+    # Exact costs, but a remote sequence "saves" time: a fit without meaning.
+    negative = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=1.0))
+    feed(negative, steps(0.030, 0.002, -0.001, LOCAL_BATCHES + WOVEN_BATCHES))
+    assert negative.remote_first is False
+    # The same noise over many more steps tells a real saving apart: remote first.
+    clear = AdaptivePlacement(AdaptiveTargets(hot_tpot_s=1.0))
+    feed(clear, [(step_s + rng.gauss(0, 0.001), nl, nr, only)
+                 for step_s, nl, nr, only in steps(0.030, 0.002, 0.0005,
+                                                   (LOCAL_BATCHES + WOVEN_BATCHES) * 5)])
+    assert clear.model.contrast_z((0, 0.9, -1), 8) > 2 and clear.remote_first
+
+
+def test_tries_that_fail_at_one_remote_sequence_double_the_cool_down_until_one_grows():
+    placement = AdaptivePlacement(AdaptiveTargets(cold_budget=1.10, cooldown_s=5.0))
+    now = 0.0
+    cooldowns = []
+    for _ in range(6):  # one remote sequence puts the cold over its budget, every try
+        placement.observe_step(0.040, 4, 1)
+        placement.observe_pair(PairLoad(cold_inflation=1.25))
+        assert placement.update(now) and not placement.is_open
+        cooldowns.append(placement.cooldown_s())
+        assert f"tries again in {cooldowns[-1]:.0f} s" in placement.reason
+        placement.observe_pair(PairLoad(cold_inflation=1.0))
+        assert not placement.update(now + cooldowns[-1] - 0.1)  # still cooling down
+        now += cooldowns[-1] + 0.1
+        assert placement.update(now) and placement.remote_cap == 1
+        now += COLD_CUT_HOLD_S + 1
+    # The first step-aside is no failed retry; then 2x, 4x, 8x, and no more.
+    assert cooldowns == [5.0, 10.0, 20.0, 40.0, 40.0, 40.0]
+    assert placement.report()["failed_tries_in_a_row"] == 5
+    # A try whose cap grows past one (the cold has room, woven steps well under the
+    # target) resets the doubling: the next step-aside cools down for the plain time.
+    placement.targets = AdaptiveTargets(hot_tpot_s=0.050, cold_budget=1.10, cooldown_s=5.0)
+    _, changes = feed(placement, [(0.030, 4, 1, True)] * 60, start=now)
+    assert changes == [] and placement.remote_cap >= 2
+    placement.observe_step(0.040, 4, 1)
+    placement.observe_pair(PairLoad(cold_inflation=1.25))
+    placement.remote_cap = 1
+    assert placement.update(now + 100) and placement.cooldown_s() == 5.0
 
 
 def test_woven_steps_over_the_target_cap_the_remote_sequences_then_the_cap_grows_back():

@@ -19,8 +19,9 @@ turn, for a newly admitted (or preempted and re-admitted) sequence.
   TPOT growth against its budget (`PairLoad`). When weaving does not pay (that number
   falls to 0, or more than `TAIL_SHARE` of the sequences that decoded beside remote ones
   ran over the SLO's TPOT: `TpotTail`) it steps aside (no new remote sequences; the
-  running ones finish where they are) for a cool-down, then tries again, and says why
-  (`reason`, `report`). A step-time
+  running ones finish where they are) for a cool-down, then tries again with one, and says
+  why (`reason`, `report`); each try in a row that fails with that one doubles the next
+  cool-down. A step-time
   model fitted on recent decode steps (`StepTimeModel`) gives what a local and a remote
   sequence each add to the hot step, and how many more tokens per second the woven batch
   serves than its local part.
@@ -199,11 +200,24 @@ COLD_KEEP_SHARE_MIN = 0.25
 # the hot step; local first again once it adds more than a local one (the gap between
 # the two keeps fit noise from flipping the order every update).
 REMOTE_FIRST_SHARE = 0.9
+# ... and only when the fit tells the two costs apart: the saving at least this many
+# standard errors of the fit, and neither cost negative. On this CPU a fit on a few noisy
+# steps said a remote sequence adds -3.7 ms, or -6.0 ms against a local one's -5.3 ms, and
+# put new sequences on the cold with local KV free, where one remote sequence already cost
+# the cold its budget (benchmarks/HISTORY.md, "...judged over pooled seeds").
+REMOTE_FIRST_Z = 2.0
 STEP_MODEL_WINDOW = 256  # recent decode-only steps the step-time model is fitted on
 # The most of the sequences that decoded beside remote ones whose TPOT may run over the
 # SLO's (the TPOT target over SLO_TPOT_SHARE): half the 10 % a goodput judge allows
 # (weaver/results/goodput.py), the other half left to TTFT and noise.
 TAIL_SHARE = 0.05
+# A try that failed at its smallest (weaving resumed with one remote sequence and stepped
+# aside again before the cap grew) doubles the next cool-down, up to 2 ** this: where one
+# remote sequence is already more than the cold or the hot step can take, a retry every
+# cool-down held lent KV at over the cold's budget each time, and slowed the hot model's
+# steps (light hots into a loan-pool cold retried every 20-40 s: benchmarks/HISTORY.md,
+# "...the frontend off the cold core"). A try whose cap grew past one resets it.
+MAX_COOLDOWN_DOUBLINGS = 3
 
 
 class StepTimeModel:
@@ -215,10 +229,11 @@ class StepTimeModel:
     def __init__(self, window: int = STEP_MODEL_WINDOW) -> None:
         self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)
         self._coefficients: tuple[float, float, float] | None = None
+        self._covariance: np.ndarray | None = None  # of the coefficients, from the residuals
 
     def add(self, num_local: int, num_remote: int, step_s: float) -> None:
         self.samples.append((num_local, num_remote, step_s))
-        self._coefficients = None
+        self._coefficients = self._covariance = None
 
     def coefficients(self, min_samples: int) -> tuple[float, float, float] | None:
         """(fixed, per local, per remote) seconds; None until the steps tell them apart."""
@@ -228,7 +243,25 @@ class StepTimeModel:
             if np.linalg.matrix_rank(design) == 3:
                 fit, *_ = np.linalg.lstsq(design, data[:, 2], rcond=None)
                 self._coefficients = (float(fit[0]), float(fit[1]), float(fit[2]))
+                residuals = data[:, 2] - design @ fit
+                variance = residuals @ residuals / max(len(data) - 3, 1)
+                self._covariance = variance * np.linalg.inv(design.T @ design)
         return self._coefficients
+
+    def contrast_z(self, weights: tuple[float, float, float], min_samples: int
+                   ) -> float | None:
+        """weights . coefficients over its standard error (how many errors the fit puts it
+        from 0; +-inf for a fit without residuals); None until the fit exists."""
+        fit = self.coefficients(min_samples)
+        if fit is None or self._covariance is None:
+            return None
+        vector = np.asarray(weights, dtype=float)
+        value = float(vector @ np.asarray(fit))
+        error = math.sqrt(max(float(vector @ self._covariance @ vector), 0.0))
+        if error > 1e-12 * max(abs(value), 1e-12):
+            return value / error
+        # An exact fit (the simulator's step model) has no error: its sign is certain.
+        return math.copysign(math.inf, value) if value else 0.0
 
     def gain(self, num_local: int, num_remote: int, min_samples: int) -> float | None:
         """tokens/s of (num_local + num_remote) over tokens/s of num_local alone."""
@@ -257,8 +290,9 @@ class AdaptivePlacement:
     steps stay under 90 % of the target and the cold model under half its budget's growth
     (past that, the cap holds; with none yet, it is set to the sequences running remote);
     while the cold measurably pays for them, one more per cold window. A cap that falls to
-    0 steps weaving aside for the cool-down; then it resumes with a cap of one, once the
-    cold model is under half its budget's growth. One noisy reading of the cold factor
+    0 steps weaving aside for the cool-down (doubled for each try in a row that failed at
+    one remote sequence); then it resumes with a cap of one, once the cold model is under
+    half its budget's growth. One noisy reading of the cold factor
     costs at most 3/4 of the remote sequences, not all of them."""
 
     def __init__(self, targets: AdaptiveTargets | None = None) -> None:
@@ -268,6 +302,8 @@ class AdaptivePlacement:
         self.num_step_asides = 0
         self.remote_cap: int | None = None  # most remote sequences at once; None: no cap
         self._closed_until = -math.inf
+        self.num_failed_tries = 0  # tries in a row that failed at one remote sequence
+        self._cap_grew_since_resume = True  # the first step-aside is not a failed retry
         self._cold_cut_held_until = -math.inf
         self._cold_growth_held_until = -math.inf
         # By cold (plan order): over its budget, unbroken, since then or since its last shed.
@@ -364,6 +400,7 @@ class AdaptivePlacement:
             if now < self._closed_until or not self._cold_has_headroom():
                 return False
             self.is_open, self.remote_cap = True, 1
+            self._cap_grew_since_resume = False
             self.reason = "weaving resumed: the cool-down passed; one remote sequence at first"
             self._woven_step = Ewma(TPOT_ALPHA)  # its TPOT is measured afresh
             self.tail.restart()
@@ -371,21 +408,33 @@ class AdaptivePlacement:
         reason = self._cut_for_cold(now) or self._judge_tail() or self._adjust_cap(now)
         if reason is None:
             return False
-        self.is_open, self.reason = False, reason
+        self.is_open = False
         self.tail.restart()
         self.num_step_asides += 1
-        self._closed_until = now + t.cooldown_s
+        self.num_failed_tries = 0 if self._cap_grew_since_resume else self.num_failed_tries + 1
+        cooldown_s = self.cooldown_s()
+        self._closed_until = now + cooldown_s
+        self.reason = f"{reason}; weaving tries again in {cooldown_s:.0f} s at the earliest"
         return True
+
+    def cooldown_s(self) -> float:
+        """How long weaving stays aside now: the cool-down, doubled for each try in a row
+        that failed at one remote sequence (MAX_COOLDOWN_DOUBLINGS at most)."""
+        return self.targets.cooldown_s * 2 ** min(self.num_failed_tries,
+                                                  MAX_COOLDOWN_DOUBLINGS)
 
     def _choose_first_pool(self) -> None:
         """Remote first while the step-time model says a remote sequence costs the hot step
         clearly less than a local one (on a device whose attention is a large share of
         the step, the cold device then does that share)."""
-        fit = self.model.coefficients(self.targets.min_samples)
+        min_samples = self.targets.min_samples
+        fit = self.model.coefficients(min_samples)
         if fit is None:
             return
         _, per_local, per_remote = fit
-        cheaper = per_remote < REMOTE_FIRST_SHARE * per_local
+        saving_z = self.model.contrast_z((0.0, REMOTE_FIRST_SHARE, -1.0), min_samples)
+        cheaper = per_local > 0 and per_remote >= 0 and saving_z is not None \
+            and saving_z >= REMOTE_FIRST_Z
         dearer = per_remote > per_local
         if cheaper and not self.remote_first or dearer and self.remote_first:
             self.remote_first = cheaper
@@ -511,6 +560,7 @@ class AdaptivePlacement:
         if woven.value < REMOTE_CAP_HEADROOM * target and self.remote_cap is not None \
                 and self._num_remote >= self.remote_cap:
             self.remote_cap += 1
+            self._cap_grew_since_resume = True
             self.reason = f"weaving: at most {self.remote_cap} remote sequences"
             if self._cold_pays_measurably():
                 self._cold_growth_held_until = now + COLD_CUT_HOLD_S
@@ -526,6 +576,7 @@ class AdaptivePlacement:
         fit = self.model.coefficients(self.targets.min_samples)
         return {"policy": AUTO, "weaving_active": self.is_open, "reason": self.reason,
                 "step_asides": self.num_step_asides, "remote_cap": self.remote_cap,
+                "failed_tries_in_a_row": self.num_failed_tries,
                 "cold_budget_preemptions": list(self.num_shed_on),
                 "hot_tpot_target_s": self.hot_tpot_target_s,
                 "hot_local_step_s": self._local_step.value,
