@@ -133,6 +133,14 @@ def test_a_copy_takes_its_models_phases_and_must_name_another_drawn_model():
         _spec(models=[ModelLoad("a", same_as="a")])
     with pytest.raises(ValueError, match="copies 'b' itself; name 'b' instead"):
         _spec(models=[ModelLoad("b"), ModelLoad("c", same_as="b"), ModelLoad("d", same_as="c")])
+    # A copy built in code with a rate or phases of its own: refused, not ignored.
+    with pytest.raises(ValueError, match="give 'twin' no rate or phases of its own"):
+        _spec(models=[ModelLoad("hot", 2.0), ModelLoad("twin", 1.0, same_as="hot")], rate=None)
+    with pytest.raises(ValueError, match="set them on 'hot'"):
+        _spec(models=[ModelLoad("hot", 2.0, (10.0, 30.0)),
+                      ModelLoad("twin", phases=(5.0, 5.0), same_as="hot")], rate=None)
+    again = _spec(models=spec.models, rate=None)  # its copied phases are its model's
+    assert again.models[1].phases == (10.0, 30.0)
 
 
 def test_trace_replay_stretched_to_rate():

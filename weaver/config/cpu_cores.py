@@ -79,8 +79,8 @@ def own_cpu_cores(owner: str, cpu_cores: str) -> frozenset[int]:
     cores = parse_cpu_cores(cpu_cores)
     allowed = os.sched_getaffinity(0)
     if not cores or not cores <= allowed:
-        raise ValueError(f"{owner} {cpu_cores}: name cores this process may use "
-                         f"({sorted(allowed)})")
+        raise ValueError(f"{owner} {cpu_cores!r} names cores this process may not "
+                         f"use (it may use {sorted(allowed)})")
     return cores
 
 
@@ -104,13 +104,9 @@ def pin_frontend(owner: str, cpu_cores: str) -> frozenset[int] | None:
     free for a moment, the cold engine's too (measured: more so under weaving), inside
     the cold model's steps, where neither its TPOT budget's reading
     (weaver/weaving/cold_load.py) nor any GPU would see them."""
-    cores = usable_cpu_cores(owner, cpu_cores)
-    if cores is None:
+    if usable_cpu_cores(owner, cpu_cores) is None:
         return None
-    allowed = os.sched_getaffinity(0)
-    if not cores <= allowed:
-        raise ValueError(f"{owner}: cpu_cores {cpu_cores!r} names cores this process may not "
-                         f"use (it may use {sorted(allowed)})")
+    cores = own_cpu_cores(owner, cpu_cores)
     num_threads = pin_process_threads(os.getpid(), cores)
     logger.info("%s: this process (%d threads) and what it starts pinned to cores %s",
                 owner, num_threads, sorted(cores))

@@ -136,6 +136,13 @@ class WorkloadSpec:
                 raise ValueError(f"--model {twin.name}={TWIN_PREFIX}{twin.same_as}: "
                                  f"{twin.same_as!r} copies {source.same_as!r} itself; name "
                                  f"{source.same_as!r} instead")
+            # A copy is sent its model's requests, at their times: a rate or phases of its
+            # own would be ignored, so they are refused. (Its phases once copied are its
+            # model's: a spec built again from these models passes.)
+            if twin.rate is not None or twin.phases not in (None, source.phases):
+                raise ValueError(f"model {twin.name!r} copies {twin.same_as!r}'s requests and "
+                                 f"takes its rate and phases; give {twin.name!r} no rate or "
+                                 f"phases of its own (set them on {twin.same_as!r})")
         # A copy sends in its model's phases too (for its offered rate and the results).
         self.models = [replace(m, phases=by_name[m.same_as].phases) if m.same_as is not None
                        else m for m in self.models]
