@@ -48,6 +48,7 @@ import random
 import statistics
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 from weaver.config.deployment import load_deployment
@@ -243,21 +244,27 @@ def within_run(run: RunResult, cold: str, weaving: bool, cycle_s: float
     return summary, cycles
 
 
-def resampled_factor(weaving: list[GapSums], dedicated: list[list[GapSums]],
-                     draws: int = BOOTSTRAP_DRAWS) -> list[float] | None:
-    """The 5th and 95th percentiles of weaving's cost with each run's cycles drawn again
-    with replacement (a cycle is the unit the machine's drift does not enter)."""
+def interval_90(draw: Callable[[random.Random], float | None],
+                draws: int = BOOTSTRAP_DRAWS) -> list[float] | None:
+    """The 5th and 95th percentiles of `draw` (weaving's cost from cycles drawn again with
+    replacement: a cycle is the unit the machine's drift does not enter) over `draws`
+    draws of one seeded generator; None when fewer than half of them compare."""
     rng = random.Random(0)
-    factors = []
-    for _ in range(draws):
-        own = loaded_over_quiet(added(rng.choices(weaving, k=len(weaving))))
-        without = [loaded_over_quiet(added(rng.choices(run, k=len(run)))) for run in dedicated]
-        if own is not None and None not in without:
-            factors.append(own / statistics.mean(without))
+    factors = sorted(factor for _ in range(draws) if (factor := draw(rng)) is not None)
     if len(factors) < draws // 2:
         return None
-    factors.sort()
     return [factors[int(0.05 * len(factors))], factors[int(0.95 * len(factors)) - 1]]
+
+
+def resampled_factor(weaving: list[GapSums], dedicated: list[list[GapSums]],
+                     draws: int = BOOTSTRAP_DRAWS) -> list[float] | None:
+    """One seed's 90 % interval of weaving's cost, each run's cycles drawn again."""
+    def draw(rng: random.Random) -> float | None:
+        own = loaded_over_quiet(added(rng.choices(weaving, k=len(weaving))))
+        without = [loaded_over_quiet(added(rng.choices(run, k=len(run)))) for run in dedicated]
+        return None if own is None or None in without else own / statistics.mean(without)
+
+    return interval_90(draw, draws)
 
 
 SeedCycles = tuple[list[GapSums], list[list[GapSums]]]  # weaving's cycles, each dedicated run's
@@ -265,30 +272,25 @@ SeedCycles = tuple[list[GapSums], list[list[GapSums]]]  # weaving's cycles, each
 
 def pooled_factor(seeds: list[SeedCycles], draws: int = BOOTSTRAP_DRAWS) -> dict | None:
     """Weaving's cost over several phased seeds: all their weaving cycles added up, loaded
-    over quiet, over all their dedicated cycles' the same way; and the 5th and 95th
-    percentiles of that with each run's cycles drawn again with replacement (within its
-    run: a seed is not a draw of another's machine state). None when no cycle compares."""
+    over quiet, over all their dedicated cycles' the same way; and its 90 % interval with
+    each run's cycles drawn again with replacement (within its run: a seed is not a draw
+    of another's machine state). None when no cycle compares."""
     def factor(weaving: list[GapSums], dedicated: list[GapSums]) -> float | None:
         own, without = loaded_over_quiet(added(weaving)), loaded_over_quiet(added(dedicated))
         return own / without if own and without else None
+
+    def draw(rng: random.Random) -> float | None:
+        weaving = [c for own, _ in seeds for c in rng.choices(own, k=len(own))]
+        dedicated = [c for _, runs in seeds for run in runs
+                     for c in rng.choices(run, k=len(run))]
+        return factor(weaving, dedicated)
 
     point = factor([c for own, _ in seeds for c in own],
                    [c for _, runs in seeds for run in runs for c in run])
     if point is None:
         return None
-    rng = random.Random(0)
-    factors = []
-    for _ in range(draws):
-        weaving = [c for own, _ in seeds for c in rng.choices(own, k=len(own))]
-        dedicated = [c for _, runs in seeds for run in runs
-                     for c in rng.choices(run, k=len(run))]
-        if (drawn := factor(weaving, dedicated)) is not None:
-            factors.append(drawn)
-    factors.sort()
-    interval = ([factors[int(0.05 * len(factors))], factors[int(0.95 * len(factors)) - 1]]
-                if len(factors) >= draws // 2 else None)
-    return {"factor": point, "factor_90pct": interval, "num_seeds": len(seeds),
-            "num_weaving_cycles": sum(len(own) for own, _ in seeds)}
+    return {"factor": point, "factor_90pct": interval_90(draw, draws),
+            "num_seeds": len(seeds), "num_weaving_cycles": sum(len(own) for own, _ in seeds)}
 
 
 def pooled_word(pooled: dict, budget: float) -> str:
