@@ -272,3 +272,58 @@ def test_geometry_and_shape_checks(pool_and_tenants):
     with pytest.raises(ValueError, match="query and output"):
         batch.attention(page_view(pool, hot.geo), 0, query, query, scale=1.0)
 
+
+
+def test_a_hot_steps_tasks_share_one_batch_until_its_sequences_or_pages_change(
+        pool_and_tenants):
+    """The cold side's pool executor (attention/pool.py StepBatches) builds a hot step's
+    batch at its first layer's task and keeps it for the others; a task of other lengths,
+    or whose blocks' pages moved (a freed block id comes back with other pages), gets a
+    batch of its own; every task's output is vLLM's."""
+    from weaver.vllm_ext.attention.pool import StepBatches
+
+    pool, tenants = pool_and_tenants
+    hot = tenants["hot"]
+    geo = hot.geo
+    gen = torch.Generator().manual_seed(11)
+    block_table = fill(pool, hot, [150, 90], gen)
+    table = hot.page_table.clone()  # the shared table, as the allocator changes it in place
+    batches = StepBatches(geo, hot.num_layers, table, max_seqs=4, tenant="hot",
+                          isa=isa_of(geo))
+    pages = page_view(pool, geo)
+    query_start_loc = torch.tensor([0, 1, 2], dtype=torch.int32)
+
+    def serve_step(lens: list[int]) -> None:
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        for layer in range(hot.num_layers):
+            query = torch.randn(2, geo.num_q_heads, geo.head_size, generator=gen)
+            got = torch.full_like(query, float("nan"))
+            batches.for_task(seq_lens, block_table, -1).attention(
+                pages, layer, query, got, scale=geo.head_size ** -0.5)
+            fresh = torch.empty_like(query)
+            HeadwiseBatch(geo, hot.num_layers, table, query_start_loc, seq_lens, block_table,
+                          isa=isa_of(geo)).attention(pages, layer, query, fresh,
+                                                     scale=geo.head_size ** -0.5)
+            assert torch.equal(got, fresh), layer
+
+    with torch_threads(1):
+        serve_step([149, 89])
+        assert batches.num_built == 1  # one batch for the step's three layers
+        serve_step([150, 90])
+        assert batches.num_built == 2
+        # The first sequence's first block freed and its id given other pages: the same
+        # lengths and ids, another batch (the one kept would read the old pages).
+        first = int(block_table[0, 0])
+        spare = int(block_table[1, -1])  # a block the second sequence does not reach
+        table[first] = table[spare].clone()
+        serve_step([150, 90])
+        assert batches.num_built == 3
+        serve_step([150, 90])
+        assert batches.num_built == 3
+        table[first] = -1
+        with pytest.raises(ValueError, match="no pages"):
+            batches.for_task(torch.tensor([150, 90], dtype=torch.int32), block_table, -1)
+        outside = block_table.clone()
+        outside[0, 0] = MAX_BLOCKS
+        with pytest.raises(ValueError, match="outside 'hot'"):
+            batches.for_task(torch.tensor([150, 90], dtype=torch.int32), outside, -1)
