@@ -329,10 +329,10 @@ class StepBatches:
     """The batch a hot step's tasks run over the pool's pages, built at its first layer's
     task and kept for the others: a hot step sends one task per layer, all with the same
     sequences, blocks and lengths, and a batch gathers every layer's page tables and builds
-    vLLM's scheduler metadata at once (headwise.py). Built for every task, it cost the cold
-    side 0.75 ms a task with the cache flushed between tasks, 0.21 ms kept (one sequence
-    of 150 tokens, SmolLM2-135M's shape; benchmarks/HISTORY.md): 16 ms of the cold's core
-    for each woven hot step of 30 layers.
+    vLLM's scheduler metadata at once (headwise.py). Built for every task, a woven step of
+    one 150-token sequence at SmolLM2-135M's shape (30 layers) took the cold's core 20.7 ms,
+    with the cache flushed before each task as serving flushes it; kept, 7.1 ms
+    (benchmarks/pool_task_cost.py).
 
     A task is checked before its batch is reused: its lengths, its blocks and those blocks'
     pages in the shared page table must be the batch's. A freed block's id comes back with
