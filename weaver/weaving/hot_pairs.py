@@ -55,8 +55,9 @@ def classify_requests(first_block_ids: torch.Tensor, query_lens: torch.Tensor,
     first), is a decode when it has one query token, and is new when its first prefill
     chunk is its whole context so far."""
     starts = torch.tensor(list(remote_starts), dtype=first_block_ids.dtype)
-    # -1: local; i: the i-th cold side.
-    side = torch.bucketize(first_block_ids, starts, right=True) - 1
+    # -1: local; i: the i-th cold side. The ids are a column of the block table: bucketize
+    # would copy them anyway, and warn that it did.
+    side = torch.bucketize(first_block_ids.contiguous(), starts, right=True) - 1
     is_decode = query_lens == 1
     is_new = seq_lens == query_lens
     remote, num_new = [], []
