@@ -273,13 +273,13 @@ def test_geometry_and_shape_checks(pool_and_tenants):
         batch.attention(page_view(pool, hot.geo), 0, query, query, scale=1.0)
 
 
-
 def test_a_hot_steps_tasks_share_one_batch_until_its_sequences_or_pages_change(
         pool_and_tenants):
     """The cold side's pool executor (attention/pool.py StepBatches) builds a hot step's
     batch at its first layer's task and keeps it for the others; a task of other lengths,
     or whose blocks' pages moved (a freed block id comes back with other pages), gets a
-    batch of its own; every task's output is vLLM's."""
+    batch of its own; every task's output equals a batch built for it alone (which the test
+    above holds to vLLM's)."""
     from weaver.vllm_ext.attention.pool import StepBatches
 
     pool, tenants = pool_and_tenants
