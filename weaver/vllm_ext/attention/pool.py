@@ -75,6 +75,7 @@ class PoolAttentionRuntime:
         else:
             self._shm = attach_pool(plan)
         self.pages = page_view(torch.frombuffer(self._shm.buf, dtype=torch.uint8), geometry)
+        self.caches = key_value_caches(self.pages)  # kept: the pages never move
         self._table: SharedPageTable | None = None
         self._page_table: torch.Tensor | None = None
         self._batch: tuple[Any, HeadwiseBatch] | None = None
@@ -132,9 +133,9 @@ class PoolAttentionRuntime:
             self.num_steps += 1
             self.peak_live_blocks = max(self.peak_live_blocks, self._num_live_blocks())
         num_tokens = md.num_actual_tokens
-        self._batch[1].attention(self.pages, layer_index, query[:num_tokens],
-                                 output[:num_tokens], scale=impl.scale,
-                                 softcap=float(impl.logits_soft_cap or 0.0))
+        self._batch[1].attention_over(self.caches, layer_index, query[:num_tokens],
+                                      output[:num_tokens], scale=impl.scale,
+                                      softcap=float(impl.logits_soft_cap or 0.0))
         return output
 
     def _warn_if_split_kv_may_differ(self) -> None:
@@ -246,6 +247,7 @@ class RemotePoolKV:
         self._shm = attach_pool(pool)
         self.pages = page_view(torch.frombuffer(self._shm.buf, dtype=torch.uint8),
                                self.geometry)
+        self.caches = key_value_caches(self.pages)  # kept: the pages never move
         self._table, self.page_table = attach_page_table(pool, plan.hot)
         self._slots: tuple[torch.Tensor, HeadwiseSlots] | None = None
         self._batches: dict[int, tuple[Any, HeadwiseBatch]] = {}
@@ -270,9 +272,9 @@ class RemotePoolKV:
                 sliding_window=ops.impl.sliding_window, isa=ops.layer.isa))
             self._batches[id(rows)] = cached
         sub_out = torch.empty_like(output[rows.tokens])
-        cached[1].attention(self.pages, ops.layer_index, query[rows.tokens], sub_out,
-                            scale=ops.impl.scale,
-                            softcap=float(ops.impl.logits_soft_cap or 0.0))
+        cached[1].attention_over(self.caches, ops.layer_index, query[rows.tokens], sub_out,
+                                 scale=ops.impl.scale,
+                                 softcap=float(ops.impl.logits_soft_cap or 0.0))
         output[rows.tokens] = sub_out
 
     def close(self) -> None:
@@ -283,7 +285,7 @@ class RemotePoolKV:
         shm, self._shm = self._shm, None
         self._slots = None
         self._batches.clear()
-        del self.pages, self.page_table
+        del self.pages, self.caches, self.page_table
         self._table.close()
         try:
             shm.close()
@@ -300,9 +302,7 @@ class PoolTaskExecutor:
 
     def __init__(self, plan: Any, runtime: PoolAttentionRuntime | None = None) -> None:
         validate_cpu_attn_shape(plan.shape)
-        self.tenant = plan.hot
         self.geometry = hot_geometry(plan.shape)
-        self.num_layers = plan.shape.num_layers
         self._mapping: MappedPool | None = None
         if runtime is not None:
             self.pages = runtime.pages_for(self.geometry)
@@ -316,7 +316,7 @@ class PoolTaskExecutor:
         self._table, self.page_table = attach_page_table(plan.pool, plan.hot)
         isa = select_cpu_attn_isa(self.geometry.dtype, self.geometry.block_size,
                                   self.geometry.head_size)
-        self.batches = StepBatches(self.geometry, self.num_layers, self.page_table,
+        self.batches = StepBatches(self.geometry, plan.shape.num_layers, self.page_table,
                                    plan.max_seqs_per_task, plan.hot, isa)
 
     def __call__(self, task: OffloadTask) -> None:
@@ -353,11 +353,12 @@ class StepBatches:
     def for_task(self, seq_lens: torch.Tensor, block_table: torch.Tensor,
                  sliding_window: int) -> HeadwiseBatch:
         lens, table = seq_lens.numpy(), block_table.numpy()
+        lens_bytes, table_bytes = lens.tobytes(), table.tobytes()
         kept = self._kept
         # The few array operations a kept batch costs (this runs between the cold model's
         # operators, where each one is a cache miss): the staged lengths and block table as
         # bytes, then one gather of the pages of the blocks they use.
-        if kept is not None and kept.lens == lens.tobytes() and kept.table == table.tobytes() \
+        if kept is not None and kept.lens == lens_bytes and kept.table == table_bytes \
                 and kept.sliding_window == sliding_window \
                 and self._page_ids[kept.used].tobytes() == kept.pages:
             return kept.batch
@@ -375,8 +376,8 @@ class StepBatches:
         batch = HeadwiseBatch(self.geometry, self.num_layers, self.page_table,
                               self._query_start_loc[: lens.shape[0] + 1], seq_lens,
                               block_table, sliding_window=sliding_window, isa=self.isa)
-        self._kept = _KeptBatch(lens.tobytes(), table.tobytes(), sliding_window, used,
-                                pages.tobytes(), batch)
+        self._kept = _KeptBatch(lens_bytes, table_bytes, sliding_window, used, pages.tobytes(),
+                                batch)
         self.num_built += 1
         return batch
 
